@@ -1,0 +1,144 @@
+"""The neutral view of one step, shared by every stage after `parse`.
+
+Provider adapters (`gateway.providers.*`) turn wire JSON into these objects; guards, grammars and
+telemetry only ever see them, so one guard works for OpenAI, Anthropic and MCP alike. Everything here
+is immutable and free of I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+Protocol_ = Literal["openai", "anthropic", "mcp"]
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON bytes: sorted keys, no whitespace. Equal values give equal bytes."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def canonical_arguments(arguments: str) -> bytes:
+    """Canonical form of tool-call arguments given as JSON text; non-JSON text is kept verbatim."""
+    try:
+        return canonical_json(orjson.loads(arguments or "{}"))
+    except orjson.JSONDecodeError:
+        return arguments.encode("utf-8", "surrogatepass")
+
+
+def digest(*parts: bytes) -> str:
+    """Short, stable content hash (hex, 32 chars) used for fingerprints and ledger input hashes."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A tool offered to the model (OpenAI `tools[].function`, Anthropic `tools[]`, MCP `tools/list`)."""
+
+    name: str
+    description: str | None = None
+    parameters: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call proposed by the model, or an MCP `tools/call` request."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text as the model wrote it
+
+    @property
+    def fingerprint(self) -> str:
+        """Name plus canonical arguments: equal calls give equal fingerprints whatever the key order."""
+        return digest(self.name.encode("utf-8", "surrogatepass"), canonical_arguments(self.arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """A tool result the agent sends back (`role: tool`, `tool_result` block, MCP result)."""
+
+    call_id: str
+    content: str
+    is_error: bool = False
+
+    @property
+    def fingerprint(self) -> str:
+        return digest(self.content.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage in semconv terms: `input_tokens` includes cached tokens (Anthropic's are summed)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_creation_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParams:
+    """Sampling parameters the request carried (None when absent); telemetry reads them."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop_sequences: tuple[str, ...] | None = None
+    seed: int | None = None
+    choice_count: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request step in neutral form.
+
+    `model` is the name the agent sent without any `provider/` prefix. `input_bytes` is the UTF-8 size
+    of the request body; byte-level BPE tokenizers never emit more tokens than bytes, so it bounds the
+    input token count from above. `request_hash` identifies identical repeated requests.
+    `raw` is the parsed wire body, kept for adapters (content capture, re-ask); stages other than
+    the adapter must not interpret it.
+    """
+
+    protocol: Protocol_
+    operation: str
+    model: str
+    stream: bool = False
+    max_tokens: int | None = None
+    input_bytes: int = 0
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str | None = None
+    tool_results: tuple[ToolResult, ...] = ()
+    tool_call: ToolCall | None = None  # the MCP `tools/call` this step executes
+    params: RequestParams = field(default_factory=RequestParams)
+    request_hash: str = ""
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The upstream's answer in neutral form (first choice for text; tool calls of every choice)."""
+
+    response_id: str | None = None
+    model: str | None = None
+    text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reasons: tuple[str, ...] = ()
+    usage: Usage | None = None
+    is_error: bool = False  # MCP `CallToolResult.isError`
+    tool_result: ToolResult | None = None  # MCP: the result the server returned

@@ -1,0 +1,318 @@
+"""Configuration: YAML parsed once into frozen, typed objects.
+
+`load_config(path)` reads the file, substitutes `${VAR}` / `${VAR:-default}` in string values, and
+validates everything with pydantic. Unknown keys, wrong types and dangling references are errors; each
+error names its key path (`agents.bot.budget.usd`). Nothing is read from the environment after load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.errors import ConfigError
+
+NonNegFloat = Annotated[float, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+PosInt = Annotated[int, Field(gt=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+Dialect = Literal["openai", "vllm", "vllm-legacy", "llamacpp", "ollama", "sglang", "none"]
+Tier = Literal["read", "write", "dangerous"]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Listen(Frozen):
+    host: str = "127.0.0.1"
+    port: Port = 8080
+
+
+class Admin(Frozen):
+    host: str = "127.0.0.1"
+    port: Port = 9464
+    token: str | None = None  # when set, admin endpoints other than /healthz require `Bearer <token>`
+
+
+class Timeouts(Frozen):
+    """Seconds. There is deliberately no total timeout: it would cut long healthy streams."""
+
+    connect: PosFloat = 10
+    first_byte: PosFloat = 120
+    idle: PosFloat = 60
+
+
+class Provider(Frozen):
+    type: Literal["openai", "anthropic"]
+    base_url: str
+    api_key: str | None = None
+    passthrough_auth: bool = False
+    structured_outputs: Dialect | None = None  # default: openai for type openai, none for anthropic
+    timeouts: Timeouts = Timeouts()
+    max_output_tokens: PosInt = 32768  # output limit used when a model's own limit is unknown
+
+    @model_validator(mode="after")
+    def _check_url(self) -> Provider:
+        if not re.match(r"^https?://[^/\s]+", self.base_url):
+            raise ValueError("base_url must be an absolute http(s) URL")
+        return self
+
+    @property
+    def dialect(self) -> Dialect:
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return "openai" if self.type == "openai" else "none"
+
+
+class McpServer(Frozen):
+    url: str
+    headers: dict[str, str] = {}
+    timeouts: Timeouts = Timeouts()
+
+
+class Price(Frozen):
+    input_per_mtok: NonNegFloat
+    output_per_mtok: NonNegFloat
+    max_output_tokens: PosInt | None = None
+
+
+class State(Frozen):
+    backend: Literal["memory", "sqlite", "redis"] = "sqlite"
+    path: str = "tollgate.db"
+    url: str | None = None
+    run_ttl_s: PosInt = 7 * 24 * 3600  # finished runs expire after this (redis)
+
+    @model_validator(mode="after")
+    def _check_url(self) -> State:
+        if self.backend == "redis" and not self.url:
+            raise ValueError("backend redis needs url (redis://host:port/db)")
+        return self
+
+
+class Budget(Frozen):
+    usd: PosFloat | None = None
+    tokens: PosInt | None = None
+
+
+class Caps(Frozen):
+    llm_calls: PosInt | None = None
+    tool_calls: PosInt | None = None
+    seconds: PosFloat | None = None
+
+
+class Loop(Frozen):
+    window: PosInt = 6
+    max_distinct: PosInt = 3
+    stall_steps: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Loop:
+        if self.max_distinct >= self.window:
+            raise ValueError("max_distinct must be smaller than window")
+        return self
+
+
+class Tools(Frozen):
+    allow: tuple[str, ...] | None = None  # None: every tool allowed; a list: deny by default
+    on_violation: Literal["reject", "drop"] = "reject"
+    approval: tuple[str, ...] = ()
+    tiers: dict[str, Tier] = {}
+    approval_timeout_s: PosFloat = 300
+
+
+class Output(Frozen):
+    grammar: str | None = None
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    stream_check: Literal["incremental", "buffer"] = "incremental"
+
+
+class GuardSpec(Frozen):
+    """A custom guard: a registered name (entry point group `tollgate.guards`) or `module:Class`."""
+
+    use: str
+    options: dict[str, Any] = {}
+    on_error: Literal["fail_closed", "fail_open"] = "fail_closed"
+
+
+class Agent(Frozen):
+    keys: tuple[str, ...] = ()
+    budget: Budget = Budget()
+    caps: Caps = Caps()
+    loop: Loop | None = None
+    tools: Tools = Tools()
+    output: Output = Output()
+    on_stop: Literal["error", "message"] = "error"
+    guards: tuple[GuardSpec, ...] = ()
+    state_failure: Literal["fail_closed", "fail_open"] = "fail_closed"
+
+
+class Limits(Frozen):
+    max_body_bytes: PosInt = 32 * 1024 * 1024
+    max_json_depth: PosInt = 64
+    max_messages: PosInt = 10_000
+    max_tools: PosInt = 512
+    max_header_bytes: PosInt = 16 * 1024
+    max_headers: PosInt = 128
+
+
+class Grammars(Frozen):
+    dir: str = "grammars"
+
+
+class Ledger(Frozen):
+    path: str | None = None  # default: the state file (sqlite) or ./tollgate-ledger.db
+
+
+class Otel(Frozen):
+    capture_content: bool = False
+    redact: tuple[str, ...] = ()  # extra regexes whose matches are replaced before a span leaves
+
+
+class Config(Frozen):
+    listen: Listen = Listen()
+    admin: Admin = Admin()
+    providers: dict[str, Provider] = {}
+    models: dict[str, str] = {}
+    mcp_servers: dict[str, McpServer] = {}
+    pricing: dict[str, Price] = {}
+    state: State = State()
+    agents: dict[str, Agent] = {}
+    limits: Limits = Limits()
+    grammars: Grammars = Grammars()
+    ledger: Ledger = Ledger()
+    otel: Otel = Otel()
+    shutdown_grace_s: NonNegFloat = 30
+    base_dir: str = "."  # directory of the config file; relative paths resolve against it
+
+    @model_validator(mode="after")
+    def _references(self) -> Config:
+        for pattern, provider in self.models.items():
+            if provider not in self.providers:
+                raise _Dangling(f"models.{pattern}", f"provider {provider!r} is not defined in providers")
+        seen: dict[str, str] = {}
+        for name, agent in self.agents.items():
+            for index, key in enumerate(agent.keys):
+                if key in seen:
+                    raise _Dangling(f"agents.{name}.keys.{index}", f"key already used by agent {seen[key]!r}")
+                if not key:
+                    raise _Dangling(f"agents.{name}.keys.{index}", "key is empty")
+                seen[key] = name
+            for index, pattern in enumerate(agent.tools.approval):
+                if agent.tools.allow is not None and not _any_match(pattern, agent.tools.allow):
+                    raise _Dangling(
+                        f"agents.{name}.tools.approval.{index}", "tools in approval must also be allowed"
+                    )
+        return self
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path)
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    @property
+    def keyed(self) -> bool:
+        return any(agent.keys for agent in self.agents.values())
+
+
+class _Dangling(ValueError):
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _any_match(pattern: str, allow: tuple[str, ...]) -> bool:
+    from fnmatch import fnmatchcase
+
+    return any(pattern == a or fnmatchcase(pattern, a) for a in allow)
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def substitute(value: Any, env: Mapping[str, str], path: str = "") -> Any:
+    """Replace `${VAR}` and `${VAR:-default}` in every string of a parsed YAML tree."""
+    if isinstance(value, dict):
+        return {k: substitute(v, env, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute(v, env, f"{path}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, str) and "${" in value:
+
+        def repl(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in env and env[name] != "":
+                return env[name]
+            if default is not None:
+                return default
+            raise ConfigError([(path or "<root>", f"environment variable {name} is not set")])
+
+        return _VAR.sub(repl, value)
+    return value
+
+
+def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str = ".") -> Config:
+    """Validate an already-parsed YAML tree. Raises ConfigError listing (key path, message) pairs."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("<root>", "the config must be a mapping")])
+    data = substitute(data, os.environ if env is None else env)
+    data.setdefault("base_dir", base_dir)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems: list[tuple[str, str]] = []
+        for err in exc.errors():
+            ctx = err.get("ctx") or {}
+            inner = ctx.get("error")
+            if isinstance(inner, _Dangling):
+                problems.append((inner.path, str(inner)))
+                continue
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                message = "unknown key"
+            problems.append((loc, message))
+        raise ConfigError(problems) from None
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a YAML config file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([("<file>", f"cannot read {p}: {exc.strerror}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([("<file>", f"invalid YAML: {exc}")]) from None
+    return parse_config(data, env, base_dir=str(p.resolve().parent))
+
+
+def default_config(env: Mapping[str, str] | None = None) -> Config:
+    """The embedded default: SQLite state in the working directory, providers from the environment."""
+    env = os.environ if env is None else env
+    providers: dict[str, Any] = {}
+    models: dict[str, str] = {}
+    if env.get("OPENAI_API_KEY"):
+        providers["openai"] = {
+            "type": "openai",
+            "base_url": env.get("OPENAI_BASE_URL_UPSTREAM", "https://api.openai.com/v1"),
+            "api_key": env["OPENAI_API_KEY"],
+        }
+        models.update({"gpt-*": "openai", "o1*": "openai", "o3*": "openai", "o4*": "openai"})
+    if env.get("ANTHROPIC_API_KEY"):
+        providers["anthropic"] = {
+            "type": "anthropic",
+            "base_url": env.get("ANTHROPIC_BASE_URL_UPSTREAM", "https://api.anthropic.com"),
+            "api_key": env["ANTHROPIC_API_KEY"],
+        }
+        models["claude-*"] = "anthropic"
+    return parse_config({"providers": providers, "models": models}, env)

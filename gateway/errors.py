@@ -1,0 +1,159 @@
+"""tollgate's error hierarchy. Every failure the gateway raises on purpose is one of these.
+
+* TollgateError
+  x ConfigError                - the config file is invalid (never reaches HTTP)
+  x GatewayError               - answered to the caller in the wire format of the API it called
+    + InvalidRequest           - 400 invalid_request
+      - InvalidGrammar         - 400 invalid_request (a constraint that does not compile)
+    + InvalidApiKey            - 401 invalid_api_key
+    + ModelNotFound            - 404 model_not_found
+    + RequestTooLarge          - 413 request_too_large
+    + Stopped                  - 403 a guard stopped the run (budget_exhausted, loop_detected, ...)
+      - ToolNotAllowed         - 403 tool_not_allowed
+    + OutputNonconforming      - 422 output_nonconforming
+    + UpstreamUnavailable      - 502 upstream_unavailable
+    + UpstreamTimeout          - 504 upstream_timeout
+    + ShuttingDown             - 503 shutting_down
+    + StateUnavailable         - 503 state_unavailable
+  x GuardFailure               - a guard raised; the pipeline turns it into a stop (fail closed)
+
+Statuses never use 408/409/429 and only use 5xx where the gateway or its dependencies failed, so
+official SDKs do not retry a decision that retrying cannot change.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class TollgateError(Exception):
+    """Base of every error tollgate raises on purpose."""
+
+
+class ConfigError(TollgateError):
+    """Invalid configuration. `problems` lists (key path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
+
+
+class GatewayError(TollgateError):
+    """An error answered to the agent. `code` is the contract code of DESIGN section 4."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    openai_type: ClassVar[str] = "server_error"
+    anthropic_type: ClassVar[str] = "api_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop code when this error stops the run, else None."""
+        return None
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    code = "invalid_request"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class InvalidGrammar(InvalidRequest):
+    """A grammar, schema, regex or choice list that does not compile, or an unknown grammar name."""
+
+
+class InvalidApiKey(GatewayError):
+    status = 401
+    code = "invalid_api_key"
+    openai_type = "invalid_request_error"
+    anthropic_type = "authentication_error"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    code = "model_not_found"
+    openai_type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+
+
+class RequestTooLarge(GatewayError):
+    status = 413
+    code = "request_too_large"
+    openai_type = "invalid_request_error"
+    anthropic_type = "request_too_large"
+
+
+class Stopped(GatewayError):
+    """A guard stopped the run. `reason` is the stop code; stops are sticky until reset."""
+
+    status = 403
+    code = "run_stopped"
+    openai_type = "permission_error"
+    anthropic_type = "permission_error"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.reason
+
+
+class ToolNotAllowed(Stopped):
+    def __init__(self, message: str) -> None:
+        super().__init__("tool_not_allowed", message)
+
+
+class OutputNonconforming(GatewayError):
+    status = 422
+    code = "output_nonconforming"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class UpstreamUnavailable(GatewayError):
+    status = 502
+    code = "upstream_unavailable"
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    code = "upstream_timeout"
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+
+
+class ShuttingDown(GatewayError):
+    status = 503
+    code = "shutting_down"
+    openai_type = "server_error"
+    anthropic_type = "overloaded_error"
+
+
+class StateUnavailable(GatewayError):
+    status = 503
+    code = "state_unavailable"
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+
+
+class GuardFailure(TollgateError):
+    """A guard raised instead of deciding. Carries the guard's name for the stop detail and metric."""
+
+    def __init__(self, guard: str, cause: BaseException) -> None:
+        super().__init__(f"guard {guard} failed: {type(cause).__name__}: {cause}")
+        self.guard = guard
+
+
+def error_code(error: GatewayError) -> str:
+    """The code shown to the caller: the stop reason for stops, else the class code."""
+    return error.stop_reason or error.code
