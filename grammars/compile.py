@@ -1,0 +1,251 @@
+"""Compile a ConstraintSpec once (cached by content hash) into a Constraint that validates complete
+outputs and makes incremental checkers for streams.
+
+Engines: jsonschema gives the final verdict on JSON (order-insensitive, per-path messages); llguidance
+over a byte tokenizer matches regex, Lark, GBNF and choice, and checks JSON while it streams. Compiling
+costs milliseconds (llguidance drops the GIL), so the event loop uses `compile_async`, which only
+leaves the loop on a cache miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import llguidance as llg
+import orjson
+
+from gateway.errors import InvalidGrammar
+from grammars import engine
+from grammars.checker import IncrementalChecker
+from grammars.schema import SchemaCheck, build_check, parse_json
+from grammars.spec import ConstraintSpec, Kind, Violation
+from grammars.walk import without_keywords
+
+__all__ = [
+    "Constraint",
+    "IncrementalChecker",
+    "Violation",
+    "compile_async",
+    "compile_constraint",
+    "validate_tool_arguments",
+]
+
+CACHE_SIZE: Final[int] = 256
+# Formats are left to jsonschema: engines disagree on them (llguidance's email is stricter than
+# jsonschema's), and a stream must never be cut for a reason the final verdict would not share.
+_STREAM_IGNORED: Final[frozenset[str]] = frozenset({"format"})
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Core:
+    """What compiling produced; shared by every Constraint with the same key."""
+
+    kind: Kind
+    exact: llg.LLMatcher | None  # the full grammar (for json_schema: None if llguidance can't build it)
+    syntax: llg.LLMatcher | None  # JSON kinds: any JSON of the schema's top-level type
+    schema: SchemaCheck | None  # JSON kinds: the final verdict
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Constraint:
+    """A compiled constraint. Thread-safe; each `checker()` is for one stream."""
+
+    spec: ConstraintSpec
+    _core: _Core
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Parts of the constraint the streaming check cannot enforce (the final verdict still does)."""
+        return self._core.warnings
+
+    def validate(self, text: str) -> Violation | None:
+        """Check a complete output; None when it satisfies the constraint."""
+        core = self._core
+        if core.schema is not None:
+            return core.schema.check(text)
+        assert core.exact is not None  # non-JSON kinds always have their grammar
+        return engine.check_complete(core.exact, text)
+
+    def checker(self, *, native: bool) -> IncrementalChecker:
+        """A streaming checker. `native=True` means the upstream was constrained natively with the same
+        schema (keys come in schema order), so the schema grammar itself can cut the stream; with
+        `native=False` JSON kinds are checked for JSON syntax only while streaming. Either way a JSON
+        checker's `finish()` returns the full jsonschema verdict."""
+        core = self._core
+        if core.schema is None:
+            assert core.exact is not None
+            return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None)
+        pristine = core.exact if native and core.exact is not None else core.syntax
+        assert pristine is not None
+        return IncrementalChecker(pristine.deep_copy(), json_document=True, final=core.schema.check)
+
+
+class _LRU:
+    """A small thread-safe LRU of compiled cores, or of compile error messages (so a client resending
+    a broken schema does not cost a compile each time)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[str, _Core | str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> _Core | str | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def put(self, key: str, item: _Core | str) -> None:
+        with self._lock:
+            self._items[key] = item
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_CACHE = _LRU(CACHE_SIZE)
+
+
+def _from_cache(spec: ConstraintSpec) -> Constraint | None:
+    item = _CACHE.get(spec.key)
+    if item is None:
+        return None
+    if isinstance(item, str):
+        raise InvalidGrammar(item)
+    return Constraint(spec, item)
+
+
+def compile_constraint(spec: ConstraintSpec) -> Constraint:
+    """Compile `spec` (cached by `spec.key`). Raises InvalidGrammar saying what is wrong."""
+    hit = _from_cache(spec)
+    if hit is not None:
+        return hit
+    try:
+        core = _compile(spec.kind, spec.source)
+    except InvalidGrammar as exc:
+        _CACHE.put(spec.key, exc.message)
+        raise
+    _CACHE.put(spec.key, core)
+    return Constraint(spec, core)
+
+
+async def compile_async(spec: ConstraintSpec) -> Constraint:
+    """`compile_constraint` for the event loop: a cache hit returns at once, a miss compiles in a
+    worker thread."""
+    hit = _from_cache(spec)
+    if hit is not None:
+        return hit
+    return await asyncio.to_thread(compile_constraint, spec)
+
+
+def clear_cache() -> None:
+    """Forget every compiled constraint (tests and benchmarks)."""
+    _CACHE.clear()
+
+
+def _compile(kind: Kind, source: str) -> _Core:
+    if kind == "json_object":
+        return _Core(kind, _syntax("object"), _syntax("object"), _object_check(), ())
+    if kind == "json_schema":
+        return _compile_schema(source)
+    if kind == "choice":
+        _check_choice(source)
+    try:
+        grammar = engine.grammar_for(kind, source)
+    except ValueError as exc:
+        raise InvalidGrammar(f"{kind}: {exc}") from exc
+    matcher, error = engine.build_matcher(grammar)
+    if matcher is None:
+        raise InvalidGrammar(f"{kind}: {error}")
+    return _Core(kind, matcher, None, None, tuple(matcher.get_grammar_warnings()))
+
+
+def _compile_schema(source: str) -> _Core:
+    schema, violation = parse_json(source)
+    if violation is not None:
+        raise InvalidGrammar(f"json_schema: the schema is {violation.message}")
+    check = build_check(schema)
+    matcher, _ = engine.build_matcher(engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED)))
+    # A schema llguidance cannot turn into a grammar (e.g. look-around in a pattern) is still a valid
+    # schema: stream-check its JSON syntax only and leave the rest to jsonschema.
+    warnings = tuple(matcher.get_grammar_warnings()) if matcher is not None else (
+        "the schema cannot be checked while streaming; only JSON syntax is",
+    )
+    return _Core("json_schema", matcher, _syntax(_top_type(schema)), check, warnings)
+
+
+def _top_type(schema: Any) -> str:
+    declared = schema.get("type") if isinstance(schema, dict) else None
+    return declared if declared in ("object", "array") else "any"
+
+
+@functools.cache
+def _syntax(top: str) -> llg.LLMatcher:
+    """A pristine any-JSON matcher (of one top-level type); shared, only ever deep-copied."""
+    schema: dict[str, Any] = {} if top == "any" else {"type": top}
+    matcher, error = engine.build_matcher(engine.grammar_for_schema(schema))
+    if matcher is None:  # pragma: no cover - a fixed, tested grammar
+        raise RuntimeError(f"llguidance rejected the any-JSON grammar: {error}")
+    return matcher
+
+
+@functools.cache
+def _object_check() -> SchemaCheck:
+    return build_check({"type": "object"})
+
+
+def _check_choice(source: str) -> None:
+    try:
+        options = orjson.loads(source)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidGrammar(f"choice: options must be a JSON array of strings: {exc}") from exc
+    if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+        raise InvalidGrammar("choice: options must be a non-empty JSON array of strings")
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _tool_check(schema_json: str) -> SchemaCheck | str:
+    try:
+        return build_check(orjson.loads(schema_json))
+    except InvalidGrammar as exc:
+        return exc.message
+
+
+def validate_tool_arguments(parameters: Mapping[str, Any] | None, arguments: str | Mapping[str, Any]) -> Violation | None:
+    """Check a tool call's arguments against the tool's declared parameter schema.
+
+    `arguments` is the JSON text the model produced (OpenAI `function.arguments`; an empty string
+    means `{}`) or an already parsed object (Anthropic `input`, MCP `arguments`). They must form a
+    JSON object; with `parameters` None that is all that is checked. Validators are cached by schema
+    content. A schema that does not compile raises InvalidGrammar (the tool declaration is broken).
+    """
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            value: Any = {}
+        else:
+            value, violation = parse_json(arguments)
+            if violation is not None:
+                return violation
+    else:
+        value = arguments
+    if parameters is None:
+        return _object_check().check_value(value)
+    key = orjson.dumps(parameters, option=orjson.OPT_SORT_KEYS).decode()
+    check = _tool_check(key)
+    if isinstance(check, str):
+        raise InvalidGrammar(f"tool parameters: {check}")
+    if not isinstance(value, dict):
+        return _object_check().check_value(value)
+    return check.check_value(value)

@@ -1,0 +1,162 @@
+"""llguidance over a 257-token byte tokenizer built in code (no model, no hub download).
+
+One token per byte plus an end-of-output token, so "how many tokens were accepted" is "how many bytes",
+and the token mask at a failure point is the set of bytes the grammar would have taken instead. Grammar
+construction and `validate_grammar` drop the GIL; a pristine matcher is built once per constraint and
+`deep_copy`-ed (about 1 µs) for every check, because building one costs about 0.5 ms.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, Final
+
+import llguidance as llg
+
+from grammars.spec import Violation
+
+EOS: Final[int] = 256
+# Why these options: general \uXXXX escapes are valid JSON that every serializer emits for non-ASCII
+# text (off by default in llguidance); `lenient` turns keywords llguidance cannot enforce into warnings
+# (jsonschema still enforces them at the end); `coerce_one_of` accepts overlapping oneOf branches,
+# whose exclusivity jsonschema checks.
+JSON_OPTIONS: Final[dict[str, Any]] = {
+    "json_allow_general_unicode_escapes": True,
+    "lenient": True,
+    "coerce_one_of": True,
+}
+_MAX_EXPECTED_ITEMS: Final[int] = 12
+_NOISE: Final = re.compile(r"^([\s^~]*|\d+\s*\|.*|regex parse error:)$")
+
+
+class _ByteTokenizer:
+    """The duck-typed tokenizer `llg.TokenizerWrapper` wants: token i is byte i, 256 is EOS."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<|end|>"]
+    special_token_ids = [EOS]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+@functools.cache
+def tokenizer() -> llg.LLTokenizer:
+    """The process-wide byte tokenizer, built on first use (slices disabled: useless for bytes)."""
+    return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer()), slices=[])
+
+
+def grammar_for(kind: str, source: str) -> str:
+    """The llguidance grammar for a non-JSON kind (regex, lark, gbnf, choice). Raises ValueError."""
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(source)
+    if kind == "lark":
+        return llg.LLMatcher.grammar_from_lark(source)
+    if kind == "gbnf":
+        return llg.grammar_from("gbnf", source)
+    if kind == "choice":
+        options = json.loads(source)
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+    raise ValueError(f"no llguidance grammar for kind {kind!r}")
+
+
+def grammar_for_schema(schema: Any) -> str:
+    """The llguidance grammar for a JSON schema (dict or bool), with `JSON_OPTIONS`."""
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+
+
+def build_matcher(grammar: str) -> tuple[llg.LLMatcher | None, str]:
+    """A pristine matcher for `grammar`, or (None, error text) when the grammar does not compile."""
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer())
+    if is_error:
+        return None, _first_line(messages[0] if messages else "invalid grammar")
+    matcher = llg.LLMatcher(tokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+        return None, _first_line(matcher.get_error())
+    return matcher, ""
+
+
+def _first_line(text: str) -> str:
+    """llguidance errors quote the source with carets and a line-numbered excerpt; keep the reason."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    kept = [line for line in lines if line and not _NOISE.match(line)]
+    return " ".join(kept[:3]) if kept else text.strip()
+
+
+def char_offset(data: bytes, byte_pos: int) -> int:
+    """Character index of byte `byte_pos` in `data` (a split multibyte char counts as its start)."""
+    return len(data[:byte_pos].decode("utf-8", "ignore"))
+
+
+def expected_from_mask(mask: bytes) -> str:
+    """Describe the allowed next bytes of a token mask: "expected one of: '0'-'9', end of output"."""
+    allowed = [b for b in range(256) if mask[b >> 3] >> (b & 7) & 1]
+    eos = bool(mask[EOS >> 3] >> (EOS & 7) & 1)
+    ascii_allowed = [b for b in allowed if b < 0x80]
+    items: list[str]
+    if len(ascii_allowed) > 64:
+        # Mostly-open sets (a string body, a Lark catch-all) read better as what is excluded.
+        excluded = [b for b in range(0x80) if b not in set(ascii_allowed)]
+        items = ["any character" + (" except " + ", ".join(_ranges(excluded)) if excluded else "")]
+    else:
+        items = _ranges(ascii_allowed)
+        if any(b >= 0x80 for b in allowed):
+            items.append("non-ASCII characters")
+    if eos:
+        items.append("end of output")
+    if not items:
+        return "expected nothing (no continuation is possible)"
+    if len(items) > _MAX_EXPECTED_ITEMS:
+        rest = len(items) - _MAX_EXPECTED_ITEMS
+        items = [*items[:_MAX_EXPECTED_ITEMS], f"... ({rest} more)"]
+    if len(items) == 1:
+        return f"expected {items[0]}"
+    return "expected one of: " + ", ".join(items)
+
+
+def _ranges(values: Sequence[int]) -> list[str]:
+    out: list[str] = []
+    start = prev = -2
+    for v in [*values, -1]:
+        if v == prev + 1:
+            prev = v
+            continue
+        if start >= 0:
+            out.append(_show(start) if start == prev else f"{_show(start)}-{_show(prev)}")
+        start = prev = v
+    return out
+
+
+def _show(byte: int) -> str:
+    return repr(chr(byte))
+
+
+def failure(matcher: llg.LLMatcher, text: str, char_pos: int, base: int = 0) -> Violation:
+    """The violation for a matcher that just refused the character at `char_pos` of `text`, a piece
+    of output that starts at character `base` of the whole output."""
+    got = text[char_pos] if char_pos < len(text) else ""
+    expected = expected_from_mask(matcher.compute_bitmask())
+    pos = base + char_pos
+    return Violation(f"at char {pos}: unexpected {got!r}; {expected}", pos)
+
+
+def incomplete(matcher: llg.LLMatcher, char_pos: int) -> Violation:
+    """The violation for an output that ended (at `char_pos`) before the grammar was satisfied."""
+    expected = expected_from_mask(matcher.compute_bitmask())
+    return Violation(f"at char {char_pos}: output ended too early; {expected}", char_pos)
+
+
+def check_complete(pristine: llg.LLMatcher, text: str) -> Violation | None:
+    """Match a whole output against a pristine matcher (which is left untouched)."""
+    matcher = pristine.deep_copy()
+    data = text.encode("utf-8")
+    accepted = matcher.try_consume_tokens(list(data))
+    if accepted < len(data):
+        return failure(matcher, text, char_offset(data, accepted))
+    if not matcher.is_accepting():
+        return incomplete(matcher, len(text))
+    return None

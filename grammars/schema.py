@@ -1,0 +1,204 @@
+"""The final verdict on JSON outputs: parse, then jsonschema (Draft 2020-12 unless `$schema` says
+otherwise) with a format checker. Key order is irrelevant here, unlike in any grammar engine.
+
+Messages name the path and the rule, sorted by path: `at address/zip: 'ABCDE' does not match
+'^[0-9]{5}$'`. Parsing tolerates whitespace around the document (JSON allows it) and rejects NaN,
+Infinity and lone surrogates (orjson), as the streaming checker does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import itertools
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import jsonschema
+import orjson
+import referencing.exceptions
+from jsonschema import Draft202012Validator, FormatChecker
+from jsonschema.exceptions import SchemaError, ValidationError
+from jsonschema.protocols import Validator
+
+from gateway.errors import InvalidGrammar
+from grammars.spec import Violation
+
+_MAX_ERRORS_SCANNED: Final[int] = 100
+_MAX_ERRORS_SHOWN: Final[int] = 5
+_MAX_MESSAGE: Final[int] = 240
+_DRAFTS: Final[dict[str, type[Validator]]] = {
+    uri.rstrip("#"): cls
+    for cls in (
+        jsonschema.Draft4Validator,
+        jsonschema.Draft6Validator,
+        jsonschema.Draft7Validator,
+        jsonschema.Draft201909Validator,
+        jsonschema.Draft202012Validator,
+    )
+    for uri in (str(cls.META_SCHEMA.get("$id", cls.META_SCHEMA.get("id", ""))),)
+}
+_DATE_TIME = re.compile(
+    r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))", re.ASCII
+)
+_TIME = re.compile(r"(\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))", re.ASCII)
+# Data-valued keywords: their contents are instances, not schemas, so a "$ref" inside is just data.
+_DATA_KEYWORDS: Final[frozenset[str]] = frozenset({"enum", "const", "default", "examples"})
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaCheck:
+    """A compiled schema verdict: `check(text)` for a whole output, `check_value(value)` once parsed."""
+
+    validator: Validator
+
+    def check(self, text: str) -> Violation | None:
+        value, violation = parse_json(text)
+        if violation is not None:
+            return violation
+        return self.check_value(value)
+
+    def check_value(self, value: Any) -> Violation | None:
+        try:
+            errors = list(itertools.islice(self.validator.iter_errors(value), _MAX_ERRORS_SCANNED))
+        except RecursionError:
+            return Violation("at <root>: the document is nested too deeply to validate")
+        except referencing.exceptions.Unresolvable as exc:
+            raise InvalidGrammar(f"json_schema: cannot resolve $ref: {exc}") from exc
+        if not errors:
+            return None
+        return Violation(describe_errors(errors))
+
+
+def parse_json(text: str) -> tuple[Any, Violation | None]:
+    """Parse one JSON document (surrounding whitespace allowed); a Violation says why not."""
+    try:
+        return orjson.loads(text), None
+    except orjson.JSONDecodeError as exc:
+        return None, Violation(f"not valid JSON: {exc.msg} at char {exc.pos}", exc.pos)
+
+
+def describe_errors(errors: list[ValidationError]) -> str:
+    """`at <path>: <message>` for each error, sorted by path, at most `_MAX_ERRORS_SHOWN`, joined by "; "."""
+    ordered = sorted(errors, key=lambda e: [(0, p, "") if isinstance(p, int) else (1, 0, str(p))
+                                            for p in e.absolute_path])
+    parts = []
+    for error in ordered[:_MAX_ERRORS_SHOWN]:
+        path = "/".join(str(p) for p in error.absolute_path) or "<root>"
+        message = error.message
+        if len(message) > _MAX_MESSAGE:
+            message = message[: _MAX_MESSAGE - 3] + "..."
+        parts.append(f"at {path}: {message}")
+    if len(ordered) > _MAX_ERRORS_SHOWN:
+        more = len(ordered) - _MAX_ERRORS_SHOWN
+        parts.append(f"and {more}{'+' if len(ordered) == _MAX_ERRORS_SCANNED else ''} more")
+    return "; ".join(parts)
+
+
+def build_check(schema: Any) -> SchemaCheck:
+    """Compile a schema (dict or bool) into a SchemaCheck. Raises InvalidGrammar with the reason."""
+    if not isinstance(schema, dict | bool):
+        raise InvalidGrammar(f"json_schema: a schema must be a JSON object or boolean, not {_type(schema)}")
+    cls = _validator_class(schema)
+    try:
+        cls.check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "<root>"
+        raise InvalidGrammar(f"json_schema: invalid schema at {where}: {exc.message}") from exc
+    validator = cls(schema, format_checker=format_checker())
+    _check_refs(schema, validator)
+    return SchemaCheck(validator)
+
+
+def _validator_class(schema: Any) -> type[Validator]:
+    declared = schema.get("$schema") if isinstance(schema, dict) else None
+    if isinstance(declared, str):
+        return _DRAFTS.get(declared.rstrip("#"), Draft202012Validator)
+    return Draft202012Validator
+
+
+def _check_refs(schema: Any, validator: Validator) -> None:
+    """Reject refs that cannot be resolved inside the schema: jsonschema would only fail at answer
+    time, and nothing is ever fetched over the network."""
+    refs = list(_refs(schema))
+    if not refs:
+        return
+    resolver = validator._resolver  # noqa: SLF001 - the resolver the validator itself will use
+    has_ids = any(True for _ in _walk(schema, "$id"))
+    for ref in refs:
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable as exc:
+            # A relative ref may be based on a nested $id that a root lookup does not see: let those
+            # through rather than reject a valid schema; a bad one still fails at validation time.
+            if has_ids and not ref.startswith("#"):
+                continue
+            raise InvalidGrammar(f"json_schema: cannot resolve $ref {ref!r} inside the schema") from exc
+
+
+def _refs(schema: Any) -> Iterator[str]:
+    return (v for v in _walk(schema, "$ref") if isinstance(v, str))
+
+
+def _walk(node: Any, keyword: str) -> Iterator[Any]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == keyword:
+                yield value
+            if key not in _DATA_KEYWORDS:
+                yield from _walk(value, keyword)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _walk(item, keyword)
+
+
+def _type(value: Any) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+@functools.cache
+def format_checker() -> FormatChecker:
+    """Draft 2020-12 formats jsonschema checks on its own, plus `date-time` and `time` (RFC 3339),
+    which it only checks when optional packages are installed."""
+    checker = FormatChecker(list(Draft202012Validator.FORMAT_CHECKER.checkers))
+    if "date-time" not in checker.checkers:
+        checker.checks("date-time")(_is_date_time)
+    if "time" not in checker.checkers:
+        checker.checks("time")(_is_time)
+    return checker
+
+
+def _is_date_time(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    match = _DATE_TIME.fullmatch(value)
+    if match is None:
+        return False
+    year, month, day, hour, minute, second, off_h, off_m = match.groups()
+    return _valid_date(year, month, day) and _valid_clock(hour, minute, second, off_h, off_m)
+
+
+def _is_time(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    match = _TIME.fullmatch(value)
+    return match is not None and _valid_clock(*match.groups())
+
+
+def _valid_date(year: str, month: str, day: str) -> bool:
+    try:
+        dt.date(int(year), int(month), int(day))
+    except ValueError:
+        return False
+    return True
+
+
+def _valid_clock(hour: str, minute: str, second: str, off_h: str | None, off_m: str | None) -> bool:
+    # 60 is a leap second, which RFC 3339 allows.
+    if int(hour) > 23 or int(minute) > 59 or int(second) > 60:
+        return False
+    return off_h is None or (int(off_h) <= 23 and int(off_m or 0) <= 59)
