@@ -1,0 +1,259 @@
+"""The decision ledger: an append-only, hash-chained SQLite table `ledger`, one row per step decision.
+
+Columns: id (1, 2, 3, ...), ts, agent, run_id, operation, model, input_hash (never the content),
+decision (allow, stop, reask, drop, approve, deny, ...), reason (stop code or null), detail (cut to
+DETAIL_MAX chars), prev_hash, entry_hash. The chain format and `verify` live in gateway/ledger_chain.py
+(re-exported here); this module is the writer.
+
+Contracts:
+* Append-only: no code path updates or deletes a row (corrections are new rows), and triggers make
+  SQLite refuse UPDATE/DELETE on `ledger` (raw file access can drop them; the chain detects that).
+  Only `ledger`, its index and triggers are created: the file may be the run store's.
+* Many processes may append to one file: a batch reads the last row inside `BEGIN IMMEDIATE`, so all
+  writers extend one chain (WAL + busy_timeout: writers queue). Next id = max(last id, sqlite_sequence)
+  + 1, so rows cut from the end leave a visible gap.
+* The request path never touches SQLite: `append_nowait`/`append` enqueue; the writer task (`start()`)
+  writes batches, one transaction each, on a worker thread.
+* `append` waits while `max_pending` entries are queued; `append_nowait` never waits: past `max_pending`
+  the queue grows (counted in `overflowed`), past `hard_limit` the entry is refused, counted in
+  `dropped` and logged. A failed write keeps its batch queued and is retried with backoff
+  (`write_errors`); `close()` tries 3 times, then counts the rest in `lost` and raises StateUnavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import sqlite3
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import StateUnavailable
+from gateway.ledger_chain import (
+    COLUMNS,
+    GENESIS,
+    INSERT,
+    SCHEMA,
+    SELECT,
+    VerifyResult,
+    connect,
+    entry_hash,
+    input_hash,
+    verify,
+)
+
+__all__ = ["Ledger", "LedgerEntry", "VerifyResult", "entry_hash", "input_hash", "verify"]
+
+DETAIL_MAX = 500
+_TEXT = ("agent", "run_id", "operation", "model", "input_hash", "decision", "detail")
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One step decision as the pipeline reports it. `ts` 0 means "now, at append"."""
+
+    agent: str
+    run_id: str
+    operation: str
+    model: str
+    input_hash: str
+    decision: str
+    reason: str | None = None
+    detail: str = ""
+    ts: float = 0.0
+
+
+class Ledger:
+    """Append-only decision log over one SQLite file; the module docstring states the contracts."""
+
+    def __init__(self, writer: sqlite3.Connection, reader: sqlite3.Connection, *, max_pending: int,
+                 hard_limit: int, batch_size: int, retry_delay_s: float) -> None:
+        self._writer = writer  # used by one worker thread at a time: the writer task serializes
+        self._reader = reader  # used by rows() on the caller's thread, never by the worker
+        self._pending: deque[tuple[LedgerEntry, float]] = deque()
+        self._max_pending, self._hard_limit = max_pending, hard_limit
+        self._batch_size, self._retry_delay_s = batch_size, retry_delay_s
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._progress: asyncio.Condition | None = None
+        self._closing = False
+        self.accepted = self.written = self.overflowed = self.dropped = self.lost = self.write_errors = 0
+
+    @classmethod
+    def open(cls, path: str | Path, *, max_pending: int = 10_000, hard_limit: int = 1_000_000,
+             batch_size: int = 512, retry_delay_s: float = 0.05) -> Ledger:
+        """Open `path`, creating the ledger table if needed. Sync: call at startup, not per request."""
+        writer = connect(path)
+        writer.execute("PRAGMA journal_mode = WAL")
+        writer.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: no fsync per commit
+        writer.execute("BEGIN IMMEDIATE")  # processes creating the table at once must not race
+        for statement in SCHEMA:
+            writer.execute(statement)
+        writer.execute("COMMIT")
+        return cls(writer, connect(path), max_pending=max_pending, hard_limit=hard_limit,
+                   batch_size=batch_size, retry_delay_s=retry_delay_s)
+
+    async def start(self) -> None:
+        """Start the background writer on the running loop. Idempotent."""
+        if self._task is None:
+            self._wake, self._progress = asyncio.Event(), asyncio.Condition()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="tollgate-ledger")
+            self._wake.set()
+
+    def append_nowait(self, entry: LedgerEntry) -> None:
+        """Enqueue without waiting (hot path). A malformed entry raises TypeError here, at the caller."""
+        _check(entry)
+        if len(self._pending) >= self._hard_limit:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                _log.error("ledger queue full (%d): %d entries dropped", self._hard_limit, self.dropped)
+            return
+        if len(self._pending) >= self._max_pending:
+            self.overflowed += 1
+        # ts is stored as REAL: hash the float SQLite will give back, not an int.
+        self._pending.append((entry, float(entry.ts) if entry.ts else time.time()))
+        self.accepted += 1
+        if self._wake is not None:
+            self._wake.set()
+
+    async def append(self, entry: LedgerEntry) -> None:
+        """Enqueue, waiting (without blocking the loop) while `max_pending` entries are queued."""
+        if self._progress is not None and len(self._pending) >= self._max_pending:
+            async with self._progress:
+                await self._progress.wait_for(
+                    lambda: len(self._pending) < self._max_pending or not self._writer_alive())
+        self.append_nowait(entry)
+
+    async def flush(self) -> None:
+        """Return once every entry accepted before the call is written (or lost at close)."""
+        target = self.accepted
+        if not self._writer_alive():
+            while self._pending:  # no writer task: write here, on a worker thread
+                await asyncio.to_thread(self._write_some)
+            return
+        assert self._progress is not None and self._wake is not None
+        self._wake.set()
+        async with self._progress:
+            await self._progress.wait_for(
+                lambda: self.written + self.lost >= target or not self._writer_alive())
+
+    async def close(self) -> None:
+        """Write everything, stop the writer, close the connections. Raises StateUnavailable when
+        entries could still not be written after the final retries (they are counted in `lost`)."""
+        await self.start()
+        self._closing, lost_before = True, self.lost
+        try:
+            if self._writer_alive():
+                assert self._wake is not None and self._task is not None
+                self._wake.set()
+                await self._task
+        finally:
+            self._discard_pending()
+            self._writer.close()
+            self._reader.close()
+        if self.lost > lost_before:
+            raise StateUnavailable(f"ledger: {self.lost - lost_before} entries could not be written")
+
+    def close_sync(self) -> None:
+        """Write what is pending on this thread, then close. For code without a running writer (CLI,
+        after the loop ended); raises RuntimeError while the writer task runs."""
+        if self._writer_alive():
+            raise RuntimeError("the ledger writer is running: use `await close()`")
+        while self._pending:
+            self._write_some()
+        self._writer.close()
+        self._reader.close()
+
+    def rows(self, run_id: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """The last `limit` (1..10000) written rows, of one run or of all, oldest first, as dicts."""
+        limit = max(1, min(int(limit), 10_000))
+        where, args = ("WHERE run_id = ?", (run_id, limit)) if run_id is not None else ("", (limit,))
+        cursor = self._reader.execute(
+            f"SELECT * FROM ({SELECT} {where} ORDER BY id DESC LIMIT ?) ORDER BY id", args)
+        return [dict(zip(COLUMNS, row, strict=True)) for row in cursor]
+
+    def _writer_alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._progress is not None
+        failures = 0
+        try:
+            while self._pending or not self._closing:
+                if not self._pending:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    await asyncio.to_thread(self._write_some)
+                    failures = 0
+                except sqlite3.Error as exc:
+                    self.write_errors += 1
+                    failures += 1
+                    _log.warning("ledger write failed (%d pending, try %d): %s", len(self._pending),
+                                 failures, exc)
+                    if self._closing and failures >= 3:
+                        self._discard_pending()
+                        break
+                    # Why wait: a locked or full database does not heal within microseconds.
+                    await asyncio.sleep(min(self._retry_delay_s * 2 ** min(failures, 5), 2.0))
+                async with self._progress:
+                    self._progress.notify_all()
+        finally:
+            async with self._progress:  # wake waiters even when this task dies or is cancelled
+                self._progress.notify_all()
+
+    def _write_some(self) -> None:
+        """Write up to batch_size queued entries in one transaction, extending the chain. On failure
+        they stay at the head of the queue, in order. Runs on one thread at a time."""
+        batch = [self._pending[i] for i in range(min(self._batch_size, len(self._pending)))]
+        conn = self._writer
+        conn.execute("BEGIN IMMEDIATE")  # the write lock: nobody appends between our read and insert
+        try:
+            last = conn.execute("SELECT id, entry_hash FROM ledger ORDER BY id DESC LIMIT 1").fetchone()
+            seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
+            next_id = max(last[0] if last else 0, seq[0] if seq else 0) + 1
+            prev = last[1] if last else GENESIS
+            values = []
+            for offset, (entry, ts) in enumerate(batch):
+                row: dict[str, Any] = {name: _text(getattr(entry, name)) for name in _TEXT}
+                row.update(id=next_id + offset, ts=ts, detail=row["detail"][:DETAIL_MAX],
+                           prev_hash=prev, reason=None if entry.reason is None else _text(entry.reason))
+                prev = row["entry_hash"] = entry_hash(row)
+                values.append(tuple(row[c] for c in COLUMNS))
+            conn.executemany(INSERT, values)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        for _ in batch:
+            self._pending.popleft()
+        self.written += len(batch)
+
+    def _discard_pending(self) -> None:
+        if self._pending:
+            self.lost += len(self._pending)
+            _log.error("ledger closed with %d unwritten entries", len(self._pending))
+            self._pending.clear()
+
+
+def _text(value: str) -> str:
+    # A lone surrogate cannot be stored or hashed as UTF-8: replace it rather than poison a batch.
+    # str.isascii() is O(1) in CPython, so the common case costs nothing.
+    return value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
+
+
+def _check(entry: LedgerEntry) -> None:
+    for name in _TEXT:
+        if type(getattr(entry, name)) is not str:
+            raise TypeError(f"LedgerEntry.{name} must be str")
+    if entry.reason is not None and type(entry.reason) is not str:
+        raise TypeError("LedgerEntry.reason must be str or None")
+    if type(entry.ts) not in (float, int) or not math.isfinite(entry.ts):
+        raise TypeError("LedgerEntry.ts must be a finite number")

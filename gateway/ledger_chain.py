@@ -1,0 +1,107 @@
+"""The ledger's hash chain: table schema, canonical entry hash, and `verify`.
+
+Kept apart from the writer (gateway/ledger.py) so that verifying needs nothing but a file: the CLI's
+`tollgate ledger verify` and tests use this module alone. entry_hash = sha256 of the canonical JSON
+(sorted keys, separators "," and ":", UTF-8, non-ASCII kept) of every column but entry_hash, prev_hash
+included; the first row's prev_hash is GENESIS (64 zeros); ids run 1, 2, 3, ... without gaps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GENESIS = "0" * 64
+COLUMNS = ("id", "ts", "agent", "run_id", "operation", "model", "input_hash", "decision", "reason",
+           "detail", "prev_hash", "entry_hash")
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,"
+    " agent TEXT NOT NULL, run_id TEXT NOT NULL, operation TEXT NOT NULL, model TEXT NOT NULL,"
+    " input_hash TEXT NOT NULL, decision TEXT NOT NULL, reason TEXT, detail TEXT NOT NULL,"
+    " prev_hash TEXT NOT NULL, entry_hash TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS ledger_run_id ON ledger (run_id, id)",
+    *(f"CREATE TRIGGER IF NOT EXISTS ledger_no_{op.lower()} BEFORE {op} ON ledger"
+      " BEGIN SELECT RAISE(ABORT, 'ledger is append-only'); END" for op in ("UPDATE", "DELETE")),
+)
+SELECT = f"SELECT {', '.join(COLUMNS)} FROM ledger"
+INSERT = f"INSERT INTO ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """Outcome of `verify`. `rows`: rows that verified before the first bad one (all when ok)."""
+
+    ok: bool
+    rows: int
+    first_bad_id: int | None
+    reason: str | None
+
+
+def input_hash(data: bytes | str) -> str:
+    """The sha256 hex digest of a step's inputs: what the ledger stores instead of the content."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def entry_hash(row: dict[str, Any]) -> str:
+    """sha256 over the canonical JSON of every column but entry_hash (prev_hash included)."""
+    fields = {k: row[k] for k in COLUMNS if k != "entry_hash"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit: BEGIN IMMEDIATE) with a busy
+    timeout, usable from any one thread at a time; `readonly` opens with mode=ro and never creates."""
+    target, uri = (f"{Path(path).resolve().as_uri()}?mode=ro", True) if readonly else (str(path), False)
+    conn = sqlite3.connect(target, uri=uri, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA busy_timeout = 10000")
+    return conn
+
+
+def verify(path: str | Path) -> VerifyResult:
+    """Re-hash the chain in `path` (opened read-only) and name the first bad row: a changed field
+    (hash mismatch), a broken link (prev_hash), a deleted row (id gap, reported at the next row) or
+    rows cut from the end (reported as the first missing id). No ledger table: an empty, good chain."""
+    if not Path(path).is_file():
+        return VerifyResult(False, 0, None, f"no such file: {path}")
+    count, expected_id, prev = 0, 1, GENESIS
+    try:
+        conn = connect(path, readonly=True)
+    except sqlite3.Error as exc:
+        return VerifyResult(False, 0, None, f"cannot open: {exc}")
+    try:
+        if not conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone():
+            return VerifyResult(True, 0, None, None)
+        for values in conn.execute(f"{SELECT} ORDER BY id"):
+            row = dict(zip(COLUMNS, values, strict=True))
+            problem = _row_problem(row, expected_id, prev)
+            if problem is not None:
+                return VerifyResult(False, count, row["id"], problem)
+            count, expected_id, prev = count + 1, row["id"] + 1, row["entry_hash"]
+        seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
+        if seq is not None and seq[0] >= expected_id:
+            missing = f"rows {expected_id}..{seq[0]} missing at the end"
+            return VerifyResult(False, count, expected_id, missing)
+        return VerifyResult(True, count, None, None)
+    except sqlite3.Error as exc:
+        return VerifyResult(False, count, None, f"database error: {exc}")
+    finally:
+        conn.close()
+
+
+def _row_problem(row: dict[str, Any], expected_id: int, prev: str) -> str | None:
+    if row["id"] != expected_id:
+        return f"id gap: rows {expected_id}..{row['id'] - 1} missing"
+    if row["prev_hash"] != prev:
+        return "broken link: prev_hash differs from the previous row's entry_hash"
+    try:
+        recomputed = entry_hash(row)
+    except (TypeError, ValueError):  # raw edits can store a blob or NaN where text or a number was
+        return "a field holds a value of the wrong type"
+    if row["entry_hash"] != recomputed:
+        return "entry_hash mismatch: a field of this row was changed"
+    return None

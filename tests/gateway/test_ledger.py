@@ -1,0 +1,328 @@
+"""The decision ledger: chain integrity, tamper detection, concurrent writers, flushing, queue bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sqlite3
+import struct
+import subprocess
+import sys
+import textwrap
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.errors import StateUnavailable
+from gateway.ledger import Ledger, LedgerEntry, input_hash, verify
+from gateway.ledger_chain import GENESIS, entry_hash
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def entry(i: int, run_id: str = "run-1", **changes: Any) -> LedgerEntry:
+    fields: dict[str, Any] = {
+        "agent": "support-bot", "run_id": run_id, "operation": "chat", "model": "gpt-4o-mini",
+        "input_hash": input_hash(f"inputs {i}"), "decision": "stop" if i % 3 == 1 else "allow",
+        "reason": "budget_exhausted" if i % 3 == 1 else None, "detail": f"step {i}",
+    }
+    fields.update(changes)
+    return LedgerEntry(**fields)
+
+
+async def filled(path: Path, n: int, **options: Any) -> None:
+    ledger = Ledger.open(path, **options)
+    await ledger.start()
+    for i in range(1, n + 1):
+        ledger.append_nowait(entry(i))
+    await ledger.close()
+
+
+def query(db: Path, statement: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    with closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        return conn.execute(statement, args).fetchall()
+
+
+def tamper(db: Path, statement: str, args: tuple[Any, ...] = ()) -> None:
+    """Change the file as someone with raw access would: drop the guard triggers, then write."""
+    with closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER IF EXISTS ledger_no_update")
+        conn.execute("DROP TRIGGER IF EXISTS ledger_no_delete")
+        conn.execute(statement, args)
+
+
+def flip_one_byte(value: Any) -> Any:
+    if isinstance(value, float):
+        packed = bytearray(struct.pack("<d", value))
+        packed[0] ^= 1
+        return struct.unpack("<d", bytes(packed))[0]
+    encoded = bytearray(value.encode())
+    encoded[-1] ^= 1
+    return encoded.decode()
+
+
+async def test_a_long_chain_verifies(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 2000, batch_size=64)
+    assert verify(db) == verify(db)
+    result = verify(db)
+    assert (result.ok, result.rows, result.first_bad_id, result.reason) == (True, 2000, None, None)
+    rows = query(db, "SELECT id, prev_hash, entry_hash FROM ledger ORDER BY id")
+    assert [r[0] for r in rows] == list(range(1, 2001))
+    assert rows[0][1] == GENESIS
+    assert all(rows[i][1] == rows[i - 1][2] for i in range(1, len(rows)))
+
+
+@pytest.mark.parametrize("column", ["ts", "agent", "run_id", "operation", "model", "input_hash",
+                                    "decision", "reason", "detail", "prev_hash", "entry_hash"])
+@pytest.mark.parametrize("row_id", [1, 58, 121])
+async def test_one_changed_byte_fails_on_exactly_that_row(tmp_path: Path, column: str, row_id: int) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 121, batch_size=16)
+    [(value,)] = query(db, f"SELECT {column} FROM ledger WHERE id = ?", (row_id,))
+    assert value is not None  # these rows carry a reason (i % 3 == 1)
+    tamper(db, f"UPDATE ledger SET {column} = ? WHERE id = ?", (flip_one_byte(value), row_id))
+    result = verify(db)
+    assert (result.ok, result.first_bad_id, result.rows) == (False, row_id, row_id - 1)
+    assert result.reason
+
+
+async def test_null_reason_set_by_tamperer_is_caught(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 10)
+    tamper(db, "UPDATE ledger SET reason = 'x' WHERE id = 2")  # row 2 has no reason
+    assert verify(db).first_bad_id == 2
+
+
+@pytest.mark.parametrize("deleted, first_bad, reason", [
+    (1, 2, "id gap"), (5, 6, "id gap"), (10, 10, "missing at the end"),
+])
+async def test_a_deleted_row_fails_at_the_next(
+    tmp_path: Path, deleted: int, first_bad: int, reason: str
+) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 10)
+    tamper(db, "DELETE FROM ledger WHERE id = ?", (deleted,))
+    result = verify(db)
+    assert (result.ok, result.first_bad_id) == (False, first_bad)
+    assert reason in (result.reason or "")
+
+
+async def test_rows_cut_from_the_end_stay_visible_after_more_appends(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 10)
+    tamper(db, "DELETE FROM ledger WHERE id > 7")
+    await filled(db, 3)  # the next ids are 11..13, not 8..10: the cut stays a gap
+    result = verify(db)
+    assert (result.ok, result.first_bad_id) == (False, 11)
+
+
+async def test_renumbered_ids_and_rewritten_hash_are_caught(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 10)
+    # A tamperer who fixes the row's own hash still breaks the link of the next row.
+    fields = ledger_rows(db)[3]
+    fields["detail"] = "nothing happened"
+    tamper(db, "UPDATE ledger SET detail = ?, entry_hash = ? WHERE id = 4",
+           (fields["detail"], entry_hash(fields)))
+    assert verify(db).first_bad_id == 5
+
+
+@pytest.mark.parametrize("statement", [
+    "UPDATE ledger SET detail = 'x' WHERE id = 1", "DELETE FROM ledger WHERE id = 1",
+])
+async def test_sqlite_refuses_update_and_delete(tmp_path: Path, statement: str) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 3)
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        query(db, statement)
+    assert verify(db).ok
+
+
+async def test_two_ledgers_on_one_file_keep_one_chain(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    first, second = Ledger.open(db, batch_size=7), Ledger.open(db, batch_size=5)
+    await first.start()
+    await second.start()
+    for i in range(300):
+        (first if i % 2 else second).append_nowait(entry(i, run_id=f"run-{i % 2}"))
+        if i % 37 == 0:
+            await asyncio.gather(first.flush(), second.flush())
+    await asyncio.gather(first.close(), second.close())
+    result = verify(db)
+    assert (result.ok, result.rows) == (True, 300)
+
+
+def test_two_processes_on_one_file_keep_one_chain(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    script = textwrap.dedent("""
+        import asyncio, sys
+        from gateway.ledger import Ledger, LedgerEntry
+
+        async def main() -> None:
+            ledger = Ledger.open(sys.argv[1], batch_size=3)
+            await ledger.start()
+            for i in range(400):
+                ledger.append_nowait(LedgerEntry("a", sys.argv[2], "chat", "m", "h", "allow", detail=str(i)))
+                if i % 10 == 9:
+                    await ledger.flush()
+            await ledger.close()
+
+        asyncio.run(main())
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(db), f"proc-{n}"], cwd=REPO)
+             for n in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    result = verify(db)
+    assert (result.ok, result.rows) == (True, 800)
+    assert query(db, "SELECT run_id, COUNT(*) FROM ledger GROUP BY run_id ORDER BY run_id") == [
+        ("proc-0", 400), ("proc-1", 400)]
+
+
+@pytest.mark.parametrize("start", [True, False])
+async def test_close_writes_everything(tmp_path: Path, start: bool) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db, batch_size=50)
+    if start:
+        await ledger.start()
+    for i in range(1234):
+        ledger.append_nowait(entry(i))
+    await ledger.close()
+    assert (ledger.accepted, ledger.written, ledger.lost) == (1234, 1234, 0)
+    assert verify(db).rows == 1234
+
+
+def test_close_sync_writes_everything(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db)
+    for i in range(25):
+        ledger.append_nowait(entry(i))
+    ledger.close_sync()
+    assert verify(db).rows == 25
+
+
+async def test_flush_and_rows(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db)
+    await ledger.start()
+    for i in range(1, 31):
+        await ledger.append(entry(i, run_id=f"run-{i % 2}", ts=1000.0 + i))
+    await ledger.flush()
+    assert ledger.written == 30
+    assert [r["id"] for r in ledger.rows(limit=3)] == [28, 29, 30]
+    odd = ledger.rows("run-1", limit=100)
+    assert [r["detail"] for r in odd][:2] == ["step 1", "step 3"] and len(odd) == 15
+    assert odd[0]["ts"] == 1001.0 and odd[0]["prev_hash"] == GENESIS
+    assert set(odd[0]) == {"id", "ts", "agent", "run_id", "operation", "model", "input_hash", "decision",
+                           "reason", "detail", "prev_hash", "entry_hash"}
+    assert ledger.rows("nobody") == []
+    await ledger.close()
+
+
+async def test_append_waits_for_room_and_append_nowait_grows(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db, max_pending=4, hard_limit=10, batch_size=2)
+    for i in range(12):  # no writer yet: past 4 the queue grows, past 10 entries are refused
+        ledger.append_nowait(entry(i))
+    assert (ledger.accepted, ledger.overflowed, ledger.dropped) == (10, 6, 2)
+    await ledger.start()
+    await asyncio.gather(*(ledger.append(entry(i)) for i in range(40)))  # waits for room, never refused
+    await ledger.close()
+    assert (ledger.written, ledger.dropped, ledger.lost) == (50, 2, 0)
+    assert verify(db).rows == 50
+
+
+async def test_a_failed_write_keeps_its_batch_and_order(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db, batch_size=4, retry_delay_s=0)
+    ledger._writer.execute("PRAGMA busy_timeout = 0")
+    for i in range(10):
+        ledger.append_nowait(entry(i))
+    blocker = sqlite3.connect(db, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    with pytest.raises(sqlite3.OperationalError):
+        ledger._write_some()
+    assert len(ledger._pending) == 10 and ledger.written == 0
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    await ledger.close()
+    assert [r["detail"] for r in ledger_rows(db)] == [f"step {i}" for i in range(10)]
+    assert verify(db).ok
+
+
+async def test_close_reports_entries_it_could_not_write(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db, retry_delay_s=0)
+    ledger._writer.execute("PRAGMA busy_timeout = 0")
+    blocker = sqlite3.connect(db, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    for i in range(3):
+        ledger.append_nowait(entry(i))
+    with pytest.raises(StateUnavailable, match="3 entries"):
+        await ledger.close()
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    assert (ledger.lost, ledger.write_errors) == (3, 3)
+
+
+def ledger_rows(db: Path) -> list[dict[str, Any]]:
+    with closing(sqlite3.connect(db)) as conn:
+        conn.row_factory = sqlite3.Row
+        return [dict(r) for r in conn.execute("SELECT * FROM ledger ORDER BY id")]
+
+
+@pytest.mark.parametrize("changes", [
+    {"agent": None}, {"run_id": 7}, {"reason": 1}, {"detail": b"bytes"}, {"ts": math.nan},
+    {"ts": math.inf}, {"ts": "now"},
+])
+def test_malformed_entries_are_refused_at_the_caller(tmp_path: Path, changes: dict[str, Any]) -> None:
+    ledger = Ledger.open(tmp_path / "t.db")
+    with pytest.raises(TypeError):
+        ledger.append_nowait(entry(1, **changes))
+    assert ledger.accepted == 0
+    ledger.close_sync()
+
+
+async def test_odd_values_are_stored_and_verify(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db)
+    ledger.append_nowait(entry(1, run_id="r\udcff\u00e9", detail="x" * 5000, ts=1700000000))
+    ledger.append_nowait(entry(2, agent="ünïcødé 智能体", reason="loop_detected"))
+    await ledger.close()
+    rows = ledger_rows(db)
+    assert rows[0]["run_id"] == "r?\u00e9" and len(rows[0]["detail"]) == 500
+    assert rows[0]["ts"] == 1700000000.0 and rows[1]["agent"] == "ünïcødé 智能体"
+    assert verify(db).ok
+
+
+async def test_shares_the_run_store_file_without_touching_it(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    query(db, "CREATE TABLE runs (run_id TEXT PRIMARY KEY, spent REAL)")
+    query(db, "INSERT INTO runs VALUES ('r', 1.5)")
+    before = {name for (name,) in query(db, "SELECT name FROM sqlite_master")}
+    await filled(db, 5)
+    after = {name for (name,) in query(db, "SELECT name FROM sqlite_master")}
+    assert after - before == {
+        "ledger", "ledger_run_id", "ledger_no_update", "ledger_no_delete", "sqlite_sequence"}
+    assert query(db, "SELECT * FROM runs") == [("r", 1.5)]
+    assert verify(db).rows == 5
+
+
+@pytest.mark.parametrize("setup, ok, reason", [
+    ("missing", False, "no such file"), ("empty", True, None), ("other-table", True, None),
+])
+def test_verify_edge_files(tmp_path: Path, setup: str, ok: bool, reason: str | None) -> None:
+    db = tmp_path / "t.db"
+    if setup != "missing":
+        query(db, "CREATE TABLE runs (x)" if setup == "other-table" else "PRAGMA user_version = 1")
+    result = verify(db)
+    assert (result.ok, result.rows, result.first_bad_id) == (ok, 0, None)
+    assert (reason or "") in (result.reason or "")
+
+
+def test_input_hash_is_a_digest_not_the_content() -> None:
+    digest = input_hash('{"messages": [{"role": "user", "content": "secret"}]}')
+    assert len(digest) == 64 and "secret" not in digest
+    assert digest == input_hash(b'{"messages": [{"role": "user", "content": "secret"}]}')
