@@ -1,0 +1,111 @@
+"""Admin port: health, readiness, Prometheus metrics, runs (and approvals once tools land)."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from gateway.proxy import GATEWAY
+from gateway.runtime import Gateway
+
+PROXY_APP: web.AppKey[web.Application] = web.AppKey("proxy_app", web.Application)
+JSON = "application/json"
+_OPEN = frozenset({"/healthz", "/readyz"})
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type=JSON)
+
+
+def _gateway(request: web.Request) -> Gateway | None:
+    proxy = request.app[PROXY_APP]
+    return proxy.get(GATEWAY)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    gw = _gateway(request)
+    token = gw.config.admin.token if gw is not None else None
+    if token and request.path not in _OPEN:
+        presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(presented.encode(), token.encode()):
+            return _json({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
+    return await handler(request)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    if gw is None or gw.shutting_down:
+        return _json({"status": "not ready"}, 503)
+    return _json({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    render = gw.services.get("metrics_render") if gw is not None else None
+    if render is None:
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+        return web.Response(body=generate_latest(CollectorRegistry()), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    payload, content_type = render()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+def _unavailable() -> web.Response:
+    return _json({"error": {"code": "not_ready", "message": "gateway not ready"}}, 503)
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    if gw is None:
+        return _unavailable()
+    try:
+        limit = max(1, min(int(request.query.get("limit", "100")), 1000))
+    except ValueError:
+        return _json({"error": {"code": "invalid_request", "message": "limit must be an integer"}}, 400)
+    runs = await gw.store.list_runs(limit)
+    return _json({"runs": [r.view() for r in runs]})
+
+
+async def get_run(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    if gw is None:
+        return _unavailable()
+    run = await gw.store.get(request.match_info["run_id"])
+    if run is None:
+        return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)
+    return _json(run.view())
+
+
+async def reset_run(request: web.Request) -> web.Response:
+    gw = _gateway(request)
+    if gw is None:
+        return _unavailable()
+    run_id = request.match_info["run_id"]
+    run = await gw.store.reset(run_id, time.time())
+    if run is None:
+        return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)
+    for hook in gw.services.get("on_reset", ()):
+        hook(run_id, run.agent)
+    return _json(run.view())
+
+
+def create_admin_app(proxy: web.Application) -> web.Application:
+    app = web.Application(middlewares=[_auth])
+    app[PROXY_APP] = proxy
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/runs", list_runs)
+    app.router.add_get("/admin/runs/{run_id:.+}/", get_run)
+    app.router.add_post("/admin/runs/{run_id:.+}/reset", reset_run)
+    app.router.add_get("/admin/runs/{run_id:.+}", get_run)
+    return app

@@ -1,0 +1,66 @@
+"""App factory: the proxy app and the admin app, with the gateway built in `cleanup_ctx`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway.admin import create_admin_app
+from gateway.config import Config
+from gateway.identity import Identifier
+from gateway.pricing import Pricer
+from gateway.providers import adapters
+from gateway.proxy import GATEWAY, chat_handler, forward_other, list_models
+from gateway.routing import Router
+from gateway.runtime import Gateway
+from gateway.store import open_store
+from gateway.upstream import Upstream
+
+CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
+
+
+async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    store = open_store(config)
+    upstream = Upstream.create()
+    gw = Gateway(
+        config=config,
+        identifier=Identifier(config),
+        router=Router(config),
+        adapters=adapters(),
+        pricer=Pricer(config.pricing),
+        store=store,
+        upstream=upstream,
+    )
+    app[GATEWAY] = gw
+    try:
+        yield
+    finally:
+        gw.shutting_down = True
+        await upstream.close()
+        await store.close()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    gw = app.get(GATEWAY)
+    if gw is not None:
+        gw.shutting_down = True
+
+
+def create_app(config: Config) -> web.Application:
+    """The proxy app. Its body limit is enforced by the pipeline (clear 413 in the caller's format)."""
+    app = web.Application(client_max_size=config.limits.max_body_bytes + 1)
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_gateway_ctx)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_post("/v1/chat/completions", chat_handler("openai"))
+    app.router.add_post("/v1/messages", chat_handler("anthropic"))
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_route("*", "/v1/{tail:.+}", forward_other)
+    return app
+
+
+def create_apps(config: Config) -> tuple[web.Application, web.Application]:
+    proxy = create_app(config)
+    return proxy, create_admin_app(proxy)

@@ -1,0 +1,157 @@
+"""Command line: `tollgate serve | check-config | demo | runs | ledger verify`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from gateway.config import Config, default_config, load_config
+from gateway.errors import ConfigError
+
+
+def _load(path: str | None) -> Config:
+    if path:
+        return load_config(path)
+    if Path("tollgate.yaml").exists():
+        return load_config("tollgate.yaml")
+    return default_config()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server import run
+
+    try:
+        config = _load(args.config)
+    except ConfigError as exc:
+        _print_problems(exc)
+        return 1
+    host = args.host or config.listen.host
+    port = config.listen.port if args.port is None else args.port
+    admin_port = config.admin.port if args.admin_port is None else args.admin_port
+    return run(config, host=host, port=port, admin_host=config.admin.host, admin_port=admin_port)
+
+
+def _print_problems(exc: ConfigError) -> None:
+    for path, message in exc.problems:
+        print(f"error: {path}: {message}", file=sys.stderr)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+        from guards.registry import build_chain
+
+        for name, agent in config.agents.items():
+            build_chain(agent, name)
+    except ConfigError as exc:
+        _print_problems(exc)
+        return 1
+    print(
+        f"ok: {len(config.providers)} providers, {len(config.models)} model routes, "
+        f"{len(config.agents)} agents, {len(config.mcp_servers)} MCP servers, state {config.state.backend}"
+    )
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    url = args.admin.rstrip("/") + "/admin/runs"
+    request = urllib.request.Request(url)
+    token = os.environ.get("TOLLGATE_ADMIN_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            runs = json.loads(resp.read())["runs"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        print(f"error: cannot read {url}: {exc}", file=sys.stderr)
+        return 1
+    print(format_runs(runs))
+    return 0
+
+
+def format_runs(runs: list[dict[str, Any]]) -> str:
+    header = ["RUN ID", "AGENT", "STATUS", "STOP REASON", "SPENT USD", "TOKENS", "LLM CALLS", "TOOL CALLS"]
+    rows = [
+        [
+            str(r["run_id"]),
+            str(r["agent"]),
+            str(r["status"]),
+            str(r.get("stop_reason") or "-"),
+            f"{r.get('spent_usd', 0.0):.6f}",
+            str(int(r.get("input_tokens", 0)) + int(r.get("output_tokens", 0))),
+            str(r.get("llm_calls", 0)),
+            str(r.get("tool_calls", 0)),
+        ]
+        for r in runs
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def cmd_ledger_verify(args: argparse.Namespace) -> int:
+    from gateway.ledger import verify
+
+    path = args.db
+    if path is None:
+        try:
+            config = _load(None)
+        except ConfigError as exc:
+            _print_problems(exc)
+            return 1
+        path = str(config.resolve(config.ledger.path or config.state.path))
+    if not Path(path).exists():
+        print(f"error: no ledger at {path}", file=sys.stderr)
+        return 1
+    result = verify(path)
+    if result.ok:
+        print(f"ok: {result.rows} ledger rows, chain intact")
+        return 0
+    print(f"TAMPERED: first bad row id {result.first_bad_id}: {result.reason}", file=sys.stderr)
+    return 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return run_demo(otlp_json=args.otlp_json)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tollgate", description="Sidecar gateway for AI agents.")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--admin-port", type=int)
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check_config)
+    demo = sub.add_parser("demo", help="offline tour with a scripted model and tool server")
+    demo.add_argument("--otlp-json", help="also write the traces as OTLP JSON to this file")
+    demo.set_defaults(func=cmd_demo)
+    runs = sub.add_parser("runs", help="table of runs")
+    runs.add_argument("--admin", default="http://127.0.0.1:9464")
+    runs.set_defaults(func=cmd_runs)
+    ledger = sub.add_parser("ledger", help="decision ledger")
+    ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)
+    verify = ledger_sub.add_parser("verify", help="re-hash the ledger chain")
+    verify.add_argument("--db")
+    verify.set_defaults(func=cmd_ledger_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

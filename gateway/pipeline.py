@@ -1,0 +1,239 @@
+"""The fixed pipeline of named stages (DESIGN section 6):
+
+    identify -> parse -> guard.before -> shape -> forward -> inspect -> guard.after -> record -> respond
+
+`run_step` drives one model call through them. Each stage is a small function over the `Step`; the
+streaming variant of forward/inspect lives in `gateway.relay`. Guards see `Call`s only, and the store
+applies their claims and effects atomically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.call import Answer
+from gateway.config import Limits
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    RequestTooLarge,
+    Stopped,
+    UpstreamUnavailable,
+    error_code,
+)
+from gateway.identity import RUN_ID_HEADER, Identity
+from gateway.providers.base import Adapter
+from gateway.providers.common import json_depth_ok
+from gateway.runtime import Gateway
+from gateway.step import Step
+from gateway.store.base import Denial, ReserveRequest
+from gateway.upstream import forwardable
+from guards.base import Add, Push, StepContext
+from guards.budget import settlement
+from guards.chain import Verdict
+
+MIN_OUTPUT_TOKENS = 16
+STOP_HEADER = "x-tollgate-stop-reason"
+MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
+JSON = "application/json"
+
+
+# -- parse -------------------------------------------------------------------------------------------
+
+
+async def read_body(request: web.Request, limits: Limits) -> bytes:
+    """Read the body, refusing more than `max_body_bytes` without buffering past the limit."""
+    limit = limits.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    if not json_depth_ok(body, limits.max_json_depth):
+        raise InvalidRequest(f"request JSON nests deeper than {limits.max_json_depth} levels")
+    return body
+
+
+# -- guard.before ------------------------------------------------------------------------------------
+
+
+async def guard_before(gw: Gateway, step: Step) -> None:
+    """Run the guards, then reserve their claims atomically. Raises Stopped on a stop."""
+    ident = step.identity
+    now = time.time()
+    snapshot = await gw.store.get(ident.run_id)
+    ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price)
+    verdict = gw.chain(ident.agent, ident.policy).before(ctx)
+    step.decisions.extend(verdict.decisions)
+    if verdict.stop is not None:
+        await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
+    await apply_effects(gw, step, verdict)
+    call = step.call
+    max_units = call.max_tokens or output_limit(step)
+    if step.price is not None and step.price.max_output_tokens:
+        max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
+    request = ReserveRequest(verdict.claims, min(MIN_OUTPUT_TOKENS, max_units), max_units)
+    grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
+    if isinstance(grant, Denial):
+        step.stop_reason, step.stop_detail = grant.reason, grant.detail
+        raise Stopped(grant.reason, grant.detail)
+    step.reservation = grant
+    budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)
+    if grant.units != call.max_tokens and (budgeted or call.max_tokens is not None):
+        prefer = step.route.provider.dialect == "openai"
+        step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=prefer)
+        step.max_tokens_set = grant.units
+        step.changed = True
+
+
+def output_limit(step: Step) -> int:
+    price = step.price
+    if price is not None and price.max_output_tokens:
+        return price.max_output_tokens
+    return step.route.provider.max_output_tokens
+
+
+async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> None:
+    """Stop the run (sticky) and raise the stop for the respond stage."""
+    step.stop_reason, step.stop_detail = reason, detail
+    await gw.store.stop(step.run_id, step.agent, reason, detail, time.time())
+    raise Stopped(reason, detail)
+
+
+async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
+    for effect in verdict.effects:
+        if isinstance(effect, Add):
+            denial = await gw.store.add(
+                step.run_id, step.agent, effect.counter, effect.amount,
+                limit=effect.limit, code=effect.code, now=time.time(),
+            )
+            if denial is not None:
+                step.stop_reason, step.stop_detail = denial.reason, denial.detail
+                raise Stopped(denial.reason, denial.detail)
+        elif isinstance(effect, Push):
+            await gw.store.push(step.run_id, step.agent, effect.key, effect.values, effect.keep)
+
+
+# -- shape -------------------------------------------------------------------------------------------
+
+
+def shape(step: Step) -> bytes:
+    """Apply request changes; forward the original bytes when nothing had to change."""
+    if step.route.prefixed:
+        step.body["model"] = step.route.model
+        step.changed = True
+    if step.call.stream and step.adapter.ask_usage(step.body):
+        step.hide_usage = True
+        step.changed = True
+    return orjson.dumps(step.body) if step.changed else step.raw
+
+
+def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """URL and headers for the upstream: provider credentials replace the agent's own."""
+    provider = step.route.provider
+    passthrough = provider.passthrough_auth
+    out = forwardable(headers, drop=frozenset() if passthrough else frozenset({"authorization", "x-api-key"}))
+    if provider.type == "anthropic":
+        url = provider.base_url.rstrip("/") + "/v1/messages"
+        if provider.api_key and not passthrough:
+            out["x-api-key"] = provider.api_key
+        out.setdefault("anthropic-version", "2023-06-01")
+    else:
+        url = provider.base_url.rstrip("/") + "/chat/completions"
+        if provider.api_key and not passthrough:
+            out["Authorization"] = f"Bearer {provider.api_key}"
+    out["Content-Type"] = JSON
+    return url, dict(out)
+
+
+# -- guard.after / settle ----------------------------------------------------------------------------
+
+
+async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: bool = True) -> None:
+    """Settle the reservation: real usage, or the whole reservation when usage is unknown.
+
+    `charged=False` (upstream refused with an error status) settles only the call count.
+    """
+    reservation = step.reservation
+    if reservation is None:
+        return
+    step.reservation = None
+    if charged:
+        actual = dict(settlement(answer.usage if answer else None, step.price, reservation, step.relayed_chars // 4))
+    else:
+        actual = {k: v for k, v in reservation.amounts.items() if k == "llm_calls"}
+    step.cost_usd = actual.get("usd", 0.0)
+    await gw.store.settle(reservation, actual, time.time())
+
+
+async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
+    """Judge the answer before the agent sees it; a stop withholds it. Raises Stopped."""
+    ident = step.identity
+    snapshot = await gw.store.get(ident.run_id)
+    ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
+                      step.extra)
+    verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)
+    step.decisions.extend(verdict.decisions)
+    if verdict.stop is not None:
+        await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
+    await apply_effects(gw, step, verdict)
+
+
+# -- respond -----------------------------------------------------------------------------------------
+
+
+def base_headers(identity: Identity | None, step: Step | None = None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if identity is not None:
+        headers[RUN_ID_HEADER] = identity.run_id
+    if step is not None and step.max_tokens_set is not None:
+        headers[MAX_TOKENS_HEADER] = str(step.max_tokens_set)
+    return headers
+
+
+def error_response(adapter: Adapter, error: GatewayError, headers: dict[str, str]) -> web.Response:
+    if error.stop_reason:
+        headers = {**headers, STOP_HEADER: error.stop_reason}
+    return web.Response(status=error.status, body=adapter.error_body(error), content_type=JSON, headers=headers)
+
+
+def stop_response(step: Step, error: Stopped) -> web.Response:
+    """A stop before any byte was sent: 403 in the wire format, or 200 with a final message."""
+    headers = {**base_headers(step.identity, step), STOP_HEADER: error.reason}
+    if step.identity.policy.on_stop == "message":
+        if step.call.stream:
+            body = step.adapter.stop_stream(step.call, error.reason, error.message)
+            return web.Response(status=200, body=body, content_type="text/event-stream", headers=headers)
+        body = step.adapter.stop_answer(step.call, error.reason, error.message)
+        return web.Response(status=200, body=body, content_type=JSON, headers=headers)
+    return web.Response(status=403, body=step.adapter.error_body(error), content_type=JSON, headers=headers)
+
+
+def malformed_upstream(detail: str) -> UpstreamUnavailable:
+    return UpstreamUnavailable(f"upstream answered malformed JSON: {detail}")
+
+
+def code_of(error: GatewayError) -> str:
+    return error_code(error)

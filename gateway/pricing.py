@@ -1,0 +1,123 @@
+"""Model prices: `genai-prices` data, overridden per model glob by the config's `pricing:` table.
+
+Lookups go through genai-prices once per (provider, model) and are cached; costs are then computed
+here from the cached per-token rates, because a full genai-prices calculation costs ~250 µs, too much
+for every step. Tiered prices (long-context surcharges) pick the tier by the step's input tokens;
+reservations use the highest tier so that the worst case is never under-reserved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from fnmatch import fnmatchcase
+from typing import Any
+
+from gateway.call import Usage
+from gateway.config import Price
+
+_MTOK = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """USD per token, with optional tiers `(start_input_tokens, usd_per_token)`."""
+
+    base: float
+    tiers: tuple[tuple[int, float], ...] = ()
+
+    def at(self, input_tokens: int) -> float:
+        rate = self.base
+        for start, tier_rate in self.tiers:
+            if input_tokens > start:
+                rate = tier_rate
+        return rate
+
+    @property
+    def worst(self) -> float:
+        return max([self.base, *(r for _, r in self.tiers)])
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPrice:
+    input: Rate
+    output: Rate
+    cache_read: Rate | None = None
+    cache_write: Rate | None = None
+    max_output_tokens: int | None = None
+    source: str = "genai-prices"
+
+    @property
+    def worst_input(self) -> float:
+        """Highest price one input token can cost (a cache write can cost more than plain input)."""
+        candidates = [self.input.worst]
+        if self.cache_write is not None:
+            candidates.append(self.cache_write.worst)
+        return max(candidates)
+
+    def cost(self, usage: Usage) -> float:
+        """USD for `usage` (input tokens include cached ones, as in semconv)."""
+        n = usage.input_tokens
+        cached = usage.cache_read_tokens if self.cache_read is not None else 0
+        written = usage.cache_creation_tokens if self.cache_write is not None else 0
+        plain = max(n - cached - written, 0)
+        total = plain * self.input.at(n) + usage.output_tokens * self.output.at(n)
+        if self.cache_read is not None:
+            total += cached * self.cache_read.at(n)
+        if self.cache_write is not None:
+            total += written * self.cache_write.at(n)
+        return total
+
+
+def _rate(value: Any) -> Rate | None:
+    if value is None:
+        return None
+    if isinstance(value, Decimal | int | float):
+        return Rate(float(value) / _MTOK)
+    base = getattr(value, "base", None)
+    if base is None:
+        return None
+    tiers = tuple((int(t.start), float(t.price) / _MTOK) for t in getattr(value, "tiers", ()))
+    return Rate(float(base) / _MTOK, tiers)
+
+
+class Pricer:
+    """Per-model prices. `lookup` returns None when neither config nor genai-prices knows the model."""
+
+    def __init__(self, overrides: dict[str, Price]) -> None:
+        self._overrides = overrides
+        self._cache: dict[tuple[str, str], ModelPrice | None] = {}
+
+    def lookup(self, model: str, provider_type: str) -> ModelPrice | None:
+        key = (provider_type, model)
+        if key not in self._cache:
+            self._cache[key] = self._find(model, provider_type)
+        return self._cache[key]
+
+    def _find(self, model: str, provider_type: str) -> ModelPrice | None:
+        override = self._overrides.get(model)
+        if override is None:
+            override = next((p for g, p in self._overrides.items() if fnmatchcase(model, g)), None)
+        if override is not None:
+            return ModelPrice(
+                Rate(override.input_per_mtok / _MTOK),
+                Rate(override.output_per_mtok / _MTOK),
+                max_output_tokens=override.max_output_tokens,
+                source="config",
+            )
+        return _from_genai_prices(model, provider_type)
+
+
+def _from_genai_prices(model: str, provider_type: str) -> ModelPrice | None:
+    from genai_prices import Usage as GPUsage
+    from genai_prices import calc_price
+
+    try:
+        calc = calc_price(GPUsage(input_tokens=1, output_tokens=1), model_ref=model, provider_id=provider_type)
+    except LookupError:
+        return None
+    mp = calc.model_price
+    input_rate, output_rate = _rate(mp.input_mtok), _rate(mp.output_mtok)
+    if input_rate is None or output_rate is None:
+        return None
+    return ModelPrice(input_rate, output_rate, _rate(mp.cache_read_mtok), _rate(mp.cache_write_mtok))

@@ -1,0 +1,303 @@
+"""Anthropic Messages wire protocol (`POST /v1/messages`), I/O-free."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, error_code
+from gateway.providers.base import StreamStep
+from gateway.providers.common import (
+    check_counts,
+    content_text,
+    opt_int,
+    opt_number,
+    require_list,
+    require_model,
+    stop_text,
+)
+from gateway.providers.sse import SseEvent, format_event
+
+
+def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
+    specs: list[ToolSpec] = []
+    for index, tool in enumerate(raw_tools):
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+            raise InvalidRequest(f"tools.{index} must be an object with a name", param="tools")
+        schema = tool.get("input_schema")
+        specs.append(ToolSpec(tool["name"], tool.get("description"), schema if isinstance(schema, Mapping) else None))
+    return tuple(specs)
+
+
+def _tool_choice(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or value.get("type") not in ("auto", "any", "tool", "none"):
+        raise InvalidRequest("tool_choice.type must be auto, any, tool or none", param="tool_choice")
+    if value["type"] == "tool":
+        name = value.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest("tool_choice of type tool needs a name", param="tool_choice")
+        return name
+    return None
+
+
+def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
+    """`tool_result` blocks of the last user message."""
+    for message in reversed(messages):
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if not isinstance(content, list):
+            return ()
+        return tuple(
+            ToolResult(str(b.get("tool_use_id", "")), content_text(b.get("content")), bool(b.get("is_error")))
+            for b in content
+            if isinstance(b, Mapping) and b.get("type") == "tool_result"
+        )
+    return ()
+
+
+def usage_from(usage: Any) -> Usage | None:
+    """Semconv usage: input tokens = input + cache read + cache creation (Anthropic excludes the cache)."""
+    if not isinstance(usage, Mapping):
+        return None
+    read = int(usage.get("cache_read_input_tokens") or 0)
+    created = int(usage.get("cache_creation_input_tokens") or 0)
+    return Usage(
+        input_tokens=int(usage.get("input_tokens") or 0) + read + created,
+        output_tokens=int(usage.get("output_tokens") or 0),
+        cache_read_tokens=read,
+        cache_creation_tokens=created,
+    )
+
+
+class AnthropicMessages:
+    protocol = "anthropic"
+    operation = "chat"
+
+    def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
+        model = require_model(body)
+        messages = require_list(body, "messages", required=True)
+        raw_tools = require_list(body, "tools", required=False)
+        check_counts(messages, raw_tools, limits)
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
+                raise InvalidRequest(f"messages.{index}.role must be user or assistant", param="messages")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean", param="stream")
+        stop = body.get("stop_sequences")
+        params = RequestParams(
+            temperature=opt_number(body, "temperature"),
+            top_p=opt_number(body, "top_p"),
+            top_k=opt_number(body, "top_k"),
+            stop_sequences=tuple(stop) if isinstance(stop, list) else None,
+        )
+        return Call(
+            protocol="anthropic",
+            operation="chat",
+            model=model,
+            stream=stream,
+            max_tokens=opt_int(body, "max_tokens", minimum=1),
+            input_bytes=len(raw),
+            tools=_tools(raw_tools),
+            tool_choice=_tool_choice(body.get("tool_choice")),
+            tool_results=_latest_results(messages),
+            params=params,
+            request_hash=digest(raw),
+            raw=body,
+        )
+
+    def parse_answer(self, body: Mapping[str, Any]) -> Answer:
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        for block in body.get("content") or ():
+            if block.get("type") == "text":
+                texts.append(str(block.get("text") or ""))
+            elif block.get("type") == "tool_use":
+                args = orjson.dumps(block.get("input") or {}).decode()
+                calls.append(ToolCall(str(block.get("id", "")), str(block.get("name", "")), args))
+        reason = body.get("stop_reason")
+        return Answer(
+            response_id=body.get("id"),
+            model=body.get("model"),
+            text="".join(texts),
+            tool_calls=tuple(calls),
+            finish_reasons=(str(reason),) if reason else (),
+            usage=usage_from(body.get("usage")),
+        )
+
+    def stream_reader(self, *, hide_usage: bool) -> AnthropicStreamReader:
+        return AnthropicStreamReader()
+
+    def error_body(self, error: GatewayError) -> bytes:
+        return orjson.dumps({"type": "error", "error": _error(error)})
+
+    def error_event(self, error: GatewayError) -> bytes:
+        return format_event(orjson.dumps({"type": "error", "error": _error(error)}), "error")
+
+    def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
+        return orjson.dumps(
+            {
+                "id": f"msg_tollgate_{int(time.time() * 1000)}",
+                "type": "message",
+                "role": "assistant",
+                "model": call.model,
+                "content": [{"type": "text", "text": stop_text(reason, detail)}],
+                "stop_reason": "end_turn",
+                "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            }
+        )
+
+    def stop_stream(self, call: Call, reason: str, detail: str) -> bytes:
+        start = {
+            "type": "message_start",
+            "message": {
+                "id": f"msg_tollgate_{int(time.time() * 1000)}",
+                "type": "message",
+                "role": "assistant",
+                "model": call.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            },
+        }
+        return self.stop_tail(reason, detail, start=start)
+
+    def stop_tail(self, reason: str, detail: str, *, start: Mapping[str, Any] | None = None, index: int = 0) -> bytes:
+        """Events that append a text block saying why, then end the message."""
+        parts = [format_event(orjson.dumps(start), "message_start")] if start else []
+        parts += [
+            format_event(
+                orjson.dumps({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
+                "content_block_start",
+            ),
+            format_event(
+                orjson.dumps(
+                    {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": stop_text(reason, detail)}}
+                ),
+                "content_block_delta",
+            ),
+            format_event(orjson.dumps({"type": "content_block_stop", "index": index}), "content_block_stop"),
+            format_event(
+                orjson.dumps(
+                    {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 0}}
+                ),
+                "message_delta",
+            ),
+            format_event(b'{"type":"message_stop"}', "message_stop"),
+        ]
+        return b"".join(parts)
+
+    def stream_stop_tail(self, call: Call, reader: Any, reason: str, detail: str) -> bytes:
+        """Stop events after part of the message was relayed: close it with a text block saying why."""
+        if getattr(reader, "started", False):
+            return self.stop_tail(reason, detail, index=getattr(reader, "next_index", 0))
+        return self.stop_stream(call, reason, detail)
+
+    def max_tokens_field(self, body: Mapping[str, Any]) -> str | None:
+        return "max_tokens" if body.get("max_tokens") is not None else None
+
+    def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
+        body["max_tokens"] = value
+
+    def ask_usage(self, body: dict[str, Any]) -> bool:
+        return False  # Anthropic streams always carry usage (message_start and message_delta)
+
+    def with_instruction(self, body: Mapping[str, Any], answer_text: str, instruction: str) -> dict[str, Any]:
+        messages = list(body.get("messages") or [])
+        messages.append({"role": "assistant", "content": answer_text or "(empty)"})
+        messages.append({"role": "user", "content": instruction})
+        return {**body, "messages": messages}
+
+
+def _error(error: GatewayError) -> dict[str, Any]:
+    return {"type": error.anthropic_type, "message": error.message, "code": error_code(error)}
+
+
+class AnthropicStreamReader:
+    """Accumulates a streamed message from its events; relays every event unchanged."""
+
+    def __init__(self) -> None:
+        self._id: str | None = None
+        self._model: str | None = None
+        self._text: list[str] = []
+        self._blocks: dict[int, list[str]] = {}
+        self._reason: str | None = None
+        self._usage: dict[str, int] = {}
+        self._chars = 0
+        self.next_index = 0
+        self.started = False  # message_start was relayed
+        self.holding = False  # a tool_use block started: hold events until the answer is judged
+        self.complete = False
+
+    @property
+    def output_chars(self) -> int:
+        return self._chars
+
+    def feed(self, event: SseEvent) -> StreamStep:
+        try:
+            data = orjson.loads(event.data) if event.data else None
+        except orjson.JSONDecodeError:
+            return StreamStep(event.raw)
+        if not isinstance(data, dict):
+            return StreamStep(event.raw)
+        kind = data.get("type")
+        if kind == "message_start":
+            message = data.get("message") or {}
+            self.started = True
+            self._id, self._model = message.get("id"), message.get("model")
+            self._merge_usage(message.get("usage"))
+        elif kind == "content_block_start":
+            index = int(data.get("index") or 0)
+            block = data.get("content_block") or {}
+            self.next_index = max(self.next_index, index + 1)
+            if block.get("type") == "tool_use":
+                self.holding = True
+                self._blocks[index] = [str(block.get("id", "")), str(block.get("name", "")), ""]
+        elif kind == "content_block_delta":
+            delta = data.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                text = str(delta.get("text") or "")
+                self._chars += len(text)
+                self._text.append(text)
+            elif delta.get("type") == "input_json_delta":
+                part = str(delta.get("partial_json") or "")
+                self._chars += len(part)
+                slot = self._blocks.get(int(data.get("index") or 0))
+                if slot is not None:
+                    slot[2] += part
+        elif kind == "message_delta":
+            reason = (data.get("delta") or {}).get("stop_reason")
+            self._reason = reason or self._reason
+            self._merge_usage(data.get("usage"))
+        elif kind == "message_stop":
+            self.complete = True
+            return StreamStep(event.raw, done=True)
+        return StreamStep(event.raw)
+
+    def _merge_usage(self, usage: Any) -> None:
+        if isinstance(usage, Mapping):
+            for key, value in usage.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    self._usage[key] = value
+
+    def answer(self) -> Answer:
+        calls = tuple(ToolCall(v[0], v[1], v[2] or "{}") for _, v in sorted(self._blocks.items()))
+        complete = self._reason is not None and "output_tokens" in self._usage
+        return Answer(
+            response_id=self._id,
+            model=self._model,
+            text="".join(self._text),
+            tool_calls=calls,
+            finish_reasons=(self._reason,) if self._reason else (),
+            usage=usage_from(self._usage) if complete else None,
+        )

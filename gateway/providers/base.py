@@ -1,0 +1,66 @@
+"""The provider adapter protocol: one pure module per wire protocol.
+
+An adapter translates between wire JSON and the neutral `Call` / `Answer`, renders errors and stop
+messages in its protocol's format, and applies the request changes the pipeline asks for. It does no
+I/O. `StreamReader` follows a streamed answer event by event and says, per event, which bytes to send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.call import Answer, Call
+from gateway.config import Limits
+from gateway.errors import GatewayError
+from gateway.providers.sse import SseEvent
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStep:
+    """What to do with one upstream event: bytes to relay now (possibly b""), and whether it ended."""
+
+    out: bytes
+    done: bool = False
+
+
+class StreamReader(Protocol):
+    holding: bool  # a tool call started: the relay holds events until the answer is judged
+    complete: bool  # the upstream ended the answer properly
+
+    def feed(self, event: SseEvent) -> StreamStep: ...
+
+    def answer(self) -> Answer: ...
+
+    @property
+    def output_chars(self) -> int: ...
+
+
+class Adapter(Protocol):
+    protocol: str
+    operation: str
+
+    def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call: ...
+
+    def parse_answer(self, body: Mapping[str, Any]) -> Answer: ...
+
+    def stream_reader(self, *, hide_usage: bool) -> StreamReader: ...
+
+    def error_body(self, error: GatewayError) -> bytes: ...
+
+    def error_event(self, error: GatewayError) -> bytes: ...
+
+    def stop_answer(self, call: Call, reason: str, detail: str) -> bytes: ...
+
+    def stop_stream(self, call: Call, reason: str, detail: str) -> bytes: ...
+
+    def stream_stop_tail(self, call: Call, reader: Any, reason: str, detail: str) -> bytes: ...
+
+    def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None: ...
+
+    def ask_usage(self, body: dict[str, Any]) -> bool: ...
+
+    def max_tokens_field(self, body: Mapping[str, Any]) -> str | None: ...
+
+    def with_instruction(self, body: Mapping[str, Any], answer_text: str, instruction: str) -> dict[str, Any]: ...

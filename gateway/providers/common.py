@@ -1,0 +1,91 @@
+"""Helpers shared by the adapters: request-shape checks and small conversions (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.config import Limits
+from gateway.errors import InvalidRequest, RequestTooLarge
+
+
+def json_depth_ok(value: Any, limit: int) -> bool:
+    """True when nesting of lists/objects stays within `limit` (iterative; stops at the first breach)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            if depth > limit:
+                return False
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            if depth > limit:
+                return False
+            stack.extend((v, depth + 1) for v in node if isinstance(v, dict | list))
+    return True
+
+
+def require_list(body: Mapping[str, Any], key: str, *, required: bool) -> list[Any]:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise InvalidRequest(f"'{key}' is required", param=key)
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'{key}' must be an array", param=key)
+    return value
+
+
+def require_model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    return model
+
+
+def check_counts(messages: list[Any], tools: list[Any], limits: Limits) -> None:
+    if len(messages) > limits.max_messages:
+        raise RequestTooLarge(f"{len(messages)} messages exceed the limit of {limits.max_messages}")
+    if len(tools) > limits.max_tools:
+        raise RequestTooLarge(f"{len(tools)} tools exceed the limit of {limits.max_tools}")
+
+
+def opt_number(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"'{key}' must be a number", param=key)
+    return float(value)
+
+
+def opt_int(body: Mapping[str, Any], key: str, *, minimum: int = 0) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidRequest(f"'{key}' must be an integer >= {minimum}", param=key)
+    return value
+
+
+def stop_text(reason: str, detail: str) -> str:
+    return f"tollgate stopped this run ({reason}): {detail}"
+
+
+def content_text(content: Any) -> str:
+    """Text of a message `content` that is a string or a list of parts/blocks."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, Mapping):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+                elif part.get("type") in ("tool_result",):
+                    parts.append(content_text(part.get("content")))
+            elif isinstance(part, str):
+                parts.append(part)
+        return "\n".join(parts)
+    return "" if content is None else str(content)

@@ -1,0 +1,294 @@
+"""OpenAI Chat Completions wire protocol (`POST /v1/chat/completions`), I/O-free."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, error_code
+from gateway.providers.common import (
+    check_counts,
+    content_text,
+    opt_int,
+    opt_number,
+    require_list,
+    require_model,
+    stop_text,
+)
+from gateway.providers.sse import SseEvent, format_event
+from gateway.providers.base import StreamStep
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
+    specs: list[ToolSpec] = []
+    for index, tool in enumerate(raw_tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"tools[{index}] must be {{type: function, function: {{name, ...}}}}", param="tools")
+        params = fn.get("parameters")
+        specs.append(ToolSpec(fn["name"], fn.get("description"), params if isinstance(params, Mapping) else None))
+    return tuple(specs)
+
+
+def _tool_choice(value: Any) -> str | None:
+    if isinstance(value, Mapping):
+        fn = value.get("function")
+        if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
+            return str(fn["name"])
+        raise InvalidRequest("tool_choice must name a function", param="tool_choice")
+    if value is None or value in ("auto", "none", "required"):
+        return None
+    raise InvalidRequest("tool_choice must be auto, none, required or a function", param="tool_choice")
+
+
+def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
+    """Tool results of the latest round: the `role: tool` messages after the last assistant message."""
+    results: list[ToolResult] = []
+    for message in reversed(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequest("each message must be an object", param="messages")
+        role = message.get("role")
+        if role == "tool":
+            results.append(ToolResult(str(message.get("tool_call_id", "")), content_text(message.get("content"))))
+        elif role == "assistant":
+            break
+    results.reverse()
+    return tuple(results)
+
+
+class OpenAIChat:
+    protocol = "openai"
+    operation = "chat"
+
+    def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
+        model = require_model(body)
+        messages = require_list(body, "messages", required=True)
+        raw_tools = require_list(body, "tools", required=False)
+        check_counts(messages, raw_tools, limits)
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise InvalidRequest(f"messages[{index}] must be an object with a role", param="messages")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean", param="stream")
+        max_tokens = opt_int(body, "max_completion_tokens", minimum=1)
+        if max_tokens is None:
+            max_tokens = opt_int(body, "max_tokens", minimum=1)
+        stop = body.get("stop")
+        params = RequestParams(
+            temperature=opt_number(body, "temperature"),
+            top_p=opt_number(body, "top_p"),
+            frequency_penalty=opt_number(body, "frequency_penalty"),
+            presence_penalty=opt_number(body, "presence_penalty"),
+            stop_sequences=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else None,
+            seed=opt_int(body, "seed", minimum=-(2**63)),
+            choice_count=opt_int(body, "n", minimum=1),
+        )
+        return Call(
+            protocol="openai",
+            operation="chat",
+            model=model,
+            stream=stream,
+            max_tokens=max_tokens,
+            input_bytes=len(raw),
+            tools=_tools(raw_tools),
+            tool_choice=_tool_choice(body.get("tool_choice")),
+            tool_results=_latest_results(messages),
+            params=params,
+            request_hash=digest(raw),
+            raw=body,
+        )
+
+    def parse_answer(self, body: Mapping[str, Any]) -> Answer:
+        text = ""
+        calls: list[ToolCall] = []
+        reasons: list[str] = []
+        for index, choice in enumerate(body.get("choices") or ()):
+            message = choice.get("message") or {}
+            if index == 0:
+                text = message.get("content") or ""
+            for tc in message.get("tool_calls") or ():
+                fn = tc.get("function") or {}
+                calls.append(ToolCall(str(tc.get("id", "")), str(fn.get("name", "")), str(fn.get("arguments", ""))))
+            if choice.get("finish_reason"):
+                reasons.append(str(choice["finish_reason"]))
+        return Answer(
+            response_id=body.get("id"),
+            model=body.get("model"),
+            text=text if isinstance(text, str) else "",
+            tool_calls=tuple(calls),
+            finish_reasons=tuple(reasons),
+            usage=usage_from(body.get("usage")),
+        )
+
+    def stream_reader(self, *, hide_usage: bool) -> OpenAIStreamReader:
+        return OpenAIStreamReader(hide_usage)
+
+    def error_body(self, error: GatewayError) -> bytes:
+        return orjson.dumps({"error": _error(error)})
+
+    def error_event(self, error: GatewayError) -> bytes:
+        return format_event(orjson.dumps({"error": _error(error)}))
+
+    def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
+        return orjson.dumps(
+            {
+                "id": f"chatcmpl-tollgate-{int(time.time() * 1000)}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": call.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": stop_text(reason, detail)},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            }
+        )
+
+    def stop_stream(self, call: Call, reason: str, detail: str) -> bytes:
+        chunk = {
+            "id": f"chatcmpl-tollgate-{int(time.time() * 1000)}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": call.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": stop_text(reason, detail)},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        return format_event(orjson.dumps(chunk)) + DONE
+
+    def stream_stop_tail(self, call: Call, reader: Any, reason: str, detail: str) -> bytes:
+        return self.stop_stream(call, reason, detail)
+
+    def max_tokens_field(self, body: Mapping[str, Any]) -> str | None:
+        for key in ("max_completion_tokens", "max_tokens"):
+            if body.get(key) is not None:
+                return key
+        return None
+
+    def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
+        field = self.max_tokens_field(body)
+        if field is None:
+            field = "max_completion_tokens" if prefer_completion_field else "max_tokens"
+        body[field] = value
+
+    def ask_usage(self, body: dict[str, Any]) -> bool:
+        """Ask for the usage chunk; True when the agent had not asked for it (then it is hidden)."""
+        options = body.get("stream_options")
+        if isinstance(options, Mapping) and options.get("include_usage") is True:
+            return False
+        body["stream_options"] = {**(options if isinstance(options, Mapping) else {}), "include_usage": True}
+        return True
+
+    def with_instruction(self, body: Mapping[str, Any], answer_text: str, instruction: str) -> dict[str, Any]:
+        messages = list(body.get("messages") or [])
+        messages.append({"role": "assistant", "content": answer_text})
+        messages.append({"role": "user", "content": instruction})
+        return {**body, "messages": messages}
+
+
+def _error(error: GatewayError) -> dict[str, Any]:
+    return {"message": error.message, "type": error.openai_type, "param": error.param, "code": error_code(error)}
+
+
+def usage_from(usage: Any) -> Usage | None:
+    if not isinstance(usage, Mapping):
+        return None
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    completion_details = usage.get("completion_tokens_details") or {}
+    return Usage(
+        input_tokens=int(usage.get("prompt_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens") or 0),
+        cache_read_tokens=int(prompt_details.get("cached_tokens") or 0),
+        reasoning_tokens=int(completion_details.get("reasoning_tokens") or 0),
+    )
+
+
+class OpenAIStreamReader:
+    """Accumulates a streamed chat completion; relays every event unchanged except a usage chunk the
+    agent did not ask for (tollgate asked for it to settle the budget)."""
+
+    def __init__(self, hide_usage: bool) -> None:
+        self._hide_usage = hide_usage
+        self._id: str | None = None
+        self._model: str | None = None
+        self._text: list[str] = []
+        self._calls: dict[tuple[int, int], list[str]] = {}
+        self._reasons: dict[int, str] = {}
+        self._usage: Usage | None = None
+        self._chars = 0
+        self.holding = False  # a tool call started: hold events until the answer is judged
+        self.complete = False
+
+    @property
+    def output_chars(self) -> int:
+        return self._chars
+
+    def feed(self, event: SseEvent) -> StreamStep:
+        data = event.data
+        if data == "[DONE]":
+            self.complete = True
+            return StreamStep(event.raw, done=True)
+        if not data:
+            return StreamStep(event.raw)
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return StreamStep(event.raw)
+        if not isinstance(chunk, dict):
+            return StreamStep(event.raw)
+        self._id = self._id or chunk.get("id")
+        self._model = self._model or chunk.get("model")
+        choices = chunk.get("choices") or []
+        for choice in choices:
+            index = int(choice.get("index") or 0)
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            if isinstance(content, str):
+                self._chars += len(content)
+                if index == 0:
+                    self._text.append(content)
+            for tc in delta.get("tool_calls") or ():
+                self.holding = True
+                slot = self._calls.setdefault((index, int(tc.get("index") or 0)), ["", "", ""])
+                fn = tc.get("function") or {}
+                slot[0] = slot[0] or str(tc.get("id") or "")
+                slot[1] += str(fn.get("name") or "")
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    slot[2] += args
+                    self._chars += len(args)
+            if choice.get("finish_reason"):
+                self._reasons[index] = str(choice["finish_reason"])
+                self.complete = True
+        usage = usage_from(chunk.get("usage"))
+        if usage is not None:
+            self._usage = usage
+            if self._hide_usage and not choices:
+                return StreamStep(b"")
+        return StreamStep(event.raw)
+
+    def answer(self) -> Answer:
+        calls = tuple(ToolCall(v[0], v[1], v[2]) for _, v in sorted(self._calls.items()))
+        return Answer(
+            response_id=self._id,
+            model=self._model,
+            text="".join(self._text),
+            tool_calls=calls,
+            finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
+            usage=self._usage,
+        )

@@ -1,0 +1,221 @@
+"""Proxy routes: model calls through the pipeline, other `/v1/...` paths forwarded and traced."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    ShuttingDown,
+    Stopped,
+    UpstreamUnavailable,
+)
+from gateway.identity import Identity
+from gateway.pipeline import (
+    JSON,
+    base_headers,
+    error_response,
+    guard_after,
+    guard_before,
+    malformed_upstream,
+    parse_json,
+    read_body,
+    settle,
+    shape,
+    stop_response,
+    upstream_request,
+)
+from gateway.providers.base import Adapter
+from gateway.relay import relay_stream
+from gateway.runtime import Gateway
+from gateway.step import Step
+from gateway.upstream import forwardable
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+def chat_handler(protocol: str) -> web.Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await handle_chat(request, protocol)
+
+    return handler
+
+
+async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    adapter = gw.adapters[protocol]
+    identity: Identity | None = None
+    try:
+        if gw.shutting_down:
+            raise ShuttingDown("tollgate is shutting down")
+        identity = gw.identifier.identify(request.headers)
+        limits = gw.config.limits
+        raw = await read_body(request, limits)
+        body = parse_json(raw, limits)
+        call = adapter.parse_request(body, raw, limits)
+        route = gw.router.route(call.model)
+        if route.provider.type != protocol:
+            raise InvalidRequest(
+                f"model {call.model!r} is served by a {route.provider.type} provider; "
+                f"call it through that provider's API"
+            )
+    except GatewayError as exc:
+        return error_response(adapter, exc, base_headers(identity))
+    price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
+    step = Step(adapter, identity, call, route, body, raw, price=price)
+    try:
+        return await run_step(gw, step, request)
+    except Stopped as exc:
+        step.status = 200 if identity.policy.on_stop == "message" else 403
+        step.error_type = exc.reason
+        return stop_response(step, exc)
+    except GatewayError as exc:
+        step.status = exc.status
+        step.error_type = exc.code
+        return error_response(adapter, exc, base_headers(identity, step))
+    finally:
+        if step.reservation is not None:
+            # a failure after the reservation: charge it if the upstream may have done the work
+            await settle(gw, step, None, charged=bool(step.extra.get("sent")))
+        await record(gw, step)
+
+
+async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamResponse:
+    await guard_before(gw, step)
+    payload = shape(step)
+    url, headers = upstream_request(step, request.headers)
+    step.attempts += 1
+    upstream = await gw.upstream.open("POST", url, headers, payload, step.route.provider.timeouts)
+    step.extra["sent"] = True
+    if step.call.stream and upstream.status < 300:
+        return await relay_stream(gw, step, request, upstream)
+    try:
+        data = await upstream.read()
+    finally:
+        upstream.release()
+    step.status = upstream.status
+    response_headers = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
+    if upstream.status >= 300:
+        await settle(gw, step, None, charged=False)
+        step.error_type = str(upstream.status)
+        return web.Response(status=upstream.status, body=data, headers=response_headers)
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise malformed_upstream(str(exc)) from None
+    if not isinstance(parsed, dict):
+        raise malformed_upstream("not a JSON object")
+    answer = step.adapter.parse_answer(parsed)
+    step.answer = answer
+    await settle(gw, step, answer)
+    await guard_after(gw, step, answer)
+    return web.Response(status=upstream.status, body=data, headers=response_headers)
+
+
+async def record(gw: Gateway, step: Step) -> None:
+    """Stage `record`: the run's step list, then telemetry hooks (which never raise)."""
+    try:
+        await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
+    except GatewayError:
+        step.extra["record_failed"] = True
+    gw.notify(step)
+
+
+# -- other /v1 paths -------------------------------------------------------------------------------
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """`GET /v1/models`: the merged lists of every provider."""
+    gw = request.app[GATEWAY]
+    adapter = gw.adapters["openai"]
+    try:
+        identity = gw.identifier.identify(request.headers)
+    except GatewayError as exc:
+        return error_response(adapter, exc, {})
+    merged: list[object] = []
+    reached = 0
+    for name, provider in gw.config.providers.items():
+        base = provider.base_url.rstrip("/")
+        url = base + ("/v1/models" if provider.type == "anthropic" else "/models")
+        headers: dict[str, str] = {}
+        if provider.api_key:
+            if provider.type == "anthropic":
+                headers = {"x-api-key": provider.api_key, "anthropic-version": "2023-06-01"}
+            else:
+                headers = {"Authorization": f"Bearer {provider.api_key}"}
+        try:
+            upstream = await gw.upstream.open("GET", url, headers, None, provider.timeouts)
+            try:
+                data = await upstream.read()
+            finally:
+                upstream.release()
+        except GatewayError:
+            continue
+        if upstream.status >= 300:
+            continue
+        try:
+            items = orjson.loads(data).get("data") or []
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        reached += 1
+        for item in items:
+            if isinstance(item, dict):
+                merged.append({**item, "owned_by": item.get("owned_by", name), "provider": name})
+    if gw.config.providers and reached == 0:
+        return error_response(adapter, UpstreamUnavailable("no provider answered the model list"),
+                              base_headers(identity))
+    body = orjson.dumps({"object": "list", "data": merged})
+    return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
+
+
+async def forward_other(request: web.Request) -> web.StreamResponse:
+    """Any other `/v1/...` call: routed by the body's `model` (or to the first OpenAI provider), streamed
+    back unchanged."""
+    gw = request.app[GATEWAY]
+    adapter: Adapter = gw.adapters["openai"]
+    identity: Identity | None = None
+    try:
+        if gw.shutting_down:
+            raise ShuttingDown("tollgate is shutting down")
+        identity = gw.identifier.identify(request.headers)
+        raw = await read_body(request, gw.config.limits)
+        route = None
+        if raw and request.content_type == JSON:
+            model = parse_json(raw, gw.config.limits).get("model")
+            if isinstance(model, str):
+                route = gw.router.route(model)
+                if route.prefixed:
+                    raw = orjson.dumps({**orjson.loads(raw), "model": route.model})
+        route = route or gw.router.default_for("openai")
+        if route is None:
+            raise ModelNotFound("no provider is configured for this path")
+        provider = route.provider
+        tail = request.rel_url.raw_path.removeprefix("/v1")
+        base = provider.base_url.rstrip("/")
+        url = base + (("/v1" + tail) if provider.type == "anthropic" else tail)
+        if request.rel_url.raw_query_string:
+            url += "?" + request.rel_url.raw_query_string
+        drop = frozenset() if provider.passthrough_auth else frozenset({"authorization", "x-api-key"})
+        headers = dict(forwardable(request.headers, drop=drop))
+        if provider.api_key and not provider.passthrough_auth:
+            headers["Authorization"] = f"Bearer {provider.api_key}"
+        upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
+    except GatewayError as exc:
+        return error_response(adapter, exc, base_headers(identity))
+    out = web.StreamResponse(status=upstream.status, headers={**forwardable(upstream.headers),
+                                                              **base_headers(identity)})
+    try:
+        await out.prepare(request)
+        async for chunk in upstream.chunks():
+            await out.write(chunk)
+        await out.write_eof()
+    except (GatewayError, ConnectionResetError):
+        pass  # the status line is gone; closing the stream early is the only signal left
+    finally:
+        upstream.release()
+    return out

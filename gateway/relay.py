@@ -1,0 +1,87 @@
+"""Streaming forward + inspect: relay SSE events as they arrive, never buffering the whole answer.
+
+Text events go to the agent at once. From the first tool-call event on, events are held until the
+answer is complete and judged (allow-list, caps, loop detection), so a call the guards refuse never
+reaches the agent. A stop after bytes were sent ends the stream with a final event in the provider's
+stream format. The reservation is settled from the usage the stream reported, or at the full
+reservation when the stream broke or carried no usage.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from gateway.errors import GatewayError, Stopped, UpstreamUnavailable
+from gateway.pipeline import base_headers, guard_after, settle
+from gateway.providers.sse import SseParser
+from gateway.runtime import Gateway
+from gateway.step import Step
+from gateway.upstream import UpstreamResponse, forwardable
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: UpstreamResponse) -> web.StreamResponse:
+    adapter = step.adapter
+    reader = adapter.stream_reader(hide_usage=step.hide_usage)
+    parser = SseParser()
+    headers = {**forwardable(upstream.headers), **SSE_HEADERS, **base_headers(step.identity, step)}
+    out = web.StreamResponse(status=200, headers=headers)
+    await out.prepare(request)
+    held: list[bytes] = []
+    failure: GatewayError | None = None
+    client_gone = False
+    try:
+        async for chunk in upstream.chunks():
+            for event in parser.feed(chunk):
+                emitted = reader.feed(event)
+                if not emitted.out:
+                    continue
+                if reader.holding:
+                    held.append(emitted.out)
+                    continue
+                if step.first_chunk_at is None:
+                    step.first_chunk_at = time.monotonic()
+                await out.write(emitted.out)
+    except GatewayError as exc:
+        failure = exc
+    except ValueError as exc:  # an event larger than the SSE size limit
+        failure = UpstreamUnavailable(f"upstream stream is malformed: {exc}")
+    except ConnectionResetError:
+        client_gone = True
+    finally:
+        upstream.release()
+    answer = reader.answer()
+    step.answer = answer
+    step.relayed_chars = reader.output_chars
+    step.status = 200
+    await settle(gw, step, answer)
+    if client_gone:
+        step.error_type = "client_disconnected"
+        return out
+    if failure is None and not reader.complete:
+        failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
+    try:
+        if failure is not None:
+            step.error_type = failure.code
+            await out.write(adapter.error_event(failure))
+        else:
+            try:
+                await guard_after(gw, step, answer)
+            except Stopped as stop:
+                await out.write(_stop_tail(step, reader, stop))
+            else:
+                if held:
+                    await out.write(b"".join(held))
+        await out.write_eof()
+    except ConnectionResetError:
+        step.error_type = "client_disconnected"
+    return out
+
+
+def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
+    if step.identity.policy.on_stop == "message":
+        return step.adapter.stream_stop_tail(step.call, reader, stop.reason, stop.message)
+    return step.adapter.error_event(stop)

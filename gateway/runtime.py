@@ -1,0 +1,54 @@
+"""The process-wide objects a request needs, built once from the config by the app factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import Agent, Config
+from gateway.identity import Identifier
+from gateway.pricing import Pricer
+from gateway.providers.base import Adapter
+from gateway.routing import Router
+from gateway.store.base import RunStore
+from gateway.upstream import Upstream
+from guards.chain import GuardChain
+from guards.registry import build_chain
+
+
+@dataclass(slots=True)
+class StepHooks:
+    """Observers of finished steps (telemetry, metrics, ledger). Each must be cheap and never raise."""
+
+    on_step: list[Callable[[Any], None]] = field(default_factory=list)
+    on_guard_error: list[Callable[[str], None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Gateway:
+    config: Config
+    identifier: Identifier
+    router: Router
+    adapters: dict[str, Adapter]
+    pricer: Pricer
+    store: RunStore
+    upstream: Upstream
+    hooks: StepHooks = field(default_factory=StepHooks)
+    services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
+    shutting_down: bool = False
+    _chains: dict[str, GuardChain] = field(default_factory=dict)
+
+    def chain(self, agent: str, policy: Agent) -> GuardChain:
+        chain = self._chains.get(agent)
+        if chain is None:
+            chain = self._chains[agent] = GuardChain(build_chain(policy, agent), self._guard_error)
+        return chain
+
+    def _guard_error(self, guard: str) -> None:
+        for hook in self.hooks.on_guard_error:
+            hook(guard)
+
+    def notify(self, step: Any) -> None:
+        for hook in self.hooks.on_step:
+            hook(step)

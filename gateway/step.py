@@ -1,0 +1,74 @@
+"""The state of one step as it moves through the pipeline stages, and what is recorded about it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.call import Answer, Call
+from gateway.identity import Identity
+from gateway.pricing import ModelPrice
+from gateway.providers.base import Adapter
+from gateway.routing import Route
+from gateway.store.base import Reservation
+from guards.base import Decision
+
+
+@dataclass(slots=True)
+class Step:
+    """Mutable per-request state. Only the pipeline writes it; recorders read it at the end."""
+
+    adapter: Adapter
+    identity: Identity
+    call: Call
+    route: Route
+    body: dict[str, Any]
+    raw: bytes
+    price: ModelPrice | None = None
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    decisions: list[Decision] = field(default_factory=list)
+    reservation: Reservation | None = None
+    changed: bool = False  # the body differs from what the agent sent
+    hide_usage: bool = False
+    max_tokens_set: int | None = None
+    answer: Answer | None = None
+    attempts: int = 0
+    status: int = 0
+    cost_usd: float = 0.0
+    stop_reason: str | None = None
+    stop_detail: str | None = None
+    error_type: str | None = None
+    first_chunk_at: float | None = None
+    relayed_chars: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.identity.run_id
+
+    @property
+    def agent(self) -> str:
+        return self.identity.agent
+
+    def summary(self) -> dict[str, Any]:
+        """The step as the admin API lists it under a run."""
+        answer = self.answer
+        usage = answer.usage if answer is not None else None
+        return {
+            "at": self.started_wall,
+            "operation": self.call.operation,
+            "model": self.call.model,
+            "provider": self.route.provider_name,
+            "stream": self.call.stream,
+            "status": self.status,
+            "decision": "stop" if self.stop_reason else "allow",
+            "stop_reason": self.stop_reason,
+            "cost_usd": round(self.cost_usd, 10),
+            "input_tokens": usage.input_tokens if usage else None,
+            "output_tokens": usage.output_tokens if usage else None,
+            "tool_calls": [c.name for c in answer.tool_calls] if answer else [],
+            "attempts": self.attempts,
+            "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
+        }

@@ -1,0 +1,132 @@
+"""The run store: durable per-run state, changed only through atomic operations.
+
+Every backend implements `RunStore`. The arithmetic lives once, in `gateway.store.logic`, as pure
+functions over a `RunState`; the memory and SQLite backends run them inside one lock / one
+`BEGIN IMMEDIATE` transaction, and the Redis backend runs the same steps in Lua scripts, so an
+operation is atomic across every replica that shares the store.
+
+Counters (`usd`, `tokens`, `input_tokens`, `output_tokens`, `llm_calls`, `tool_calls`, ...) each have a
+used and a reserved amount. A reservation holds amounts of several counters at once; settling it
+moves the real amounts to used and releases the rest. A run's `epoch` changes on reset, so a
+reservation made before a reset settles into nothing instead of corrupting the fresh run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Reserve `fixed + per_unit * units` of `counter`, keeping used + reserved <= `limit`.
+
+    `code` is the stop reason when the limit cannot be met even at the request's `min_units`.
+    """
+
+    counter: str
+    fixed: float
+    per_unit: float = 0.0
+    limit: float | None = None
+    code: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveRequest:
+    """All claims of one step, granted together or not at all.
+
+    `units` (output tokens) is maximised within [min_units, max_units] so that every claim fits.
+    """
+
+    claims: tuple[Claim, ...]
+    min_units: int = 0
+    max_units: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: str
+    run_id: str
+    epoch: int
+    units: int
+    amounts: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    """A claim that did not fit, or the run was already stopped. The run is stopped with `reason`."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(slots=True)
+class RunState:
+    run_id: str
+    agent: str
+    epoch: int = 1
+    status: str = "active"
+    stop_reason: str | None = None
+    stop_detail: str | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    used: dict[str, float] = field(default_factory=dict)
+    reserved: dict[str, float] = field(default_factory=dict)
+    lists: dict[str, list[str]] = field(default_factory=dict)
+    open: dict[str, dict[str, Any]] = field(default_factory=dict)  # reservation id -> amounts
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def stopped(self) -> bool:
+        return self.status == "stopped"
+
+    def view(self) -> dict[str, Any]:
+        """The run as the admin API shows it (DESIGN section 2)."""
+        return {
+            "run_id": self.run_id,
+            "agent": self.agent,
+            "status": self.status,
+            "stop_reason": self.stop_reason,
+            "stop_detail": self.stop_detail,
+            "spent_usd": round(self.used.get("usd", 0.0), 10),
+            "reserved_usd": round(self.reserved.get("usd", 0.0), 10),
+            "input_tokens": int(self.used.get("input_tokens", 0)),
+            "output_tokens": int(self.used.get("output_tokens", 0)),
+            "reserved_tokens": int(round(self.reserved.get("tokens", 0.0))),
+            "llm_calls": int(self.used.get("llm_calls", 0)),
+            "tool_calls": int(self.used.get("tool_calls", 0)),
+            "started_at": self.started_at,
+            "updated_at": self.updated_at,
+            "steps": list(self.steps),
+        }
+
+
+class RunStore(Protocol):
+    """Atomic operations on runs. Implementations: memory, sqlite, redis."""
+
+    async def get(self, run_id: str) -> RunState | None: ...
+
+    async def reserve(
+        self, run_id: str, agent: str, request: ReserveRequest, now: float
+    ) -> Reservation | Denial: ...
+
+    async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None: ...
+
+    async def add(
+        self, run_id: str, agent: str, counter: str, amount: float, *, limit: float | None, code: str, now: float
+    ) -> Denial | None: ...
+
+    async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]: ...
+
+    async def take(self, run_id: str, key: str, value: str) -> bool: ...
+
+    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None: ...
+
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None: ...
+
+    async def reset(self, run_id: str, now: float) -> RunState | None: ...
+
+    async def list_runs(self, limit: int = 100) -> list[RunState]: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,185 @@
+"""Pure state transitions of a run. Backends call these inside their own atomic section.
+
+Amounts are floats (USD and token counts); comparisons allow `EPS` of rounding so that a budget that
+pays for exactly N calls grants exactly N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunState
+
+EPS = 1e-9
+MAX_STEPS = 50
+
+
+def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id: str) -> Reservation | Denial:
+    """Grant every claim of `request` with the most units that fit, or stop the run."""
+    if state.stopped:
+        return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+    if state.started_at is None:
+        state.started_at = now
+    units = request.max_units
+    limiting: Claim | None = None
+    for claim in request.claims:
+        if claim.limit is None:
+            continue
+        available = claim.limit - state.used.get(claim.counter, 0.0) - state.reserved.get(claim.counter, 0.0)
+        if claim.per_unit > 0:
+            fit = math.floor((available - claim.fixed + EPS) / claim.per_unit)
+            if fit < units:
+                units, limiting = fit, claim
+        elif claim.fixed > available + EPS:
+            return _deny(state, claim, now)
+    if units < request.min_units and limiting is not None:
+        return _deny(state, limiting, now)
+    units = max(units, 0)
+    amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
+    for counter, amount in amounts.items():
+        state.reserved[counter] = state.reserved.get(counter, 0.0) + amount
+    state.open[reservation_id] = {"amounts": amounts, "at": now}
+    state.updated_at = now
+    return Reservation(reservation_id, state.run_id, state.epoch, units, amounts)
+
+
+def _deny(state: RunState, claim: Claim, now: float) -> Denial:
+    limit = claim.limit or 0.0
+    available = limit - state.used.get(claim.counter, 0.0) - state.reserved.get(claim.counter, 0.0)
+    detail = (
+        f"{claim.counter} limit {_fmt(claim.limit)} reached: {_fmt(max(available, 0.0))} left, "
+        f"this step needs at least {_fmt(claim.fixed + claim.per_unit)}"
+    )
+    stop(state, claim.code or f"{claim.counter}_limit", detail, now)
+    return Denial(state.stop_reason or claim.code, detail)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "none"
+    return f"{value:.6g}"
+
+
+def settle(state: RunState, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
+    """Move real amounts to used and release the reservation. Idempotent; stale epochs are dropped."""
+    if reservation.epoch != state.epoch or reservation.id not in state.open:
+        return
+    held = state.open.pop(reservation.id)["amounts"]
+    for counter, amount in held.items():
+        state.reserved[counter] = max(state.reserved.get(counter, 0.0) - amount, 0.0)
+    for counter, amount in actual.items():
+        state.used[counter] = state.used.get(counter, 0.0) + amount
+    state.updated_at = now
+
+
+def recover(state: RunState, now: float) -> int:
+    """Settle reservations left open by a crashed process at their reserved amount (never at zero)."""
+    count = 0
+    for rid in list(state.open):
+        held = state.open[rid]["amounts"]
+        res = Reservation(rid, state.run_id, state.epoch, 0, held)
+        settle(state, res, held, now)
+        count += 1
+    return count
+
+
+def add(state: RunState, counter: str, amount: float, limit: float | None, code: str, now: float) -> Denial | None:
+    """Add to a used counter; exceeding `limit` stops the run with `code` and adds nothing."""
+    if state.stopped:
+        return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+    if state.started_at is None:
+        state.started_at = now
+    current = state.used.get(counter, 0.0) + state.reserved.get(counter, 0.0)
+    if limit is not None and current + amount > limit + EPS:
+        detail = f"{counter} limit {_fmt(limit)} reached: {_fmt(current)} used, this step adds {_fmt(amount)}"
+        stop(state, code, detail, now)
+        return Denial(code, detail)
+    state.used[counter] = state.used.get(counter, 0.0) + amount
+    state.updated_at = now
+    return None
+
+
+def push(state: RunState, key: str, values: Sequence[str], keep: int) -> list[str]:
+    items = state.lists.setdefault(key, [])
+    items.extend(values)
+    if len(items) > keep:
+        del items[: len(items) - keep]
+    return list(items)
+
+
+def take(state: RunState, key: str, value: str) -> bool:
+    items = state.lists.get(key)
+    if not items or value not in items:
+        return False
+    items.remove(value)
+    return True
+
+
+def stop(state: RunState, reason: str, detail: str, now: float) -> None:
+    """Stop the run; the first stop wins and stays until reset."""
+    if state.stopped:
+        return
+    state.status = "stopped"
+    state.stop_reason = reason
+    state.stop_detail = detail
+    state.updated_at = now
+
+
+def record_step(state: RunState, step: Mapping[str, Any], now: float) -> None:
+    state.steps.append(dict(step))
+    if len(state.steps) > MAX_STEPS:
+        del state.steps[: len(state.steps) - MAX_STEPS]
+    state.updated_at = now
+
+
+def reset(state: RunState, now: float) -> None:
+    """Start the run afresh under a new epoch; reservations in flight settle into nothing."""
+    state.epoch += 1
+    state.status = "active"
+    state.stop_reason = None
+    state.stop_detail = None
+    state.started_at = None
+    state.used.clear()
+    state.reserved.clear()
+    state.lists.clear()
+    state.open.clear()
+    state.steps.clear()
+    state.updated_at = now
+
+
+def to_dict(state: RunState) -> dict[str, Any]:
+    return {
+        "run_id": state.run_id,
+        "agent": state.agent,
+        "epoch": state.epoch,
+        "status": state.status,
+        "stop_reason": state.stop_reason,
+        "stop_detail": state.stop_detail,
+        "started_at": state.started_at,
+        "updated_at": state.updated_at,
+        "used": state.used,
+        "reserved": state.reserved,
+        "lists": state.lists,
+        "open": state.open,
+        "steps": state.steps,
+    }
+
+
+def from_dict(data: Mapping[str, Any]) -> RunState:
+    return RunState(
+        run_id=data["run_id"],
+        agent=data["agent"],
+        epoch=int(data.get("epoch", 1)),
+        status=data.get("status", "active"),
+        stop_reason=data.get("stop_reason"),
+        stop_detail=data.get("stop_detail"),
+        started_at=data.get("started_at"),
+        updated_at=data.get("updated_at"),
+        used=dict(data.get("used", {})),
+        reserved=dict(data.get("reserved", {})),
+        lists={k: list(v) for k, v in data.get("lists", {}).items()},
+        open=dict(data.get("open", {})),
+        steps=list(data.get("steps", [])),
+    )

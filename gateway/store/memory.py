@@ -1,0 +1,68 @@
+"""In-process run store. Atomic because the event loop runs each operation without awaiting inside."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.store import logic
+from gateway.store.base import Denial, Reservation, ReserveRequest, RunState
+
+
+class MemoryRunStore:
+    """Runs live as long as the process. Used for tests and throwaway sidecars."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, RunState] = {}
+        self._ids = itertools.count(1)
+
+    def _run(self, run_id: str, agent: str) -> RunState:
+        state = self._runs.get(run_id)
+        if state is None:
+            state = self._runs[run_id] = RunState(run_id=run_id, agent=agent)
+        return state
+
+    async def get(self, run_id: str) -> RunState | None:
+        state = self._runs.get(run_id)
+        return None if state is None else logic.from_dict(logic.to_dict(state))
+
+    async def reserve(self, run_id: str, agent: str, request: ReserveRequest, now: float) -> Reservation | Denial:
+        return logic.reserve(self._run(run_id, agent), request, now, f"r{next(self._ids)}")
+
+    async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
+        state = self._runs.get(reservation.run_id)
+        if state is not None:
+            logic.settle(state, reservation, actual, now)
+
+    async def add(
+        self, run_id: str, agent: str, counter: str, amount: float, *, limit: float | None, code: str, now: float
+    ) -> Denial | None:
+        return logic.add(self._run(run_id, agent), counter, amount, limit, code, now)
+
+    async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]:
+        return logic.push(self._run(run_id, agent), key, values, keep)
+
+    async def take(self, run_id: str, key: str, value: str) -> bool:
+        state = self._runs.get(run_id)
+        return state is not None and logic.take(state, key, value)
+
+    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None:
+        logic.stop(self._run(run_id, agent), reason, detail, now)
+
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
+        logic.record_step(self._run(run_id, agent), step, now)
+
+    async def reset(self, run_id: str, now: float) -> RunState | None:
+        state = self._runs.get(run_id)
+        if state is None:
+            return None
+        logic.reset(state, now)
+        return logic.from_dict(logic.to_dict(state))
+
+    async def list_runs(self, limit: int = 100) -> list[RunState]:
+        runs = sorted(self._runs.values(), key=lambda r: r.updated_at or 0.0, reverse=True)[:limit]
+        return [logic.from_dict(logic.to_dict(r)) for r in runs]
+
+    async def close(self) -> None:
+        return None

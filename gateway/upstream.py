@@ -1,0 +1,130 @@
+"""Stage `forward`: the only place that does network I/O.
+
+One pooled `aiohttp.ClientSession` per process. Timeouts are per phase: connect, time to the response
+headers (`first_byte`), and the idle gap between body chunks. There is no total timeout, which would
+cut a long healthy stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.config import Timeouts
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+        "accept-encoding",
+    }
+)
+
+
+def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()) -> CIMultiDict[str]:
+    """Headers minus hop-by-hop ones, those named in `Connection`, and `drop`."""
+    named = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        lower = key.lower()
+        if lower in HOP_BY_HOP or lower in named or lower in drop or lower.startswith("x-tollgate-"):
+            continue
+        out.add(key, value)
+    return out
+
+
+@dataclass(slots=True)
+class UpstreamResponse:
+    """An open upstream response. Read it with `read()` or `chunks()`; always `release()` it."""
+
+    status: int
+    headers: CIMultiDictProxy[str]
+    _resp: aiohttp.ClientResponse
+    _idle: float
+
+    async def read(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._idle):
+                return await self._resp.read()
+        except TimeoutError:
+            raise UpstreamTimeout(f"upstream sent no data for {self._idle:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamUnavailable(f"upstream connection failed while reading: {type(exc).__name__}") from None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._resp.content
+        idle = self._idle
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise UpstreamTimeout(f"upstream stream idle for more than {idle:g}s") from None
+            except aiohttp.ClientError as exc:
+                raise UpstreamUnavailable(f"upstream stream broke: {type(exc).__name__}") from None
+            if not chunk:
+                return
+            yield chunk
+
+    def release(self) -> None:
+        """Close the connection unless the body was fully read (then it returns to the pool)."""
+        if not self._resp.closed:
+            self._resp.close()
+
+    def finish(self) -> None:
+        self._resp.release()
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    @classmethod
+    def create(cls, *, limit: int = 256) -> Upstream:
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+        return cls(session)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def open(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+    ) -> UpstreamResponse:
+        """Send the request and wait for the response headers."""
+        try:
+            async with asyncio.timeout(timeouts.first_byte):
+                resp = await self._session.request(
+                    method,
+                    url,
+                    headers=headers,
+                    data=body,
+                    allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=None),
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(f"upstream did not answer within {timeouts.first_byte:g}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnavailable(f"cannot connect to upstream: {exc.os_error.strerror or exc}") from None
+        except aiohttp.ServerTimeoutError:
+            raise UpstreamTimeout(f"upstream connect timed out after {timeouts.connect:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamUnavailable(f"upstream request failed: {type(exc).__name__}") from None
+        return UpstreamResponse(resp.status, resp.headers, resp, timeouts.idle)

@@ -1,0 +1,108 @@
+"""The `StopCondition` protocol: one guard, two hooks, typed decisions.
+
+A guard is pure: it reads the step (`StepContext`: the neutral `Call`, the agent's policy, a snapshot of
+the run taken before the step) and returns a `Decision`. It never touches the store itself. Its wishes
+reach the store as data: `claims` (amounts reserved atomically before the call, with limits) and
+`effects` (counters and histories updated after). The pipeline applies them atomically, so a limit
+holds even when concurrent steps race, and the same guard works for every provider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from gateway.call import Answer, Call
+from gateway.config import Agent
+from gateway.pricing import ModelPrice
+from gateway.store.base import Claim, RunState
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """After the step: add `amount` to counter `counter`; exceeding `limit` stops the run with `code`."""
+
+    counter: str
+    amount: float
+    limit: float | None = None
+    code: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """After the step: append `values` to the run's history list `key`, keeping the last `keep`."""
+
+    key: str
+    values: tuple[str, ...]
+    keep: int
+
+
+Effect = Add | Push
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one guard decided about one step."""
+
+    guard: str
+    action: Literal["allow", "stop"] = "allow"
+    reason: str | None = None  # the stop code when action == "stop"
+    detail: str = ""
+    claims: tuple[Claim, ...] = ()
+    effects: tuple[Effect, ...] = ()
+
+    @classmethod
+    def allow(cls, guard: str, *, claims: tuple[Claim, ...] = (), effects: tuple[Effect, ...] = ()) -> Decision:
+        return cls(guard, "allow", claims=claims, effects=effects)
+
+    @classmethod
+    def stop(cls, guard: str, reason: str, detail: str) -> Decision:
+        return cls(guard, "stop", reason, detail)
+
+    @property
+    def stopped(self) -> bool:
+        return self.action == "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """Everything a guard may read about a step. `run` is None for a run's first step."""
+
+    call: Call
+    agent: str
+    run_id: str
+    policy: Agent
+    run: RunState | None
+    now: float
+    price: ModelPrice | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def history(self, key: str) -> list[str]:
+        return [] if self.run is None else self.run.lists.get(key, [])
+
+
+@runtime_checkable
+class StopCondition(Protocol):
+    """A guard. `before` runs before the step is forwarded; `after` once its answer is known.
+
+    `after` sees the answer before the agent does: a stop there withholds the answer.
+    """
+
+    name: str
+
+    def before(self, ctx: StepContext) -> Decision: ...
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision: ...
+
+
+class BaseGuard:
+    """Convenience base: allow on both hooks; subclasses override what they need."""
+
+    name = "guard"
+
+    def before(self, ctx: StepContext) -> Decision:
+        return Decision.allow(self.name)
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision:
+        return Decision.allow(self.name)

@@ -1,0 +1,73 @@
+"""Budget guard: USD and token budgets reserved before each call, settled after.
+
+Worst case of a step = input upper bound + output limit. The input bound is the UTF-8 size of the
+request body: byte-level BPE tokenizers emit at most one token per byte, and the JSON framing around
+each message outweighs the few template tokens a chat format adds. The output limit is the request's
+`max_tokens` or, when absent, what the remaining budget can pay for (clamped by the model's limit);
+the pipeline writes the granted value back into the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gateway.call import Answer, Usage
+from gateway.pricing import ModelPrice
+from gateway.store.base import Claim, Reservation
+from guards.base import BaseGuard, Decision, StepContext
+
+
+class BudgetGuard(BaseGuard):
+    name = "budget"
+
+    def before(self, ctx: StepContext) -> Decision:
+        budget = ctx.policy.budget
+        bound = ctx.call.input_bytes
+        claims = [Claim("tokens", float(bound), 1.0, _f(budget.tokens), "token_budget_exhausted")]
+        price = ctx.price
+        if price is None:
+            if budget.usd is not None:
+                return Decision.stop(
+                    self.name,
+                    "budget_exhausted",
+                    f"model {ctx.call.model!r} has no known price, so a USD budget cannot be enforced; "
+                    "add it under `pricing:` in the config",
+                )
+        else:
+            claims.append(Claim("usd", bound * price.worst_input, price.output.worst, budget.usd, "budget_exhausted"))
+        return Decision.allow(self.name, claims=tuple(claims))
+
+
+def _f(value: int | float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def settlement(
+    usage: Usage | None, price: ModelPrice | None, reservation: Reservation, relayed_output: int = 0
+) -> Mapping[str, float]:
+    """Real amounts to settle a reservation with.
+
+    Without provider-reported usage (missing usage chunk, broken stream) the step is charged its
+    whole reservation: never zero, never below what was relayed.
+    """
+    held = reservation.amounts
+    if usage is None:
+        out = dict(held)
+        reserved_tokens = held.get("tokens", 0.0)
+        out["output_tokens"] = max(float(reservation.units), float(relayed_output))
+        out["input_tokens"] = max(reserved_tokens - out["output_tokens"], 0.0)
+        return out
+    actual: dict[str, float] = {
+        "tokens": float(usage.input_tokens + usage.output_tokens),
+        "input_tokens": float(usage.input_tokens),
+        "output_tokens": float(usage.output_tokens),
+    }
+    if "llm_calls" in held:
+        actual["llm_calls"] = held["llm_calls"]
+    if price is not None and "usd" in held:
+        actual["usd"] = price.cost(usage)
+    return actual
+
+
+def answer_usage(answer: Answer | None) -> Usage | None:
+    return None if answer is None else answer.usage

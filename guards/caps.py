@@ -1,0 +1,40 @@
+"""Cap guard: LLM calls, tool calls and wall time per run.
+
+LLM calls are claimed before the call (so concurrent steps cannot all slip under the cap); tool calls
+count when the model proposes them in an answer tollgate returns; wall time counts from the run's
+first step.
+"""
+
+from __future__ import annotations
+
+from gateway.call import Answer
+from gateway.store.base import Claim
+from guards.base import Add, BaseGuard, Decision, StepContext
+
+
+class CapsGuard(BaseGuard):
+    name = "caps"
+
+    def before(self, ctx: StepContext) -> Decision:
+        caps = ctx.policy.caps
+        run = ctx.run
+        if caps.seconds is not None and run is not None and run.started_at is not None:
+            elapsed = ctx.now - run.started_at
+            if elapsed > caps.seconds:
+                return Decision.stop(
+                    self.name, "time_cap", f"run time cap of {caps.seconds:g}s reached ({elapsed:.1f}s elapsed)"
+                )
+        if ctx.call.operation == "execute_tool":
+            return Decision.allow(self.name)
+        limit = None if caps.llm_calls is None else float(caps.llm_calls)
+        return Decision.allow(self.name, claims=(Claim("llm_calls", 1.0, 0.0, limit, "llm_call_cap"),))
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision:
+        count = len(answer.tool_calls)
+        if ctx.call.operation == "execute_tool" and ctx.extra.get("counts_tool_call"):
+            count = 1
+        if count == 0:
+            return Decision.allow(self.name)
+        limit = ctx.policy.caps.tool_calls
+        effect = Add("tool_calls", float(count), None if limit is None else float(limit), "tool_call_cap")
+        return Decision.allow(self.name, effects=(effect,))

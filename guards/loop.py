@@ -1,0 +1,92 @@
+"""Loop and no-progress guards.
+
+Loop: every proposed tool call has a fingerprint (name + canonical JSON arguments). Within the last
+`window` calls of the run, `max_distinct` or fewer distinct fingerprints is a loop. The guard judges
+the answer that proposes the repeating call, so the repeat never reaches the agent.
+
+No progress: a step that sends back tool results none of which is new to the run, or a request
+identical to the previous one, is a stalled step; `stall_steps` stalled steps in a row stop the run
+before the next call goes upstream. A step with a new result or a new request is progress.
+MCP tool results are judged in their own history, so a result seen by the MCP proxy and then sent
+back to the model is not counted twice.
+"""
+
+from __future__ import annotations
+
+from gateway.call import Answer
+from guards.base import BaseGuard, Decision, Push, StepContext
+
+RESULT_KEEP = 1000
+
+
+class LoopGuard(BaseGuard):
+    name = "loop"
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision:
+        loop = ctx.policy.loop
+        calls = list(answer.tool_calls)
+        if ctx.call.operation == "execute_tool" and ctx.call.tool_call is not None and ctx.extra.get(
+            "counts_tool_call"
+        ):
+            calls = [ctx.call.tool_call]
+        if loop is None or not calls:
+            return Decision.allow(self.name)
+        prints = tuple(c.fingerprint for c in calls)
+        window = (ctx.history("calls") + list(prints))[-loop.window :]
+        push = Push("calls", prints, loop.window)
+        if len(window) >= loop.window and len(set(window)) <= loop.max_distinct:
+            names = sorted({c.name for c in calls})
+            return Decision.stop(
+                self.name,
+                "loop_detected",
+                f"the last {loop.window} tool calls have only {len(set(window))} distinct name+argument "
+                f"combinations (max_distinct {loop.max_distinct}); repeating: {', '.join(names)}",
+            )
+        return Decision.allow(self.name, effects=(push,))
+
+
+class ProgressGuard(BaseGuard):
+    name = "progress"
+
+    def before(self, ctx: StepContext) -> Decision:
+        loop = ctx.policy.loop
+        if loop is None or loop.stall_steps is None:
+            return Decision.allow(self.name)
+        call = ctx.call
+        mcp = call.operation == "execute_tool"
+        if mcp:
+            return Decision.allow(self.name)
+        seen_key = "results"
+        prints = tuple(r.fingerprint for r in call.tool_results)
+        seen = set(ctx.history(seen_key))
+        previous = ctx.history("request")
+        repeated = bool(previous) and previous[-1] == call.request_hash
+        new = [p for p in prints if p not in seen]
+        stalled = repeated or (bool(prints) and not new)
+        return self._judge(ctx, stalled, seen_key, tuple(new), loop.stall_steps, request=call.request_hash)
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision:
+        loop = ctx.policy.loop
+        result = answer.tool_result
+        if loop is None or loop.stall_steps is None or ctx.call.operation != "execute_tool" or result is None:
+            return Decision.allow(self.name)
+        fp = result.fingerprint
+        stalled = fp in set(ctx.history("mcp_results"))
+        return self._judge(ctx, stalled, "mcp_results", () if stalled else (fp,), loop.stall_steps)
+
+    def _judge(
+        self, ctx: StepContext, stalled: bool, key: str, new: tuple[str, ...], stall_steps: int, request: str = ""
+    ) -> Decision:
+        marks = (ctx.history("progress") + ["0" if stalled else "1"])[-stall_steps:]
+        effects = [Push("progress", ("0" if stalled else "1",), stall_steps)]
+        if new:
+            effects.append(Push(key, new, RESULT_KEEP))
+        if request:
+            effects.append(Push("request", (request,), 1))
+        if stalled and len(marks) >= stall_steps and "1" not in marks:
+            return Decision.stop(
+                self.name,
+                "no_progress",
+                f"{stall_steps} consecutive steps brought no new tool result (or repeated the same request)",
+            )
+        return Decision.allow(self.name, effects=tuple(effects))

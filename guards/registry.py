@@ -1,0 +1,68 @@
+"""Guard registry: built-in guards by name, custom guards by entry point or `module:Class`.
+
+The default chain is an explicit ordered list, like mitmproxy's default addons: order is run order.
+A custom guard class is constructed as `cls(policy, **options)` if it accepts a policy, else
+`cls(**options)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from gateway.config import Agent, GuardSpec
+from gateway.errors import ConfigError
+from guards.base import StopCondition
+from guards.budget import BudgetGuard
+from guards.caps import CapsGuard
+from guards.loop import LoopGuard, ProgressGuard
+
+BUILTIN: dict[str, Callable[[], StopCondition]] = {
+    "caps": CapsGuard,
+    "progress": ProgressGuard,
+    "budget": BudgetGuard,
+    "loop": LoopGuard,
+}
+DEFAULT_ORDER = ("caps", "progress", "budget", "loop")
+ENTRY_POINT_GROUP = "tollgate.guards"
+
+
+def load_class(ref: str) -> type[Any]:
+    """Resolve a registered name (entry point group `tollgate.guards`) or `module:Class`."""
+    if ":" in ref:
+        module_name, _, attr = ref.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+        cls = getattr(module, attr, None)
+        if cls is None:
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
+        return cls  # type: ignore[no-any-return]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == ref:
+            return ep.load()  # type: ignore[no-any-return]
+    raise ValueError(f"unknown guard {ref!r}: not a built-in, not in entry point group {ENTRY_POINT_GROUP!r}")
+
+
+def build_custom(spec: GuardSpec, policy: Agent) -> StopCondition:
+    cls = load_class(spec.use)
+    params = inspect.signature(cls).parameters
+    guard = cls(policy, **spec.options) if "policy" in params else cls(**spec.options)
+    if not isinstance(guard, StopCondition):
+        raise ValueError(f"{spec.use!r} does not implement StopCondition (name, before, after)")
+    return guard
+
+
+def build_chain(policy: Agent, agent_name: str) -> list[tuple[StopCondition, str]]:
+    """The ordered guards of one agent, each with its on-error policy."""
+    chain: list[tuple[StopCondition, str]] = [(BUILTIN[name](), "fail_closed") for name in DEFAULT_ORDER]
+    for index, spec in enumerate(policy.guards):
+        try:
+            chain.append((build_custom(spec, policy), spec.on_error))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError([(f"agents.{agent_name}.guards.{index}.use", str(exc))]) from None
+    return chain

@@ -1,0 +1,99 @@
+"""Shared fixtures: a fake provider and a running gateway (proxy + admin) on loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+
+from gateway.app import create_apps
+from gateway.config import Config, parse_config
+from gateway.proxy import GATEWAY
+from gateway.runtime import Gateway
+from tests.fakes.upstream import FakeProvider
+
+
+@dataclass
+class Harness:
+    url: str  # proxy base, e.g. http://127.0.0.1:PORT
+    admin_url: str
+    fake: FakeProvider
+    gateway: Gateway
+    config: Config
+    session: ClientSession
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        async with self.session.get(f"{self.admin_url}/admin/runs/{run_id}") as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()  # type: ignore[no-any-return]
+
+
+def base_config(fake_url: str, **overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "providers": {
+            "openai": {"type": "openai", "base_url": f"{fake_url}/v1", "api_key": "sk-provider-openai"},
+            "anthropic": {"type": "anthropic", "base_url": fake_url, "api_key": "sk-ant-provider"},
+        },
+        "models": {"gpt-*": "openai", "claude-*": "anthropic"},
+        "state": {"backend": "memory"},
+    }
+    data.update(overrides)
+    return data
+
+
+GatewayFactory = Callable[..., Awaitable[Harness]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeProvider, str]]:
+    provider = FakeProvider()
+    server = TestServer(provider.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield provider, str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def gateway_factory(fake: tuple[FakeProvider, str], tmp_path: Path) -> AsyncIterator[GatewayFactory]:
+    servers: list[TestServer] = []
+    sessions: list[ClientSession] = []
+    provider, fake_url = fake
+
+    async def make(**overrides: Any) -> Harness:
+        data = base_config(fake_url, **overrides)
+        config = parse_config(data, env={}, base_dir=str(tmp_path))
+        proxy, admin = create_apps(config)
+        proxy_server = TestServer(proxy, host="127.0.0.1")
+        await proxy_server.start_server()
+        servers.append(proxy_server)
+        admin_server = TestServer(admin, host="127.0.0.1")
+        await admin_server.start_server()
+        servers.append(admin_server)
+        session = ClientSession()
+        sessions.append(session)
+        return Harness(
+            url=str(proxy_server.make_url("")).rstrip("/"),
+            admin_url=str(admin_server.make_url("")).rstrip("/"),
+            fake=provider,
+            gateway=proxy[GATEWAY],
+            config=config,
+            session=session,
+        )
+
+    yield make
+    for session in sessions:
+        await session.close()
+    for server in reversed(servers):
+        await server.close()
+
+
+@pytest.fixture
+async def gw(gateway_factory: GatewayFactory) -> Harness:
+    return await gateway_factory()
