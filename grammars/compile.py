@@ -177,7 +177,11 @@ def _compile_schema(source: str) -> _Core:
     if violation is not None:
         raise InvalidGrammar(f"json_schema: the schema is {violation.message}")
     check = build_check(schema)
-    matcher, _ = engine.build_matcher(engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED)))
+    if isinstance(schema, bool):
+        # llguidance takes object schemas only: `true` is any JSON, `false` leaves only the verdict.
+        matcher = _syntax("any") if schema else None
+    else:
+        matcher, _ = engine.build_matcher(engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED)))
     # A schema llguidance cannot turn into a grammar (e.g. look-around in a pattern) is still a valid
     # schema: stream-check its JSON syntax only and leave the rest to jsonschema.
     warnings = tuple(matcher.get_grammar_warnings()) if matcher is not None else (
