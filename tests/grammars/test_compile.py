@@ -85,7 +85,7 @@ def test_deep_nesting() -> None:
         "at " + "/".join(["child"] * 60) + "/v: 'x' is not of type 'integer'")
     too_deep = "[" * 5000 + "]" * 5000
     assert compile_constraint(JSON_OBJECT).validate(too_deep) == v(
-        "not valid JSON: recursion limit reached at char 1025", 1025)
+        "not valid JSON: depth limit exceeded at char 1025", 1025)
 
 
 @pytest.mark.parametrize(("text", "expected"), [
