@@ -1,0 +1,157 @@
+"""Incremental checks: the first chunk after which the output can no longer be valid is flagged, and
+only that one; whitespace, multibyte text and key order are handled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grammars.compile import Violation, compile_constraint
+from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
+from tests.grammars.samples import BAD_AGE, COMPACT, PRETTY, USER_SCHEMA, chunks
+
+SMALL = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+         "required": ["a"]}
+USER = json_schema_spec(USER_SCHEMA)
+DATE = ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+ARITH = ConstraintSpec("lark", 'start: expr\nexpr: NUM | expr "+" expr | "(" expr ")"\nNUM: /[0-9]+/')
+LIST = ConstraintSpec("gbnf", 'root ::= item+\nitem ::= "- " [a-z]+ "\\n"')
+
+
+def feed_all(spec: ConstraintSpec, parts: list[str], *, native: bool) -> tuple[int | None, Violation | None]:
+    """Index of the first chunk `feed` refused (None if none) and the final verdict."""
+    checker = compile_constraint(spec).checker(native=native)
+    first_bad = None
+    for index, part in enumerate(parts):
+        if not checker.feed(part) and first_bad is None:
+            first_bad = index
+    verdict = checker.finish()
+    assert checker.violation == verdict
+    return first_bad, verdict
+
+
+@pytest.mark.parametrize(("spec", "parts", "native", "bad_chunk", "verdict"), [
+    # JSON schema, native: the schema grammar cuts the stream at the chunk with the bad value
+    (USER, chunks(COMPACT, 7), True, None, None),
+    (USER, chunks(BAD_AGE, 7), True, 10,
+     Violation("at char 71: unexpected '\"'; expected one of: '\\t'-'\\n', '\\r', ' ', '0'-'9'", 71)),
+    # ... not native: syntax only while streaming, the schema verdict at the end
+    (USER, chunks(BAD_AGE, 7), False, None, Violation("at age: '36' is not of type 'integer'")),
+    (USER, chunks(PRETTY, 5), True, None, None),
+    (USER, chunks(COMPACT.replace('"age":36', '"age":36]'), 7), False, 10,
+     Violation("at char 73: unexpected ']'; expected one of: '\\t'-'\\n', '\\r', ' ', ',', '.', '0'-'9', "
+               "'E', 'e', '}'", 73)),
+    # key order: a valid document with keys in another order than the schema's
+    (json_schema_spec(SMALL), ['{"b": "x", ', '"a": 1}'], False, None, None),
+    (json_schema_spec(SMALL), ['{"b": "x", ', '"a": 1}'], True, 0,
+     Violation("at char 2: unexpected 'b'; expected 'a'", 2)),
+    # surrounding whitespace, in its own chunks or glued to the document
+    (json_schema_spec(SMALL), ["\n ", ' \t{"a"', ": 1}  ", "\n", ""], True, None, None),
+    (json_schema_spec(SMALL), ["\n ", ' {"a"', ": 1}  ", "\n", "x"], True, 4,
+     Violation("at char 14: unexpected 'x' after the end of the JSON document; expected end of output", 14)),
+    (json_schema_spec(SMALL), ['{"a": 1} x'], False, 0,
+     Violation("at char 9: unexpected 'x' after the end of the JSON document; expected end of output", 9)),
+    (json_schema_spec({"type": "integer"}), ["12", " ", "3"], True, 2,
+     Violation("at char 3: unexpected '3' after the end of the JSON document; expected end of output", 3)),
+    (json_schema_spec({"type": "integer"}), ["12", "3 \n"], True, None, None),
+    # multibyte text split across chunks (chunks are str, so a character is never split)
+    (json_schema_spec(SMALL), ['{"a": 1, "b": "Zo', "\u00eb\u00e9\U0001F600", '"}'], True, None, None),
+    (json_schema_spec(SMALL), ['{"a": 1, "b": "\u00e9', '\u00e9"', "x"], True, 2,
+     Violation("at char 18: unexpected 'x'; expected one of: '\\t'-'\\n', '\\r', ' ', ',', '}'", 18)),
+    # unicode escapes and exponents are JSON like any other
+    (json_schema_spec(SMALL), ['{"a": 1, "b": "\\u00', 'e9"}'], True, None, None),
+    (json_schema_spec({"type": "number"}), ["1e", "5"], True, None, None),
+    # json_object
+    (JSON_OBJECT, ['{"z": 1, ', '"a": [1, 2]}'], False, None, None),
+    (JSON_OBJECT, ["[", "1]"], True, 0, Violation("at char 0: unexpected '['; expected '{'", 0)),
+    (JSON_OBJECT, ['{"a": ', "1"], False, None, Violation("not valid JSON: unexpected end of data at char 7", 7)),
+    # regex
+    (DATE, ["20", "24-0", "1-02"], False, None, None),
+    # "2024-1" could still become "2024-10-..."; the chunk with the "-" is the one that breaks it
+    (DATE, ["20", "24-1", "-02"], False, 2, Violation("at char 6: unexpected '-'; expected '0'-'9'", 6)),
+    (DATE, ["2024", "-01"], False, None, Violation("at char 7: output ended too early; expected '-'", 7)),
+    (DATE, ["2024-01-02", "\n"], False, 1, Violation("at char 10: unexpected '\\n'; expected end of output", 10)),
+    # choice
+    (choice_spec(["yes", "no"]), ["y", "e", "s"], False, None, None),
+    (choice_spec(["yes", "no"]), ["y", "o"], False, 1, Violation("at char 1: unexpected 'o'; expected 'e'", 1)),
+    (choice_spec(["\u00e9t\u00e9", "hiver"]), ["\u00e9", "t\u00e9"], False, None, None),
+    # lark
+    (ARITH, ["(1+", "2)+3"], False, None, None),
+    (ARITH, ["(1+", "2))"], False, 1, Violation("at char 5: unexpected ')'; expected one of: '+', end of output", 5)),
+    (ARITH, ["(1+"], False, None, Violation("at char 3: output ended too early; expected one of: '(', '0'-'9'", 3)),
+    # gbnf
+    (LIST, ["- a\n", "- bc\n"], False, None, None),
+    (LIST, ["- a\n", "- B\n"], False, 1, Violation("at char 6: unexpected 'B'; expected 'a'-'z'", 6)),
+])
+def test_first_bad_chunk(spec: ConstraintSpec, parts: list[str], native: bool, bad_chunk: int | None,
+                         verdict: Violation | None) -> None:
+    assert feed_all(spec, parts, native=native) == (bad_chunk, verdict)
+
+
+def test_feed_keeps_failing_and_finish_is_stable() -> None:
+    checker = compile_constraint(DATE).checker(native=True)
+    assert checker.feed("x") is False
+    assert checker.feed("2024-01-02") is False
+    first = checker.finish()
+    assert first == Violation("at char 0: unexpected 'x'; expected '0'-'9'", 0)
+    assert checker.finish() == first
+
+
+def test_checkers_are_independent() -> None:
+    constraint = compile_constraint(DATE)
+    one, two = constraint.checker(native=False), constraint.checker(native=False)
+    assert one.feed("2024-") and not two.feed("x")
+    assert one.feed("01-02") and one.finish() is None
+
+
+def test_finish_gives_the_full_schema_verdict_even_when_native() -> None:
+    # uniqueItems is beyond llguidance (a warning), jsonschema catches it at the end.
+    spec = json_schema_spec({"type": "array", "uniqueItems": True})
+    first_bad, verdict = feed_all(spec, ["[1, ", "1]"], native=True)
+    assert (first_bad, verdict) == (None, Violation("at <root>: [1, 1] has non-unique elements"))
+
+
+def test_formats_never_cut_a_stream() -> None:
+    # llguidance's email format is stricter than jsonschema's: formats are left to the verdict.
+    spec = json_schema_spec({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}})
+    assert feed_all(spec, ['{"e": "a@b"}'], native=True) == (None, None)
+    assert feed_all(spec, ['{"e": "ab"}'], native=True) == (None, Violation("at e: 'ab' is not a 'email'"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_chunking_flags_the_chunk_holding_the_first_bad_character(data: st.DataObject) -> None:
+    text = data.draw(st.sampled_from([COMPACT, BAD_AGE, PRETTY, COMPACT[:200] + "x" + COMPACT[200:]]))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=40)))
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    whole = compile_constraint(USER).checker(native=True)
+    whole.feed(text)
+    bad_at = whole.violation.offset if whole.violation else None
+    first_bad, verdict = feed_all(USER, parts, native=True)
+    if bad_at is None:
+        assert first_bad is None
+    else:
+        ends = [*cuts, len(text)]
+        assert first_bad == next(i for i, end in enumerate(ends) if bad_at < end)
+        assert verdict == whole.violation
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="0123456789-x\u00e9 ", max_size=14), size=st.integers(1, 5))
+def test_streaming_and_complete_agree_for_regex(text: str, size: int) -> None:
+    constraint = compile_constraint(DATE)
+    checker = constraint.checker(native=False)
+    for part in chunks(text, size):
+        checker.feed(part)
+    assert checker.finish() == constraint.validate(text)
+
+
+def test_json_syntax_check_follows_json() -> None:
+    # Deep nesting and big numbers stream fine through the any-JSON grammar.
+    deep = "[" * 300 + "]" * 300
+    assert feed_all(json_schema_spec({}), chunks(deep, 16), native=False) == (None, None)
+    big = json.dumps({"n": 10**30, "f": -1.5e-300})
+    assert feed_all(JSON_OBJECT, chunks(big, 3), native=False) == (None, None)
