@@ -1,0 +1,108 @@
+"""Opt-in content capture: compact JSON strings in the semconv v1.41 shapes.
+
+`gen_ai.input.messages`, `gen_ai.system_instructions`, `gen_ai.tool.definitions` come from the wire body
+(`call.raw`), read by the dialect registered for `call.protocol`; `gen_ai.output.messages` comes from
+the neutral `Answer`. MCP steps have `gen_ai.tool.call.arguments` / `.result` instead.
+
+Content goes on spans as JSON *strings*, not OTLP maps: the convention allows it, util-genai does it,
+and Jaeger would stringify maps anyway (semconv note section 2.1). These functions are pure and
+only ever called when capture is on; callers must pass every string through `Redactor.redact` before
+it is set on a span (`StepSpan.capture_input` / `capture_output` do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final, NamedTuple
+
+from gateway.call import Answer, Call
+from otel import _content_anthropic, _content_openai
+from otel._content_common import Message, Part, compact, json_or_text, without_none
+
+
+class _Dialect(NamedTuple):
+    input_messages: Callable[[Mapping[str, Any]], list[Message] | None]
+    system_instructions: Callable[[Mapping[str, Any]], list[Part] | None]
+    tool_definitions: Callable[[Mapping[str, Any], bool], list[Part] | None]
+
+
+_DIALECTS: Final[Mapping[str, _Dialect]] = {
+    "openai": _Dialect(
+        _content_openai.input_messages, _content_openai.system_instructions, _content_openai.tool_definitions
+    ),
+    "anthropic": _Dialect(
+        _content_anthropic.input_messages,
+        _content_anthropic.system_instructions,
+        _content_anthropic.tool_definitions,
+    ),
+}
+
+# Output-message `finish_reason` uses the schema's enum (stop, length, content_filter, tool_call,
+# error); provider values map onto it, unknown values pass through (any string is allowed).
+_FINISH_REASONS: Final[Mapping[str, str]] = {
+    "stop": "stop",
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "content_filter": "content_filter",
+    "refusal": "content_filter",
+    "tool_calls": "tool_call",
+    "function_call": "tool_call",
+    "tool_use": "tool_call",
+    "error": "error",
+}
+
+
+def _dump(value: Any) -> str | None:
+    return compact(value) if value else None
+
+
+def input_messages(call: Call) -> str | None:
+    """`gen_ai.input.messages`: the chat history sent, in order; None for protocols without one."""
+    dialect = _DIALECTS.get(call.protocol)
+    return _dump(dialect.input_messages(call.raw)) if dialect is not None else None
+
+
+def system_instructions(call: Call) -> str | None:
+    """`gen_ai.system_instructions`: instructions passed apart from the history (Anthropic `system`)."""
+    dialect = _DIALECTS.get(call.protocol)
+    return _dump(dialect.system_instructions(call.raw)) if dialect is not None else None
+
+
+def tool_definitions(call: Call, *, detailed: bool = False) -> str | None:
+    """`gen_ai.tool.definitions`: `type` and `name` of each offered tool; `description` and
+    `parameters` only when `detailed` (the convention does not recommend them by default)."""
+    dialect = _DIALECTS.get(call.protocol)
+    return _dump(dialect.tool_definitions(call.raw, detailed)) if dialect is not None else None
+
+
+def output_messages(answer: Answer) -> str:
+    """`gen_ai.output.messages`: one assistant message (the first choice's text and every proposed
+    tool call; `Answer` keeps no other choice's text)."""
+    parts: list[Part] = [{"type": "text", "content": answer.text}] if answer.text else []
+    parts.extend(
+        without_none(type="tool_call", id=call.id or None, name=call.name, arguments=json_or_text(call.arguments))
+        for call in answer.tool_calls
+    )
+    if answer.finish_reasons:
+        finish = answer.finish_reasons[0]
+        finish = _FINISH_REASONS.get(finish, finish)
+    else:
+        finish = "tool_call" if answer.tool_calls else "stop"
+    return compact([{"role": "assistant", "parts": parts, "finish_reason": finish}])
+
+
+def tool_call_arguments(call: Call) -> str | None:
+    """`gen_ai.tool.call.arguments` of an MCP `tools/call` step (compact JSON when the arguments are
+    JSON, else the text as sent)."""
+    if call.tool_call is None:
+        return None
+    arguments = json_or_text(call.tool_call.arguments)
+    return arguments if isinstance(arguments, str) else compact(arguments)
+
+
+def tool_call_result(answer: Answer) -> str | None:
+    """`gen_ai.tool.call.result` of an MCP `tools/call` step: the result text the server returned."""
+    return answer.tool_result.content if answer.tool_result is not None else None

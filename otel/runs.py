@@ -1,0 +1,157 @@
+"""Trace shape: one trace per run, or the agent's own trace.
+
+- The agent sent a W3C `traceparent`: `context_from_headers` extracts it, step spans are its children,
+  and `inject_headers` passes the step span's context upstream.
+- It did not: every step of a run is parented to the run's `invoke_agent {agent}` root span (INTERNAL,
+  `gen-ai-agent-spans.md`). Its trace id and span id are derived from the run id, so steps can name
+  their parent long before it exists; the root span itself is created and exported by
+  `Telemetry.end_run` when the run ends, with the run's totals and its real start time.
+
+Run epochs: a run id is reused after `POST /admin/runs/{id}/reset`. Each incarnation ("epoch") has its
+own derived ids, from `(run_id, epoch)`; pass the same `epoch` to `run_parent` and `end_run` (the
+number of resets, or any value that changes when the run starts afresh; default 0). Each epoch
+exports at most one root span per process: a second `end_run` of the same epoch (stop, then idle) is
+a no-op, so a step arriving after a stop still lands under the already exported root.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
+from opentelemetry.semconv.attributes import error_attributes as Error
+from opentelemetry.trace import get_current_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.call import digest
+from otel.attributes import (
+    TOLLGATE_AGENT,
+    TOLLGATE_COST_USD,
+    TOLLGATE_LLM_CALLS,
+    TOLLGATE_PATH_FINGERPRINT,
+    TOLLGATE_RUN_EPOCH,
+    TOLLGATE_RUN_ID,
+    TOLLGATE_STOP_REASON,
+    TOLLGATE_TOOL_CALLS,
+    Attributes,
+    present,
+)
+
+INVOKE_AGENT = GenAI.GenAiOperationNameValues.INVOKE_AGENT.value
+GATEWAY_PROVIDER = "tollgate"
+"""`gen_ai.provider.name` of a run root whose steps used several providers (custom value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunTotals:
+    """What the root span of a run reports. `provider_name` is the run's single provider, if any."""
+
+    cost_usd: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    llm_calls: int = 0
+    tool_calls: int = 0
+    stop_reason: str | None = None
+    path_fingerprint: str | None = None
+    provider_name: str | None = None
+
+
+def path_fingerprint(decisions: Sequence[str]) -> str:
+    """Hash of a run's decision sequence (e.g. `llm:continue`, `tool:search_kb:allowed`): runs that
+    took the same path have the same fingerprint; order matters."""
+    return digest(*(decision.encode("utf-8", "surrogatepass") for decision in decisions))
+
+
+def run_ids(run_id: str, epoch: int | str = 0) -> tuple[int, int]:
+    """(trace id, span id) of a run epoch's root span: 128 + 64 uniformly distributed, non-zero bits
+    (ratio samplers stay fair), stable across processes."""
+    raw = hashlib.blake2b(f"{run_id}\x00{epoch}".encode("utf-8", "surrogatepass"), digest_size=24,
+                          person=b"tollgate.run").digest()
+    trace_id = int.from_bytes(raw[:16], "big") or 1
+    span_id = int.from_bytes(raw[16:], "big") or 1
+    return trace_id, span_id
+
+
+def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int | str = 0) -> Attributes:
+    """Attributes of the `invoke_agent {agent}` root span (INTERNAL: an agent run seen in process)."""
+    return present((
+        (GenAI.GEN_AI_OPERATION_NAME, INVOKE_AGENT),
+        (GenAI.GEN_AI_PROVIDER_NAME, totals.provider_name or GATEWAY_PROVIDER),
+        (GenAI.GEN_AI_AGENT_NAME, agent or None),
+        (TOLLGATE_AGENT, agent or None),
+        (TOLLGATE_RUN_ID, run_id),
+        (TOLLGATE_RUN_EPOCH, epoch if epoch != 0 else None),
+        (GenAI.GEN_AI_USAGE_INPUT_TOKENS, totals.input_tokens),
+        (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, totals.output_tokens),
+        (TOLLGATE_COST_USD, float(totals.cost_usd)),
+        (TOLLGATE_LLM_CALLS, totals.llm_calls),
+        (TOLLGATE_TOOL_CALLS, totals.tool_calls),
+        (TOLLGATE_STOP_REASON, totals.stop_reason or None),
+        (Error.ERROR_TYPE, totals.stop_reason or None),
+        (TOLLGATE_PATH_FINGERPRINT, totals.path_fingerprint or None),
+    ))
+
+
+class RunIdGenerator(RandomIdGenerator):
+    """Random ids, except inside `override(trace_id, span_id)`, where the next root span gets exactly
+    those ids. The override lives in a context variable owned by this generator (one per
+    `TracerProvider`), so concurrent requests and tasks never see each other's override."""
+
+    def __init__(self) -> None:
+        self._override: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+            f"tollgate_run_ids_{id(self):x}", default=None
+        )
+
+    @contextmanager
+    def override(self, trace_id: int, span_id: int) -> Iterator[None]:
+        token = self._override.set((trace_id, span_id))
+        try:
+            yield
+        finally:
+            self._override.reset(token)
+
+    def generate_trace_id(self) -> int:
+        chosen = self._override.get()
+        return chosen[0] if chosen is not None else super().generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        chosen = self._override.get()
+        return chosen[1] if chosen is not None else super().generate_span_id()
+
+
+class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):
+    """Header lookup for plain dicts as well as aiohttp's CIMultiDict."""
+
+    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        if value is None:
+            value = next((v for k, v in carrier.items() if k.lower() == key), None)
+        return [value] if isinstance(value, str) else None
+
+    def keys(self, carrier: Mapping[str, str]) -> list[str]:
+        return list(carrier.keys())
+
+
+def context_from_headers(headers: Mapping[str, str]) -> Context | None:
+    """The agent's trace context from W3C `traceparent` / `tracestate`; None when absent or invalid."""
+    if not any(k.lower() == "traceparent" for k in headers):
+        return None
+    ctx = TraceContextTextMapPropagator().extract(headers, context=Context(), getter=_CaseInsensitiveGetter())
+    return ctx if get_current_span(ctx).get_span_context().is_valid else None
+
+
+def inject_headers(ctx: Context | None) -> dict[str, str]:
+    """`traceparent` (and `tracestate`) headers to send upstream for `ctx` (a step span's context);
+    empty when there is nothing valid to propagate. Baggage is deliberately not forwarded to model
+    providers (it may carry the agent's run ids and other internals)."""
+    carrier: dict[str, str] = {}
+    if ctx is not None and get_current_span(ctx).get_span_context().is_valid:
+        TraceContextTextMapPropagator().inject(carrier, context=ctx)
+    return carrier

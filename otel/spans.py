@@ -1,0 +1,281 @@
+"""Step spans: one CLIENT span per upstream attempt (inference) or MCP request.
+
+Lifecycle (util-genai's start / stop / fail shape), all methods safe to call in any order and none
+ever raises:
+
+    step = telemetry.start_inference(call, provider_name=..., server_address=..., server_port=...,
+                                     parent=ctx, attempt=0)
+    try:
+        step.guard_event("budget", "continue")
+        headers.update(inject_headers(step.context))
+        ... forward ...; step.first_chunk() on the first streamed chunk
+        step.capture_input(call, redactor); step.capture_output(answer, redactor)   # no-ops unless capture is on
+        step.finish(answer, cost_usd=cost)          # records the answer and ends the span
+    except UpstreamTimeout:
+        step.fail("upstream_timeout")               # error.type + status ERROR, ends the span
+    finally:
+        step.end()                                  # idempotent safety net
+
+A guard stop calls `step.stop(code)`: `error.type` and `tollgate.stop_reason` = the stop code,
+status ERROR; then `step.end()` (stopped before upstream: no GenAI client metrics, since no client
+operation happened) or `step.finish(answer)` (stopped after the answer: metrics describe the
+successful upstream operation, the span the stopped step).
+
+Ending the span also records the semconv histograms in `Metrics` (duration, token usage, time to
+first chunk; MCP duration), with `error.type` of an upstream failure only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.context import Context
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
+from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
+from opentelemetry.semconv.attributes import error_attributes as Error
+from opentelemetry.trace import Span, Status, StatusCode, get_current_span, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+from gateway.call import Answer, Call
+from otel import content
+from otel._safe import ErrorCounter, guarded
+from otel.attributes import (
+    TOLLGATE_COST_USD,
+    TOLLGATE_GUARD_EVENT,
+    TOLLGATE_STOP_REASON,
+    TOOL_ERROR,
+    guard_event_attributes,
+    inference_end_attributes,
+)
+from otel.metrics import Metrics
+from otel.redact import Redactor
+
+StepKind = Literal["inference", "mcp"]
+_META_KEYS = frozenset(("traceparent", "tracestate", "baggage"))
+
+
+@dataclass(frozen=True, slots=True)
+class StepLabels:
+    """What a step's metrics are labelled with, known at start (computed even when not recording)."""
+
+    operation: str
+    provider: str = ""
+    request_model: str | None = None
+    server_address: str | None = None
+    server_port: int | None = None
+    method: str = ""  # MCP only
+    tool_name: str | None = None
+    protocol_version: str | None = None
+
+
+def _is_rpc_code(error_type: str | None) -> bool:
+    return error_type is not None and error_type.lstrip("-").isdigit()
+
+
+class StepSpan:
+    """One step's span and its metric labels. Created by `Telemetry.start_inference` / `start_mcp`
+    per request; not shared between requests."""
+
+    __slots__ = (
+        "_answer", "_capture", "_context", "_ended", "_errors", "_kind", "_labels", "_metrics",
+        "_parent", "_recording", "_span", "_start", "_stopped", "_ttfc", "_upstream", "_upstream_error",
+    )
+
+    def __init__(
+        self, span: Span, *, kind: StepKind, parent: Context | None, labels: StepLabels,
+        metrics: Metrics | None, errors: ErrorCounter, capture: bool,
+    ) -> None:
+        self._span = span
+        self._kind = kind
+        self._parent = parent
+        self._labels = labels
+        self._metrics = metrics
+        self._errors = errors
+        self._recording = span.is_recording()
+        self._capture = capture and self._recording
+        self._start = time.perf_counter()
+        self._context: Context | None = None
+        self._ended = False
+        self._stopped = False
+        self._upstream = False
+        self._upstream_error: str | None = None
+        self._answer: Answer | None = None
+        self._ttfc: float | None = None
+
+    @property
+    def span(self) -> Span:
+        return self._span
+
+    @property
+    def is_recording(self) -> bool:
+        return self._recording
+
+    @property
+    def context(self) -> Context:
+        """Context holding this span: parent for nested spans, source for `inject_headers` /
+        `inject_meta_context`. When tracing is off it holds the caller's parent unchanged."""
+        if self._context is None:
+            self._context = set_span_in_context(self._span, self._parent or Context())
+        return self._context
+
+    @guarded("span.set")
+    def set(self, key: str, value: AttributeValue) -> None:
+        if self._recording:
+            self._span.set_attribute(key, value)
+
+    @guarded("span.guard_event")
+    def guard_event(self, name: str, decision: str, reason: str | None = None, detail: str | None = None) -> None:
+        """A guard, tool or grammar decision on this step, as a `tollgate.guard` span event."""
+        if self._recording:
+            self._span.add_event(TOLLGATE_GUARD_EVENT, guard_event_attributes(name, decision, reason, detail))
+
+    @guarded("span.first_chunk")
+    def first_chunk(self) -> None:
+        """The first streamed chunk arrived (later calls are ignored)."""
+        if self._ttfc is not None:
+            return
+        self._ttfc = time.perf_counter() - self._start
+        self._upstream = True
+        if self._recording:
+            self._span.set_attribute(GenAI.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, self._ttfc)
+
+    @guarded("span.capture_input")
+    def capture_input(self, call: Call, redactor: Redactor) -> None:
+        """Opt-in content of the request (redacted); a no-op unless capture is on and recording."""
+        if not self._capture:
+            return
+        if self._kind == "mcp":
+            self._set_content(GenAI.GEN_AI_TOOL_CALL_ARGUMENTS, content.tool_call_arguments(call), redactor)
+            return
+        self._set_content(GenAI.GEN_AI_INPUT_MESSAGES, content.input_messages(call), redactor)
+        self._set_content(GenAI.GEN_AI_SYSTEM_INSTRUCTIONS, content.system_instructions(call), redactor)
+        self._set_content(GenAI.GEN_AI_TOOL_DEFINITIONS, content.tool_definitions(call), redactor)
+
+    @guarded("span.capture_output")
+    def capture_output(self, answer: Answer, redactor: Redactor) -> None:
+        """Opt-in content of the answer (redacted); a no-op unless capture is on and recording."""
+        if not self._capture:
+            return
+        if self._kind == "mcp":
+            self._set_content(GenAI.GEN_AI_TOOL_CALL_RESULT, content.tool_call_result(answer), redactor)
+        else:
+            self._set_content(GenAI.GEN_AI_OUTPUT_MESSAGES, content.output_messages(answer), redactor)
+
+    def _set_content(self, key: str, text: str | None, redactor: Redactor) -> None:
+        if text:
+            self._span.set_attribute(key, redactor.redact(text))
+
+    @guarded("span.stop")
+    def stop(self, code: str, message: str | None = None) -> None:
+        """A guard stopped the step (DESIGN section 4 code). Does not end the span."""
+        self._stopped = True
+        if self._recording:
+            self._span.set_attribute(Error.ERROR_TYPE, code)
+            self._span.set_attribute(TOLLGATE_STOP_REASON, code)
+            self._span.set_status(Status(StatusCode.ERROR, message or code))
+
+    @guarded("span.finish")
+    def finish(self, answer: Answer | None, *, cost_usd: float | None = None) -> None:
+        """The upstream answered: record the answer (usage, response id/model, finish reasons; for MCP
+        `error.type = tool_error` when the result is an error) and the step's cost, then end."""
+        if answer is not None:
+            self._answer = answer
+            self._upstream = True
+            if self._recording:
+                self._record_answer(answer)
+        if cost_usd is not None and self._recording:
+            self._span.set_attribute(TOLLGATE_COST_USD, float(cost_usd))
+        self.end()
+
+    def _record_answer(self, answer: Answer) -> None:
+        if self._kind == "mcp":
+            if answer.is_error and not self._stopped:
+                self._upstream_error = self._upstream_error or TOOL_ERROR
+                self._span.set_attribute(Error.ERROR_TYPE, self._upstream_error)
+                self._span.set_status(Status(StatusCode.ERROR, "tool returned an error"))
+            return
+        self._span.set_attributes(inference_end_attributes(answer, provider_name=self._labels.provider))
+
+    @guarded("span.fail")
+    def fail(self, error_type: str, message: str | None = None) -> None:
+        """The upstream operation failed (`upstream_timeout`, `upstream_unavailable`, an HTTP status
+        such as `429`, a JSON-RPC code such as `-32602`, or `_OTHER`): `error.type`, status ERROR, end."""
+        self._upstream = True
+        self._upstream_error = error_type
+        if self._recording:
+            if not self._stopped:
+                self._span.set_attribute(Error.ERROR_TYPE, error_type)
+                self._span.set_status(Status(StatusCode.ERROR, message or error_type))
+            if self._kind == "mcp" and _is_rpc_code(error_type):
+                self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
+        self.end()
+
+    @guarded("span.end")
+    def end(self) -> None:
+        """End the span and record the step's metrics; idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        duration = time.perf_counter() - self._start
+        try:
+            self._record_metrics(duration)
+        finally:
+            self._span.end()
+
+    def _record_metrics(self, duration: float) -> None:
+        metrics = self._metrics
+        if metrics is None or (self._stopped and not self._upstream):
+            return
+        labels = self._labels
+        if self._kind == "mcp":
+            error = self._upstream_error
+            metrics.observe_mcp(
+                method=labels.method, tool_name=labels.tool_name, operation=labels.operation or None,
+                protocol_version=labels.protocol_version, server_address=labels.server_address,
+                server_port=labels.server_port, rpc_status_code=error if _is_rpc_code(error) else None,
+                error_type=error, duration_s=duration,
+            )
+            return
+        answer = self._answer
+        usage = answer.usage if answer is not None else None
+        metrics.observe_inference(
+            operation=labels.operation, provider=labels.provider, request_model=labels.request_model,
+            response_model=answer.model if answer is not None else None,
+            server_address=labels.server_address, server_port=labels.server_port,
+            error_type=self._upstream_error, duration_s=duration,
+            input_tokens=usage.input_tokens if usage else None,
+            output_tokens=usage.output_tokens if usage else None,
+        )
+        if self._ttfc is not None:
+            metrics.observe_first_chunk(
+                operation=labels.operation, provider=labels.provider, request_model=labels.request_model,
+                server_address=labels.server_address, server_port=labels.server_port, seconds=self._ttfc,
+            )
+
+
+def extract_meta_context(meta: Mapping[str, Any] | None) -> Context | None:
+    """Trace context (and baggage) an MCP client put in `params._meta` (`traceparent`, `tracestate`,
+    `baggage`, per mcp.md); None when there is no valid one."""
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("traceparent"), str):
+        return None
+    carrier = {k: v for k, v in meta.items() if k in _META_KEYS and isinstance(v, str)}
+    ctx = TraceContextTextMapPropagator().extract(carrier, context=Context())
+    if not get_current_span(ctx).get_span_context().is_valid:
+        return None
+    return W3CBaggagePropagator().extract(carrier, context=ctx)
+
+
+def inject_meta_context(meta: dict[str, Any], ctx: Context | None) -> None:
+    """Write `ctx` (the MCP step span's context) into a request's `params._meta` dict, in place:
+    `traceparent`, `tracestate` when set, `baggage` when the context carries any."""
+    if ctx is None or not get_current_span(ctx).get_span_context().is_valid:
+        return
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=ctx)
+    W3CBaggagePropagator().inject(carrier, context=ctx)
+    meta.update(carrier)

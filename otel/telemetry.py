@@ -1,0 +1,230 @@
+"""`Telemetry`: the one object the pipeline holds (app state, built by `setup_telemetry`).
+
+It owns a private `TracerProvider` (never installed globally), the drop-counting batch processor and
+the Prometheus `Metrics`, and hands out `StepSpan`s. Every method is safe on the request path: it
+never raises (errors are counted in `tollgate_telemetry_errors_total`) and never blocks on export.
+`shutdown()` and `force_flush()` block for at most their timeout: call them off the event loop
+(`await asyncio.to_thread(telemetry.shutdown)`) in the app's cleanup.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import Sampler
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    get_current_span,
+    set_span_in_context,
+)
+
+from gateway.call import Call
+from otel._safe import ErrorCounter, guarded
+from otel.attributes import (
+    TOLLGATE_AGENT,
+    TOLLGATE_ATTEMPT,
+    TOLLGATE_RUN_ID,
+    inference_start_attributes,
+    mcp_attributes,
+    mcp_span_name,
+)
+from otel.export import CountingSpanProcessor
+from otel.metrics import Metrics
+from otel.runs import INVOKE_AGENT, RunIdGenerator, RunTotals, run_ids, run_root_attributes
+from otel.spans import StepLabels, StepSpan
+
+_ENDED_RUNS_KEPT = 4096  # run epochs remembered to make `end_run` idempotent
+
+
+def _bounded(action: Callable[[], object], timeout_s: float) -> threading.Thread:
+    """Run `action` on a daemon helper thread and wait at most `timeout_s` for it; the thread is
+    returned (still alive if it overran)."""
+    worker = threading.Thread(target=action, name="tollgate-otel-flush", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return worker
+
+
+class Telemetry:
+    """Tracing and metrics for one gateway process. Build with `setup_telemetry(env)`."""
+
+    def __init__(
+        self, *, tracer: Tracer | None, provider: TracerProvider | None, processor: CountingSpanProcessor | None,
+        sampler: Sampler | None, ids: RunIdGenerator | None, metrics: Metrics, errors: ErrorCounter,
+        capture_content: bool,
+    ) -> None:
+        self._tracer = tracer
+        self._provider = provider
+        self._processor = processor
+        self._sampler = sampler
+        self._ids = ids
+        self._errors = errors
+        self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.metrics = metrics
+        self.capture_content = capture_content
+
+    @property
+    def tracing(self) -> bool:
+        """True when spans are recorded and exported (an exporter is configured, SDK not disabled)."""
+        return self._tracer is not None
+
+    def _passthrough(self, parent: Context | None) -> Span:
+        """Tracing off: a non-recording span carrying the parent's context (so it propagates as is)."""
+        if parent is None:
+            return INVALID_SPAN
+        return NonRecordingSpan(get_current_span(parent).get_span_context())
+
+    def _step(self, span_factory: Callable[[], Span], parent: Context | None, kind: str, labels: StepLabels) -> StepSpan:
+        try:
+            span = span_factory() if self._tracer is not None else self._passthrough(parent)
+        except Exception:
+            self._errors.record(f"start_{kind}")
+            span = self._passthrough(parent)
+        return StepSpan(span, kind="mcp" if kind == "mcp" else "inference", parent=parent, labels=labels,
+                        metrics=self.metrics, errors=self._errors, capture=self.capture_content)
+
+    def start_inference(
+        self, call: Call, *, provider_name: str, server_address: str, server_port: int,
+        parent: Context | None, attempt: int = 0, run_id: str | None = None, agent: str | None = None,
+    ) -> StepSpan:
+        """Start the CLIENT span `{operation} {model}` of one upstream attempt.
+
+        `parent`: `run_parent(...)` or the agent's `context_from_headers(...)`; None starts a new
+        trace (the ambient context is never used implicitly). `attempt` counts re-asks of the step.
+        """
+        labels = StepLabels(operation=call.operation, provider=provider_name, request_model=call.model or None,
+                            server_address=server_address or None, server_port=server_port)
+
+        def factory() -> Span:
+            assert self._tracer is not None
+            attrs = inference_start_attributes(
+                call, provider_name=provider_name, server_address=server_address, server_port=server_port
+            )
+            attrs[TOLLGATE_ATTEMPT] = attempt
+            if run_id:
+                attrs[TOLLGATE_RUN_ID] = run_id
+            if agent:
+                attrs[TOLLGATE_AGENT] = agent
+            name = f"{call.operation} {call.model}" if call.model else call.operation
+            return self._tracer.start_span(name, context=parent or Context(), kind=SpanKind.CLIENT, attributes=attrs)
+
+        return self._step(factory, parent, "inference", labels)
+
+    def start_mcp(
+        self, method: str, *, tool_name: str | None = None, request_id: str | int | None = None,
+        session_id: str | None = None, protocol_version: str | None = None, server_address: str | None = None,
+        server_port: int | None = None, parent: Context | None = None, run_id: str | None = None,
+        agent: str | None = None,
+    ) -> StepSpan:
+        """Start the MCP CLIENT span `tools/call {tool}` (or `{method}`) of one forwarded request.
+        `parent` usually comes from `extract_meta_context(params._meta)` or `run_parent(...)`."""
+        attrs = mcp_attributes(
+            method, tool_name=tool_name, request_id=request_id, session_id=session_id,
+            protocol_version=protocol_version, server_address=server_address, server_port=server_port,
+            is_error=None, rpc_error_code=None,
+        )
+        labels = StepLabels(
+            operation=str(attrs.get(GenAI.GEN_AI_OPERATION_NAME, "")), method=method, tool_name=tool_name,
+            protocol_version=protocol_version, server_address=server_address, server_port=server_port,
+        )
+
+        def factory() -> Span:
+            assert self._tracer is not None
+            if run_id:
+                attrs[TOLLGATE_RUN_ID] = run_id
+            if agent:
+                attrs[TOLLGATE_AGENT] = agent
+            return self._tracer.start_span(mcp_span_name(method, tool_name), context=parent or Context(),
+                                           kind=SpanKind.CLIENT, attributes=attrs)
+
+        return self._step(factory, parent, "mcp", labels)
+
+    def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0) -> Context:
+        """Parent context for the steps of a run without agent trace context: the (future) root span
+        `invoke_agent {agent}` with ids derived from `(run_id, epoch)`. Empty when tracing is off."""
+        if self._tracer is None or self._sampler is None:
+            return Context()
+        try:
+            trace_id, span_id = run_ids(run_id, epoch)
+            decision = self._sampler.should_sample(Context(), trace_id, f"{INVOKE_AGENT} {agent}", SpanKind.INTERNAL)
+            flags = TraceFlags.RANDOM_TRACE_ID | (TraceFlags.SAMPLED if decision.decision.is_sampled() else 0)
+            root = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags),
+                               trace_state=decision.trace_state)
+            return set_span_in_context(NonRecordingSpan(root), Context())
+        except Exception:
+            self._errors.record("run_parent")
+            return Context()
+
+    @guarded("end_run")
+    def end_run(
+        self, run_id: str, agent: str, *, started_at: float, totals: RunTotals, epoch: int | str = 0,
+    ) -> bool:
+        """Export the run epoch's root span (start = `started_at`, Unix seconds; end = now) with its
+        totals; `error.type` = the stop reason when a guard stopped the run. Returns False when
+        tracing is off or this epoch already ended in this process (idempotent)."""
+        if self._tracer is None or self._ids is None:
+            return False
+        key = (run_id, str(epoch))
+        with self._lock:
+            if key in self._ended:
+                return False
+            self._ended[key] = None
+            while len(self._ended) > _ENDED_RUNS_KEPT:
+                self._ended.popitem(last=False)
+        trace_id, span_id = run_ids(run_id, epoch)
+        name = f"{INVOKE_AGENT} {agent}" if agent else INVOKE_AGENT
+        with self._ids.override(trace_id, span_id):
+            span = self._tracer.start_span(
+                name, context=Context(), kind=SpanKind.INTERNAL,
+                attributes=run_root_attributes(run_id, agent, totals, epoch), start_time=int(started_at * 1e9),
+            )
+        if totals.stop_reason:
+            span.set_status(Status(StatusCode.ERROR, totals.stop_reason))
+        span.end()
+        return True
+
+    def spans_dropped(self) -> int:
+        """Spans lost so far: export queue full, export failed, or ended after shutdown."""
+        return self._processor.dropped() if self._processor is not None else 0
+
+    def errors(self) -> dict[str, int]:
+        """Errors telemetry swallowed, by component (also `tollgate_telemetry_errors_total`)."""
+        return self._errors.counts()
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        """Export everything queued; blocks up to `timeout_s`. True if it finished in time."""
+        provider = self._provider
+        if provider is None or self._closed:
+            return True
+        return not _bounded(provider.force_flush, timeout_s).is_alive()
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Flush and stop exporting, within `timeout_s` (then the exporter is aborted and what is left
+        counts as dropped). Idempotent; spans ending afterwards are dropped and counted."""
+        provider, processor = self._provider, self._processor
+        with self._lock:
+            if self._closed or provider is None or processor is None:
+                self._closed = True
+                return True
+            self._closed = True
+        worker = _bounded(provider.shutdown, timeout_s)
+        if not worker.is_alive():
+            return True
+        processor.abort()  # interrupts the exporter's retries; the rest of the queue is dropped
+        worker.join(1.0)
+        return False
