@@ -1,0 +1,235 @@
+"""Run guards through a running gateway with the official SDKs and raw concurrent clients."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anthropic
+import openai
+import orjson
+import pytest
+
+from tests.conftest import GatewayFactory, Harness
+from tests.fakes.upstream import (
+    Reply,
+    anthropic_message,
+    anthropic_stream,
+    openai_completion,
+    openai_stream,
+    tool_call,
+)
+
+PRICING = {"gpt-*": {"input_per_mtok": 1.0, "output_per_mtok": 2.0},
+           "claude-*": {"input_per_mtok": 1.0, "output_per_mtok": 2.0}}
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def agent(**policy: Any) -> dict[str, Any]:
+    return {"bot": policy}
+
+
+async def post(h: Harness, body: dict[str, Any], run: str, path: str = "/v1/chat/completions",
+               agent_name: str = "bot") -> tuple[int, dict[str, str], bytes]:
+    headers = {"x-tollgate-run-id": run, "x-tollgate-agent": agent_name, "content-type": "application/json"}
+    async with h.session.post(h.url + path, data=orjson.dumps(body), headers=headers) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_usd_budget_stops_exactly_at_the_crossing_step(gateway_factory: GatewayFactory) -> None:
+    budget = 0.001
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": budget}))
+    h.fake.default = Reply(body=openai_completion(prompt_tokens=10, completion_tokens=5))
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "r1"}) as client:
+        ok = 0
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            for _ in range(200):
+                await client.chat.completions.create(model="gpt-4o-mini", messages=MSG, max_tokens=50)
+                ok += 1
+    assert info.value.body["code"] == "budget_exhausted"  # type: ignore[index]
+    assert info.value.response.headers["x-tollgate-stop-reason"] == "budget_exhausted"
+    assert len(h.fake.seen) == ok  # the crossing request never reached the upstream
+    size = len(h.fake.seen[0].body)
+    step_cost = (10 * 1.0 + 5 * 2.0) / 1e6
+    smallest = (size * 1.0 + 16 * 2.0) / 1e6  # worst case at the minimal output (16 tokens)
+    # exactly: every granted step fitted its worst case (max_tokens clamped near the end),
+    # the refused one could not fit even a minimal call
+    assert ok * step_cost + smallest > budget >= (ok - 1) * step_cost + smallest
+    run = await h.run("r1")
+    assert run["status"] == "stopped" and run["stop_reason"] == "budget_exhausted"
+    assert run["spent_usd"] == pytest.approx(ok * step_cost)
+    assert run["spent_usd"] <= budget and run["reserved_usd"] == 0
+    # sticky until reset
+    status, headers, _ = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 1}, "r1")
+    assert status == 403 and headers["x-tollgate-stop-reason"] == "budget_exhausted"
+    async with h.session.post(f"{h.admin_url}/admin/runs/r1/reset") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "active"
+    status, _, _ = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 5}, "r1")
+    assert status == 200
+
+
+async def test_concurrent_budget_never_overspends(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"tokens": 1}))
+    body = {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 20}
+    per_call = len(orjson.dumps(body)) + 20
+    h2 = await gateway_factory(pricing=PRICING, agents=agent(budget={"tokens": per_call * 10}))
+    h2.fake.default = Reply(body=openai_completion(prompt_tokens=per_call - 20, completion_tokens=20), delay=0.05)
+    results = await asyncio.gather(*(post(h2, body, "conc") for _ in range(200)))
+    assert h is not None
+    statuses = [s for s, _, _ in results]
+    assert statuses.count(200) <= 10
+    assert len(h2.fake.seen) == statuses.count(200)
+    assert set(statuses) <= {200, 403}
+    run = await h2.run("conc")
+    assert run["input_tokens"] + run["output_tokens"] <= per_call * 10
+    assert run["reserved_tokens"] == 0
+
+
+async def test_concurrent_llm_call_cap(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 10}))
+    h.fake.default = Reply(body=openai_completion(), delay=0.02)
+    results = await asyncio.gather(
+        *(post(h, {"model": "gpt-4o-mini", "messages": MSG}, "cap") for _ in range(200))
+    )
+    statuses = [s for s, _, _ in results]
+    assert statuses.count(200) == 10 and len(h.fake.seen) == 10
+    codes = {orjson.loads(b)["error"]["code"] for s, _, b in results if s == 403}
+    assert codes == {"llm_call_cap"}
+    assert (await h.run("cap"))["llm_calls"] == 10
+
+
+async def test_max_tokens_clamped_and_reported(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 0.01}))
+    status, headers, _ = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 10_000_000}, "clamp")
+    assert status == 200
+    granted = int(headers["x-tollgate-max-tokens"])
+    assert granted < 10_000_000
+    assert h.fake.seen[-1].json["max_tokens"] == granted
+    status, headers, _ = await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "clamp2")
+    assert status == 200 and "x-tollgate-max-tokens" in headers
+    assert h.fake.seen[-1].json["max_completion_tokens"] == int(headers["x-tollgate-max-tokens"])
+
+
+async def test_unknown_price_with_usd_budget_is_clear(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(models={"mystery-*": "openai"}, agents=agent(budget={"usd": 1.0}))
+    status, _, body = await post(h, {"model": "mystery-model", "messages": MSG}, "price")
+    assert status == 403
+    assert "no known price" in orjson.loads(body)["error"]["message"]
+    assert h.fake.seen == []
+
+
+@pytest.mark.parametrize("usage", [None, (10, 5)])
+async def test_stream_missing_usage_or_cut_settles_above_zero(gateway_factory: GatewayFactory,
+                                                              usage: tuple[int, int] | None) -> None:
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 1.0}))
+    chunks = openai_stream(["x" * 40] * 5, usage=usage)
+    reply = Reply(chunks=chunks) if usage is None else Reply(chunks=chunks, cut_after=3)
+    h.fake.queue(reply)
+    status, _, _ = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True, "max_tokens": 100}, "s")
+    assert status == 200
+    run = await h.run("s")
+    assert run["spent_usd"] > 0
+    assert run["output_tokens"] >= 100  # settled at the reservation: never below what was relayed
+    assert run["reserved_usd"] == 0
+
+
+async def test_anthropic_stream_settles_to_reported_usage(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 1.0}))
+    h.fake.queue(Reply(chunks=anthropic_stream(["hi"], usage=(12, 7))))
+    status, _, _ = await post(h, {"model": "claude-3-5-haiku-latest", "max_tokens": 64, "messages": MSG,
+                                  "stream": True}, "as", path="/v1/messages")
+    assert status == 200
+    run = await h.run("as")
+    assert (run["input_tokens"], run["output_tokens"]) == (12, 7)
+    assert run["spent_usd"] == pytest.approx((12 * 1.0 + 7 * 2.0) / 1e6)
+
+
+async def test_loop_detection_withholds_the_repeat(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agent(loop={"window": 4, "max_distinct": 1}))
+    h.fake.default = Reply(body=openai_completion("", tool_calls=[tool_call("search", '{"q": "same"}')]))
+    messages: list[dict[str, Any]] = list(MSG)
+    statuses = []
+    for i in range(5):
+        status, headers, body = await post(h, {"model": "gpt-4o-mini", "messages": messages}, "loop")
+        statuses.append(status)
+        if status != 200:
+            assert headers["x-tollgate-stop-reason"] == "loop_detected"
+            break
+        messages = messages + [{"role": "assistant", "content": None, "tool_calls": [tool_call("search", '{"q":"same"}', f"c{i}")]},
+                               {"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i}"}]
+    assert statuses == [200, 200, 200, 403]
+    run = await h.run("loop")
+    assert run["tool_calls"] == 3  # the withheld repeat did not count as returned
+
+
+async def test_no_progress_on_same_results(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agent(loop={"window": 10, "max_distinct": 1, "stall_steps": 2}))
+    messages: list[dict[str, Any]] = list(MSG)
+    statuses = []
+    for i in range(6):
+        h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("lookup", f'{{"id": {i}}}', f"c{i}")])))
+        status, headers, _ = await post(h, {"model": "gpt-4o-mini", "messages": messages}, "np")
+        statuses.append(status)
+        if status != 200:
+            assert headers["x-tollgate-stop-reason"] == "no_progress"
+            break
+        messages = messages + [{"role": "assistant", "content": None, "tool_calls": [tool_call("lookup", f'{{"id": {i}}}', f"c{i}")]},
+                               {"role": "tool", "tool_call_id": f"c{i}", "content": "nothing found"}]
+    # step 1: new request; step 2: first result (new); steps 3 and 4 bring the same result again
+    assert statuses == [200, 200, 200, 403]
+
+
+async def test_on_stop_message_answers_200(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}, on_stop="message"))
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "m"}) as client:
+        await client.chat.completions.create(model="gpt-4o-mini", messages=MSG)
+        raw = await client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=MSG)
+        assert raw.headers["x-tollgate-stop-reason"] == "llm_call_cap"
+        message = raw.parse().choices[0]
+        assert message.finish_reason == "stop" and "llm_call_cap" in (message.message.content or "")
+        stream = await client.chat.completions.create(model="gpt-4o-mini", messages=MSG, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert "llm_call_cap" in text
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "m"}) as ac:
+        msg = await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG)
+        assert "llm_call_cap" in msg.content[0].text  # type: ignore[union-attr]
+
+
+async def test_anthropic_stop_raises_permission_error(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "a"}) as ac:
+        h.fake.queue(Reply(body=anthropic_message()))
+        await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG)
+        with pytest.raises(anthropic.PermissionDeniedError) as info:
+            await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG)
+    assert info.value.body["error"]["code"] == "llm_call_cap"  # type: ignore[index]
+
+
+async def test_stream_loop_stop_after_text_ends_with_error_event(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agent(loop={"window": 2, "max_distinct": 1}))
+    calls = [tool_call("search", '{"q":1}', "a")]
+    h.fake.queue(Reply(chunks=openai_stream(["thinking"], tool_calls=calls)),
+                 Reply(chunks=openai_stream(["again"], tool_calls=calls)))
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True}, "sl")
+    status, _, body = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True}, "sl")
+    assert status == 200
+    assert b"again" in body and b'"search"' not in body  # the held tool call never reached the agent
+    assert b'"loop_detected"' in body
+
+
+async def test_admin_runs_and_cli_table(gateway_factory: GatewayFactory) -> None:
+    from gateway.cli import format_runs
+
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 1.0}))
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "t1")
+    async with h.session.get(f"{h.admin_url}/admin/runs") as resp:
+        runs = (await resp.json())["runs"]
+    assert [r["run_id"] for r in runs] == ["t1"]
+    assert runs[0]["steps"][0]["status"] == 200
+    table = format_runs(runs)
+    assert table.splitlines()[0].split()[:3] == ["RUN", "ID", "AGENT"] and "t1" in table
