@@ -28,6 +28,7 @@ OPENAI_FORMATS: Final[frozenset[str]] = frozenset({
 # Keywords whose presence means the schema is a map or otherwise not expressible in strict mode.
 _INEXPRESSIBLE: Final[frozenset[str]] = frozenset({"patternProperties", "unevaluatedProperties"})
 _TYPED: Final[tuple[str, ...]] = ("type", "anyOf", "$ref", "enum", "const")
+_NULL: Final[dict[str, str]] = {"type": "null"}
 
 
 class _NotExpressible(Exception):
@@ -59,8 +60,12 @@ def nullable(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     declared = node.get("type")
+    branches = node.get("anyOf")
+    if isinstance(branches, list) and set(node) <= {"anyOf", "description", "title"}:
+        # Widen the existing alternatives instead of nesting them one level deeper.
+        return node if _NULL in branches else {**node, "anyOf": [*branches, dict(_NULL)]}
     if declared is None or any(k in node for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
-        return {"anyOf": [node, {"type": "null"}]}
+        return {"anyOf": [node, dict(_NULL)]}
     if isinstance(declared, str):
         return node if declared == "null" else {**node, "type": [declared, "null"]}
     if isinstance(declared, list):
