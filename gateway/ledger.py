@@ -258,4 +258,4 @@ def _check(entry: LedgerEntry) -> None:
             and (type(e.ts) is float or type(e.ts) is int) and math.isfinite(e.ts)):
         return
     bad = [n for n in (*_TEXT, "reason") if type(getattr(e, n)) is not str and (n != "reason" or e.reason)]
-    raise TypeError(f"LedgerEntry fields must be str (reason may be None) and ts a finite number: {bad or 'ts'}")
+    raise TypeError(f"LedgerEntry: text fields must be str, reason str or None, ts finite: {bad or 'ts'}")
