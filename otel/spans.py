@@ -183,14 +183,16 @@ class StepSpan:
     def finish(self, answer: Answer | None, *, cost_usd: float | None = None) -> None:
         """The upstream answered: record the answer (usage, response id/model, finish reasons; for MCP
         `error.type = tool_error` when the result is an error) and the step's cost, then end."""
-        if answer is not None:
-            self._answer = answer
-            self._upstream = True
-            if self._recording:
-                self._record_answer(answer)
-        if cost_usd is not None and self._recording:
-            self._span.set_attribute(TOLLGATE_COST_USD, float(cost_usd))
-        self.end()
+        try:
+            if answer is not None:
+                self._answer = answer
+                self._upstream = True
+                if self._recording:
+                    self._record_answer(answer)
+            if cost_usd is not None and self._recording:
+                self._span.set_attribute(TOLLGATE_COST_USD, float(cost_usd))
+        finally:
+            self.end()
 
     def _record_answer(self, answer: Answer) -> None:
         if self._kind == "mcp":
@@ -207,13 +209,15 @@ class StepSpan:
         such as `429`, a JSON-RPC code such as `-32602`, or `_OTHER`): `error.type`, status ERROR, end."""
         self._upstream = True
         self._upstream_error = error_type
-        if self._recording:
-            if not self._stopped:
-                self._span.set_attribute(Error.ERROR_TYPE, error_type)
-                self._span.set_status(Status(StatusCode.ERROR, message or error_type))
-            if self._kind == "mcp" and _is_rpc_code(error_type):
-                self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
-        self.end()
+        try:
+            if self._recording:
+                if not self._stopped:
+                    self._span.set_attribute(Error.ERROR_TYPE, error_type)
+                    self._span.set_status(Status(StatusCode.ERROR, message or error_type))
+                if self._kind == "mcp" and _is_rpc_code(error_type):
+                    self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
+        finally:
+            self.end()
 
     @guarded("span.end")
     def end(self) -> None:
