@@ -9,6 +9,7 @@ from aiohttp import web
 from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.identity import Identifier
+from gateway.outputs import resolve_agent_grammars
 from gateway.pricing import Pricer
 from gateway.providers import adapters
 from gateway.proxy import GATEWAY, chat_handler, forward_other, list_models
@@ -16,12 +17,15 @@ from gateway.routing import Router
 from gateway.runtime import Gateway
 from gateway.store import open_store
 from gateway.upstream import Upstream
+from grammars.library import GrammarLibrary
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 
 
 async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    library = GrammarLibrary.load(config.resolve(config.grammars.dir))
+    resolve_agent_grammars(library, config.agents)
     store = open_store(config)
     upstream = Upstream.create()
     gw = Gateway(
@@ -33,6 +37,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         store=store,
         upstream=upstream,
     )
+    gw.services["grammars"] = library
     app[GATEWAY] = gw
     try:
         yield

@@ -47,8 +47,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         config = load_config(args.file)
         from guards.registry import build_chain
 
+        from gateway.outputs import resolve_agent_grammars
+        from grammars.library import GrammarLibrary
+
         for name, agent in config.agents.items():
             build_chain(agent, name)
+        resolve_agent_grammars(GrammarLibrary.load(config.resolve(config.grammars.dir)), config.agents)
     except ConfigError as exc:
         _print_problems(exc)
         return 1

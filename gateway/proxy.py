@@ -7,9 +7,11 @@ import time
 import orjson
 from aiohttp import web
 
+from gateway.call import Answer
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    OutputNonconforming,
     ModelNotFound,
     ShuttingDown,
     Stopped,
@@ -31,7 +33,8 @@ from gateway.pipeline import (
     upstream_request,
 )
 from gateway.providers.base import Adapter
-from gateway.relay import relay_stream
+from gateway.outputs import apply_native, judge, plan_outputs
+from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.upstream import forwardable
@@ -64,10 +67,15 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
                 f"model {call.model!r} is served by a {route.provider.type} provider; "
                 f"call it through that provider's API"
             )
+        output = identity.policy.output
+        plan = await plan_outputs(gw.services["grammars"], call, request.headers, output.grammar, output.retries,
+                                  output.stream_check, route.provider.dialect)
     except GatewayError as exc:
         return error_response(adapter, exc, base_headers(identity))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
-    step = Step(adapter, identity, call, route, body, raw, price=price)
+    step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body))
+    if plan is not None:
+        step.changed = apply_native(plan, step.body)
     try:
         return await run_step(gw, step, request)
     except Stopped as exc:
@@ -86,35 +94,71 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
 
 
 async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamResponse:
-    await guard_before(gw, step)
-    payload = shape(step)
-    url, headers = upstream_request(step, request.headers)
-    step.attempts += 1
-    upstream = await gw.upstream.open("POST", url, headers, payload, step.route.provider.timeouts)
-    step.extra["sent"] = True
-    if step.call.stream and upstream.status < 300:
-        return await relay_stream(gw, step, request, upstream)
-    try:
-        data = await upstream.read()
-    finally:
-        upstream.release()
-    step.status = upstream.status
+    """guard.before -> shape -> forward -> inspect (bounded re-ask) -> guard.after -> respond."""
+    plan = step.outputs
+    retries = plan.retries if plan is not None else step.identity.policy.output.retries
+    while True:
+        await guard_before(gw, step)
+        payload = shape(step)
+        url, headers = upstream_request(step, request.headers)
+        step.attempts += 1
+        upstream = await gw.upstream.open("POST", url, headers, payload, step.route.provider.timeouts)
+        step.extra["sent"] = True
+        if step.call.stream and upstream.status < 300 and (plan is None or plan.stream_check != "buffer"):
+            return await relay_stream(gw, step, request, upstream)
+        if step.call.stream and upstream.status < 300:
+            data, answer = await collect_stream(step, upstream)
+        else:
+            try:
+                data = await upstream.read()
+            finally:
+                upstream.release()
+            step.status = upstream.status
+            if upstream.status >= 300:
+                await settle(gw, step, None, charged=False)
+                step.error_type = str(upstream.status)
+                headers_out = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
+                return web.Response(status=upstream.status, body=data, headers=headers_out)
+            answer = _parse_answer(step, data)
+        step.answer = answer
+        await settle(gw, step, answer)
+        verdict = judge(plan, step.call, answer)
+        if verdict is None:
+            break
+        step.violations.append(f"{verdict.kind}: {verdict.violation.message}")
+        if step.reasks >= retries:
+            raise OutputNonconforming(
+                f"the answer still breaks its {verdict.kind} constraint after {step.reasks} re-asks: "
+                f"{verdict.violation.message}"
+            )
+        step.reasks += 1
+        reask(gw, step, answer.text, verdict.instruction)
+    await guard_after(gw, step, answer)
     response_headers = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
-    if upstream.status >= 300:
-        await settle(gw, step, None, charged=False)
-        step.error_type = str(upstream.status)
-        return web.Response(status=upstream.status, body=data, headers=response_headers)
+    if step.call.stream:
+        response_headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    return web.Response(status=upstream.status, body=data, headers=response_headers)
+
+
+def _parse_answer(step: Step, data: bytes) -> Answer:
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise malformed_upstream(str(exc)) from None
     if not isinstance(parsed, dict):
         raise malformed_upstream("not a JSON object")
-    answer = step.adapter.parse_answer(parsed)
-    step.answer = answer
-    await settle(gw, step, answer)
-    await guard_after(gw, step, answer)
-    return web.Response(status=upstream.status, body=data, headers=response_headers)
+    return step.adapter.parse_answer(parsed)
+
+
+def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:
+    """Rebuild the request from the agent's original body plus one instruction (never stacked)."""
+    body = step.adapter.with_instruction(step.original, answer_text, instruction)
+    raw = orjson.dumps(body)
+    step.call = step.adapter.parse_request(body, raw, gw.config.limits)
+    step.body, step.raw = dict(body), raw
+    step.changed = True
+    if step.outputs is not None:
+        apply_native(step.outputs, step.body)
 
 
 async def record(gw: Gateway, step: Step) -> None:

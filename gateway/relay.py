@@ -13,12 +13,14 @@ import time
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, Stopped, UpstreamUnavailable
+from gateway.call import Answer
+from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
 from gateway.pipeline import base_headers, guard_after, settle
 from gateway.providers.sse import SseParser
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.upstream import UpstreamResponse, forwardable
+from grammars.checker import IncrementalChecker
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -33,10 +35,14 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     held: list[bytes] = []
     failure: GatewayError | None = None
     client_gone = False
+    checkers = step.outputs.checkers() if step.outputs is not None else []
     try:
         async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
                 emitted = reader.feed(event)
+                if checkers and reader.delta and not all(c.feed(reader.delta) for c in checkers):
+                    failure = _nonconforming(checkers)
+                    break
                 if not emitted.out:
                     continue
                 if reader.holding:
@@ -45,6 +51,8 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 if step.first_chunk_at is None:
                     step.first_chunk_at = time.monotonic()
                 await out.write(emitted.out)
+            if failure is not None:
+                break
     except GatewayError as exc:
         failure = exc
     except ValueError as exc:  # an event larger than the SSE size limit
@@ -63,6 +71,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         return out
     if failure is None and not reader.complete:
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
+    if failure is None and checkers and not (answer.tool_calls and not answer.text):
+        problems = [v for v in (c.finish() for c in checkers) if v is not None]
+        if problems:
+            failure = OutputNonconforming(f"the streamed answer breaks its constraint: {problems[0].message}")
     try:
         if failure is not None:
             step.error_type = failure.code
@@ -79,6 +91,33 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     except ConnectionResetError:
         step.error_type = "client_disconnected"
     return out
+
+
+def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
+    bad = next((c.violation for c in checkers if c.violation is not None), None)
+    reason = bad.message if bad is not None else "the output can no longer satisfy its constraint"
+    return OutputNonconforming(f"the streamed answer breaks its constraint: {reason}")
+
+
+async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes, Answer]:
+    """`stream_check: buffer`: read the whole stream without relaying it, so it can be validated and
+    re-asked like a non-streamed answer. Returns the events to send and the answer."""
+    reader = step.adapter.stream_reader(hide_usage=step.hide_usage)
+    parser = SseParser()
+    parts: list[bytes] = []
+    try:
+        async for chunk in upstream.chunks():
+            for event in parser.feed(chunk):
+                parts.append(reader.feed(event).out)
+    except ValueError as exc:
+        raise UpstreamUnavailable(f"upstream stream is malformed: {exc}") from None
+    finally:
+        upstream.release()
+    step.relayed_chars = reader.output_chars
+    step.status = 200
+    if not reader.complete:
+        raise UpstreamUnavailable("upstream stream ended before the answer was complete")
+    return b"".join(parts), reader.answer()
 
 
 def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:

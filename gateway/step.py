@@ -8,6 +8,7 @@ from typing import Any
 
 from gateway.call import Answer, Call
 from gateway.identity import Identity
+from gateway.outputs import OutputPlan
 from gateway.pricing import ModelPrice
 from gateway.providers.base import Adapter
 from gateway.routing import Route
@@ -26,6 +27,8 @@ class Step:
     body: dict[str, Any]
     raw: bytes
     price: ModelPrice | None = None
+    outputs: OutputPlan | None = None
+    original: dict[str, Any] = field(default_factory=dict)  # the agent's body, for re-asks
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     decisions: list[Decision] = field(default_factory=list)
@@ -42,6 +45,8 @@ class Step:
     error_type: str | None = None
     first_chunk_at: float | None = None
     relayed_chars: int = 0
+    reasks: int = 0
+    violations: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -70,5 +75,6 @@ class Step:
             "output_tokens": usage.output_tokens if usage else None,
             "tool_calls": [c.name for c in answer.tool_calls] if answer else [],
             "attempts": self.attempts,
+            "reasks": self.reasks,
             "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
         }

@@ -238,12 +238,14 @@ class AnthropicStreamReader:
         self.started = False  # message_start was relayed
         self.holding = False  # a tool_use block started: hold events until the answer is judged
         self.complete = False
+        self.delta = ""  # answer text carried by the last event fed
 
     @property
     def output_chars(self) -> int:
         return self._chars
 
     def feed(self, event: SseEvent) -> StreamStep:
+        self.delta = ""
         try:
             data = orjson.loads(event.data) if event.data else None
         except orjson.JSONDecodeError:
@@ -269,6 +271,7 @@ class AnthropicStreamReader:
                 text = str(delta.get("text") or "")
                 self._chars += len(text)
                 self._text.append(text)
+                self.delta += text
             elif delta.get("type") == "input_json_delta":
                 part = str(delta.get("partial_json") or "")
                 self._chars += len(part)

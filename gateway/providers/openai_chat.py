@@ -233,12 +233,14 @@ class OpenAIStreamReader:
         self._chars = 0
         self.holding = False  # a tool call started: hold events until the answer is judged
         self.complete = False
+        self.delta = ""  # answer text carried by the last event fed
 
     @property
     def output_chars(self) -> int:
         return self._chars
 
     def feed(self, event: SseEvent) -> StreamStep:
+        self.delta = ""
         data = event.data
         if data == "[DONE]":
             self.complete = True
@@ -262,6 +264,7 @@ class OpenAIStreamReader:
                 self._chars += len(content)
                 if index == 0:
                     self._text.append(content)
+                    self.delta += content
             for tc in delta.get("tool_calls") or ():
                 self.holding = True
                 slot = self._calls.setdefault((index, int(tc.get("index") or 0)), ["", "", ""])

@@ -1,0 +1,138 @@
+"""Grammar-constrained outputs: which constraints apply to a step, how the upstream is asked to honour
+them natively, and the verdict on an answer (its text and its tool-call arguments).
+
+Sources of constraints: the agent's `output.grammar`, the header `x-tollgate-grammar`, and what an
+OpenAI-wire request brings itself (`response_format`, vLLM `guided_*` / `structured_outputs`). All of
+them apply: an answer must satisfy each. Pure apart from compiling off the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.call import Answer, Call
+from gateway.errors import InvalidGrammar
+from grammars.checker import IncrementalChecker
+from grammars.compile import Constraint, compile_async, validate_tool_arguments
+from grammars.library import GrammarLibrary
+from grammars.native import native_is_exact, native_params
+from grammars.reask import reask_instruction
+from grammars.requests import request_constraints, strip_guided_fields
+from grammars.spec import ConstraintSpec, Violation
+
+GRAMMAR_HEADER = "x-tollgate-grammar"
+_GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs",
+           "guided_decoding_backend", "guided_whitespace_pattern")
+_VLLM = ("vllm", "vllm-legacy")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    constraints: tuple[Constraint, ...]
+    retries: int
+    stream_check: str  # incremental | buffer
+    native: Mapping[str, Any] | None  # request fields that make the upstream constrain natively
+    native_exact: bool  # the native form fixes key order exactly like the first constraint
+    strip_guided: bool  # the request's vLLM-only fields must not reach this upstream
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(c.spec.kind for c in self.constraints)
+
+    def checkers(self) -> list[IncrementalChecker]:
+        return [c.checker(native=self.native_exact and i == 0) for i, c in enumerate(self.constraints)]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputVerdict:
+    violation: Violation
+    kind: str
+    instruction: str
+
+
+async def plan_outputs(
+    library: GrammarLibrary, call: Call, headers: Mapping[str, str], grammar_ref: str | None, retries: int,
+    stream_check: str, dialect: str,
+) -> OutputPlan | None:
+    """The constraints of a step, compiled (cached by content). Raises InvalidGrammar (400)."""
+    specs: list[ConstraintSpec] = []
+    if grammar_ref:
+        specs.append(library.resolve(grammar_ref))
+    header = headers.get(GRAMMAR_HEADER)
+    if header:
+        specs.append(library.resolve(header.strip()))
+    from_request: tuple[ConstraintSpec, ...] = ()
+    if call.protocol == "openai":
+        from_request = request_constraints(call.raw)
+        specs.extend(from_request)
+    if not specs:
+        return None
+    unique = list({s.key: s for s in specs}.values())
+    constraints = tuple([await compile_async(s) for s in unique])
+    body_has_guided = any(k in call.raw for k in _GUIDED)
+    native: Mapping[str, Any] | None = None
+    exact = False
+    first = unique[0]
+    already_native = bool(from_request) and first in from_request and (
+        ("response_format" in call.raw and dialect == "openai") or (body_has_guided and dialect in _VLLM)
+    )
+    if not already_native:
+        native = native_params(dialect, first)
+    exact = native_is_exact(dialect, first) and (native is not None or already_native)
+    return OutputPlan(constraints, retries, stream_check, native, exact,
+                      strip_guided=body_has_guided and dialect not in _VLLM)
+
+
+def apply_native(plan: OutputPlan, body: dict[str, Any]) -> bool:
+    """Merge native constraint fields into the request body; True when the body changed."""
+    changed = False
+    if plan.strip_guided:
+        stripped = strip_guided_fields(body)
+        body.clear()
+        body.update(stripped)
+        changed = True
+    if plan.native:
+        body.update(plan.native)
+        changed = True
+    return changed
+
+
+def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
+    """The first violation of the answer: text against every constraint, tool arguments against their
+    declared schemas. An answer that only calls tools is not held to the text constraints."""
+    schemas = {t.name: t.parameters for t in call.tools}
+    for tool_call in answer.tool_calls:
+        if tool_call.name in schemas:
+            violation = validate_tool_arguments(schemas[tool_call.name], tool_call.arguments)
+            if violation is not None:
+                message = f"arguments of tool {tool_call.name!r}: {violation.message}"
+                return OutputVerdict(
+                    Violation(message, violation.offset), "tool_arguments",
+                    "Your previous tool call had invalid arguments.\n"
+                    f"Error: {message}\nCall the tool again with arguments that satisfy its parameter schema.",
+                )
+    if plan is None or (answer.tool_calls and not answer.text):
+        return None
+    for constraint in plan.constraints:
+        violation = constraint.validate(answer.text)
+        if violation is not None:
+            return OutputVerdict(violation, constraint.spec.kind, reask_instruction(violation, constraint.spec))
+    return None
+
+
+def resolve_agent_grammars(library: GrammarLibrary, agents: Mapping[str, Any]) -> None:
+    """Config-load check: every agent's `output.grammar` resolves and compiles."""
+    from gateway.errors import ConfigError
+
+    problems = []
+    for name, agent in agents.items():
+        ref = agent.output.grammar
+        if ref:
+            try:
+                library.resolve(ref)
+            except InvalidGrammar as exc:
+                problems.append((f"agents.{name}.output.grammar", exc.message))
+    if problems:
+        raise ConfigError(problems)
