@@ -211,10 +211,9 @@ def _object_check() -> SchemaCheck:
 
 
 def _check_choice(source: str) -> None:
-    try:
-        options = orjson.loads(source)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidGrammar(f"choice: options must be a JSON array of strings: {exc}") from exc
+    options, violation = parse_json(source)
+    if violation is not None:
+        raise InvalidGrammar(f"choice: options must be a JSON array of strings ({violation.message})")
     if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
         raise InvalidGrammar("choice: options must be a non-empty JSON array of strings")
 

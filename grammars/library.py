@@ -28,6 +28,7 @@ import orjson
 
 from gateway.errors import ConfigError, InvalidGrammar
 from grammars.compile import compile_constraint
+from grammars.schema import parse_json
 from grammars.spec import JSON_OBJECT, ConstraintSpec, Kind
 
 SUFFIXES: Final[dict[str, Kind]] = {
@@ -95,11 +96,11 @@ class GrammarLibrary:
 
 def _inline(kind: Kind, source: str) -> ConstraintSpec:
     if kind in ("json_schema", "choice"):
-        try:
-            # Re-serialised so that the same schema written differently shares one cache entry.
-            source = orjson.dumps(orjson.loads(source)).decode()
-        except orjson.JSONDecodeError as exc:
-            raise InvalidGrammar(f"inline {kind}: not valid JSON: {exc}") from exc
+        value, violation = parse_json(source)
+        if violation is not None:
+            raise InvalidGrammar(f"inline {kind}: {violation.message}")
+        # Re-serialised so that the same schema written differently shares one cache entry.
+        source = orjson.dumps(value).decode()
     return ConstraintSpec(kind, source)
 
 
@@ -147,8 +148,8 @@ def _spec_from_file(name: str, kind: Kind, text: str) -> ConstraintSpec | str:
             return "a .choice file needs at least one option (one per line)"
         return ConstraintSpec(kind, orjson.dumps(options).decode(), name)
     if kind == "json_schema":
-        try:
-            return ConstraintSpec(kind, orjson.dumps(orjson.loads(text)).decode(), name)
-        except orjson.JSONDecodeError as exc:
-            return f"not valid JSON: {exc}"
+        value, violation = parse_json(text)
+        if violation is not None:
+            return violation.message
+        return ConstraintSpec(kind, orjson.dumps(value).decode(), name)
     return ConstraintSpec(kind, text, name)

@@ -154,8 +154,8 @@ def test_grammar_validate(spec: ConstraintSpec, text: str, expected: Violation |
     (ConstraintSpec("choice", "[]"), "choice: options must be a non-empty JSON array of strings"),
     (ConstraintSpec("choice", '["a", 1]'), "choice: options must be a non-empty JSON array of strings"),
     (ConstraintSpec("choice", "yes|no"),
-     "choice: options must be a JSON array of strings: unexpected character, expected a JSON value: "
-     "line 1 column 1 (char 0)"),
+     "choice: options must be a JSON array of strings (not valid JSON: unexpected character, "
+     "expected a JSON value at char 0)"),
     (ConstraintSpec("json_schema", '{"type": "foo"}'),
      "json_schema: invalid schema at type: 'foo' is not valid under any of the given schemas"),
     (ConstraintSpec("json_schema", '{"properties": {"a": {"minimum": "1"}}}'),

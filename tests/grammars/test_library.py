@@ -103,7 +103,7 @@ def test_broken_user_files_are_config_errors_naming_the_grammar(tmp_path: Path) 
     assert problems["grammars.bad_lark"] == 'lark: at 1(8): unknown name: "nothing_here"'
     assert problems["grammars.empty"] == "a .choice file needs at least one option (one per line)"
     assert problems["grammars.twice"] == "defined twice: twice.choice and twice.regex"
-    assert problems["grammars.not_json"] == "not valid JSON: unexpected end of data: line 1 column 2 (char 1)"
+    assert problems["grammars.not_json"] == "not valid JSON: unexpected end of data at char 1"
     assert problems["grammars.bad_regex"].startswith("regex: at 1(8): invalid regex")
     assert "grammars.bad_schema: json_schema: invalid schema" in str(caught.value)
 

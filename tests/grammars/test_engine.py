@@ -1,0 +1,59 @@
+"""The llguidance byte engine: expected-set descriptions, offsets, error text."""
+
+from __future__ import annotations
+
+import pytest
+
+from grammars import engine
+
+
+def mask(*allowed: int) -> bytes:
+    bits = bytearray(36)
+    for b in allowed:
+        bits[b >> 3] |= 1 << (b & 7)
+    return bytes(bits)
+
+
+@pytest.mark.parametrize(("allowed", "text"), [
+    ([ord("a")], "expected 'a'"),
+    ([engine.EOS], "expected end of output"),
+    ([*range(ord("0"), ord("9") + 1), engine.EOS], "expected one of: '0'-'9', end of output"),
+    ([9, 10, 13, 32], "expected one of: '\\t'-'\\n', '\\r', ' '"),
+    ([ord("'"), ord('"')], "expected one of: '\"', \"'\""),
+    ([0xC3, 0xE2], "expected non-ASCII characters"),
+    ([b for b in range(256) if b not in (ord('"'), ord("\\"))],
+     "expected any character except '\"', '\\\\'"),
+    ([*range(0x20, 0x80), *range(0x80, 0x100)], "expected any character except '\\x00'-'\\x1f'"),
+    ([*range(0x80)], "expected any character"),
+    ([], "expected nothing (no continuation is possible)"),
+    ([ord(c) for c in "acegikmoqsuwy"], "expected one of: 'a', 'c', 'e', 'g', 'i', 'k', 'm', 'o', 'q', 's', "
+     "'u', 'w', ... (1 more)"),
+])
+def test_expected_from_mask(allowed: list[int], text: str) -> None:
+    assert engine.expected_from_mask(mask(*allowed)) == text
+
+
+@pytest.mark.parametrize(("text", "byte_pos", "char_pos"), [
+    ("abc", 2, 2),
+    ("\u00e9a", 2, 1),
+    ("\u00e9a", 1, 0),  # inside a multibyte character: that character
+    ("\U0001F600x", 4, 1),
+])
+def test_char_offset(text: str, byte_pos: int, char_pos: int) -> None:
+    assert engine.char_offset(text.encode(), byte_pos) == char_pos
+
+
+def test_grammar_errors_are_short() -> None:
+    matcher, error = engine.build_matcher(engine.grammar_for("lark", "start: foo"))
+    assert matcher is None
+    assert error == 'at 1(8): unknown name: "foo"'
+
+
+def test_grammar_for_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="no llguidance grammar for kind 'json_schema'"):
+        engine.grammar_for("json_schema", "{}")
+
+
+def test_tokenizer_is_built_once() -> None:
+    assert engine.tokenizer() is engine.tokenizer()
+    assert engine.tokenizer().vocab_size == 257
