@@ -3,11 +3,11 @@
 `CountingSpanProcessor` is the SDK `BatchSpanProcessor` (bounded deque, one daemon worker thread that
 calls the exporter) with drop accounting around it:
 
-- *queue full*: `span.end()` only appends to the bounded queue; when the queue is full the SDK drops
-  the oldest span. We count spans accepted but not yet handed to the exporter, so a span ending
-  while that count is at capacity is one drop. (The SDK pops a batch just before calling the
-  exporter; a span ending in that instant may be counted as a drop although it fit, so under
-  contention the figure errs high by at most one batch.)
+- *queue full*: `span.end()` only appends to the bounded queue. We count spans accepted but not yet
+  handed to the exporter; a span ending while that count is at capacity is dropped (the newest,
+  not the SDK's oldest) and counted, so the SDK queue itself never overflows and every lost span is
+  counted exactly once. (The SDK pops a batch just before calling the exporter; a span ending in
+  that instant may be dropped although it would have fit.)
 - *export failures*: every span of a batch whose export fails or raises (collector down, 4xx, timeout,
   retries exhausted) is a drop.
 - *after shutdown*: spans ending after `shutdown()` are drops.
@@ -41,14 +41,15 @@ class DropCounter:
         self._lock = threading.Lock()
 
     def enqueue(self) -> bool:
-        """One span ends: False if it is lost (queue full or closed), counted as a drop."""
+        """One span ends: True if it may enter the queue; False if it is dropped (queue full or
+        closed), which is counted."""
         with self._lock:
             if self._closed:
                 self._dropped += 1
                 return False
             if self._pending >= self._capacity:
-                self._dropped += 1  # the SDK deque evicts its oldest span to take this one
-                return True
+                self._dropped += 1
+                return False
             self._pending += 1
             return True
 
