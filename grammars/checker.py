@@ -66,7 +66,7 @@ class IncrementalChecker:
         if self._trailing:
             return self._only_whitespace(chunk, base)
         data = chunk.encode("utf-8")
-        accepted = self._matcher.try_consume_tokens(list(data))
+        accepted = engine.advance(self._matcher, list(data))
         if accepted == len(data):
             return True
         if self._json and self._matcher.is_accepting() and data[accepted] in _JSON_WS_BYTES:
