@@ -90,11 +90,12 @@ async def reset_run(request: web.Request) -> web.Response:
     if gw is None:
         return _unavailable()
     run_id = request.match_info["run_id"]
+    before = await gw.store.get(run_id)
     run = await gw.store.reset(run_id, time.time())
-    if run is None:
+    if run is None or before is None:
         return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)
     for hook in gw.services.get("on_reset", ()):
-        hook(run_id, run.agent)
+        hook(before)  # the run epoch that ends: its root span is exported with its totals
     return _json(run.view())
 
 

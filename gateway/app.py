@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -9,6 +11,8 @@ from aiohttp import web
 from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.identity import Identifier
+from gateway.ledger import Ledger
+from gateway.observe import end_run, on_step, redactor_for
 from gateway.outputs import resolve_agent_grammars
 from gateway.pricing import Pricer
 from gateway.providers import adapters
@@ -18,6 +22,7 @@ from gateway.runtime import Gateway
 from gateway.store import open_store
 from gateway.upstream import Upstream
 from grammars.library import GrammarLibrary
+from otel.setup import setup_telemetry
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 
@@ -38,13 +43,26 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         upstream=upstream,
     )
     gw.services["grammars"] = library
+    ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)))
+    await ledger.start()
+    telemetry = setup_telemetry(os.environ, capture_content=config.otel.capture_content)
+    gw.services.update(ledger=ledger, telemetry=telemetry, metrics_render=telemetry.metrics.render,
+                       redactor=redactor_for(gw), on_reset=[lambda state: end_run(gw, state)])
+    gw.hooks.on_step.append(lambda step: on_step(gw, step))
+    gw.hooks.on_guard_error.append(telemetry.metrics.guard_error)
     app[GATEWAY] = gw
     try:
         yield
     finally:
         gw.shutting_down = True
         await upstream.close()
+        await ledger.close()
         await store.close()
+        await asyncio.to_thread(telemetry.shutdown, 5.0)
+
+
+def _ledger_default(config: Config) -> str:
+    return config.state.path if config.state.backend == "sqlite" else "tollgate-ledger.db"
 
 
 async def _on_shutdown(app: web.Application) -> None:

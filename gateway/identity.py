@@ -13,7 +13,7 @@ from gateway.errors import InvalidApiKey, InvalidRequest
 
 RUN_ID_HEADER = "x-tollgate-run-id"
 AGENT_HEADER = "x-tollgate-agent"
-_RUN_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _AGENT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_POLICY = Agent()
 
@@ -70,7 +70,7 @@ def run_id_from(headers: Mapping[str, str], agent: str) -> str:
         run_id = _from_baggage(headers.get("baggage"))
     if run_id is None:
         return f"{agent}:default"
-    if not _RUN_ID.match(run_id):
+    if not RUN_ID_RE.match(run_id):
         raise InvalidRequest(f"invalid run id {run_id[:40]!r}: use 1-128 of A-Z a-z 0-9 . _ : @ / + = -")
     return run_id
 

@@ -26,7 +26,7 @@ from gateway.errors import (
     UpstreamUnavailable,
     error_code,
 )
-from gateway.identity import RUN_ID_HEADER, Identity
+from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity
 from gateway.providers.base import Adapter
 from gateway.providers.common import json_depth_ok
 from gateway.runtime import Gateway
@@ -84,6 +84,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     ident = step.identity
     now = time.time()
     snapshot = await gw.store.get(ident.run_id)
+    step.extra["epoch"] = snapshot.epoch if snapshot is not None else 1
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price)
     verdict = gw.chain(ident.agent, ident.policy).before(ctx)
     step.decisions.extend(verdict.decisions)
@@ -211,6 +212,12 @@ def base_headers(identity: Identity | None, step: Step | None = None) -> dict[st
     if step is not None and step.max_tokens_set is not None:
         headers[MAX_TOKENS_HEADER] = str(step.max_tokens_set)
     return headers
+
+
+def echo_headers(request_headers: Mapping[str, str]) -> dict[str, str]:
+    """The run id to echo when identity could not be resolved: the agent's header, if well-formed."""
+    run_id = request_headers.get(RUN_ID_HEADER)
+    return {RUN_ID_HEADER: run_id} if run_id is not None and RUN_ID_RE.match(run_id) else {}
 
 
 def error_response(adapter: Adapter, error: GatewayError, headers: dict[str, str]) -> web.Response:

@@ -21,6 +21,7 @@ from gateway.identity import Identity
 from gateway.pipeline import (
     JSON,
     base_headers,
+    echo_headers,
     error_response,
     guard_after,
     guard_before,
@@ -33,6 +34,7 @@ from gateway.pipeline import (
     upstream_request,
 )
 from gateway.providers.base import Adapter
+from gateway.observe import end_run, start_span
 from gateway.outputs import apply_native, judge, plan_outputs
 from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
@@ -71,7 +73,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         plan = await plan_outputs(gw.services["grammars"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)
     except GatewayError as exc:
-        return error_response(adapter, exc, base_headers(identity))
+        return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body))
     if plan is not None:
@@ -101,6 +103,9 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         await guard_before(gw, step)
         payload = shape(step)
         url, headers = upstream_request(step, request.headers)
+        if "span" not in step.extra:
+            step.extra["trace_headers"] = start_span(gw, step, request.headers)
+        headers.update(step.extra["trace_headers"])
         step.attempts += 1
         upstream = await gw.upstream.open("POST", url, headers, payload, step.route.provider.timeouts)
         step.extra["sent"] = True
@@ -165,6 +170,10 @@ async def record(gw: Gateway, step: Step) -> None:
     """Stage `record`: the run's step list, then telemetry hooks (which never raise)."""
     try:
         await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
+        if step.stop_reason:
+            state = await gw.store.get(step.run_id)
+            if state is not None:
+                end_run(gw, state)
     except GatewayError:
         step.extra["record_failed"] = True
     gw.notify(step)
@@ -180,7 +189,7 @@ async def list_models(request: web.Request) -> web.Response:
     try:
         identity = gw.identifier.identify(request.headers)
     except GatewayError as exc:
-        return error_response(adapter, exc, {})
+        return error_response(adapter, exc, echo_headers(request.headers))
     merged: list[object] = []
     reached = 0
     for name, provider in gw.config.providers.items():
@@ -250,7 +259,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             headers["Authorization"] = f"Bearer {provider.api_key}"
         upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
     except GatewayError as exc:
-        return error_response(adapter, exc, base_headers(identity))
+        return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     out = web.StreamResponse(status=upstream.status, headers={**forwardable(upstream.headers),
                                                               **base_headers(identity)})
     try:

@@ -50,6 +50,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     continue
                 if step.first_chunk_at is None:
                     step.first_chunk_at = time.monotonic()
+                    span = step.extra.get("span")
+                    if span is not None:
+                        span.first_chunk()
                 await out.write(emitted.out)
             if failure is not None:
                 break
