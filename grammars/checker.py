@@ -30,7 +30,7 @@ class IncrementalChecker:
     Not thread-safe: one checker per stream.
     """
 
-    __slots__ = ("violation", "_matcher", "_json", "_final", "_parts", "_chars", "_started", "_trailing")
+    __slots__ = ("_chars", "_final", "_json", "_matcher", "_parts", "_started", "_trailing", "violation")
 
     def __init__(
         self,

@@ -181,11 +181,15 @@ def _compile_schema(source: str) -> _Core:
         # llguidance takes object schemas only: `true` is any JSON, `false` leaves only the verdict.
         matcher = _syntax("any") if schema else None
     else:
-        matcher, _ = engine.build_matcher(engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED)))
+        matcher, _ = engine.build_matcher(
+            engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED))
+        )
     # A schema llguidance cannot turn into a grammar (e.g. look-around in a pattern) is still a valid
     # schema: stream-check its JSON syntax only and leave the rest to jsonschema.
-    warnings = tuple(matcher.get_grammar_warnings()) if matcher is not None else (
-        "the schema cannot be checked while streaming; only JSON syntax is",
+    warnings = (
+        tuple(matcher.get_grammar_warnings())
+        if matcher is not None
+        else ("the schema cannot be checked while streaming; only JSON syntax is",)
     )
     return _Core("json_schema", matcher, _syntax(_top_type(schema)), check, warnings)
 
@@ -226,7 +230,9 @@ def _tool_check(schema_json: str) -> SchemaCheck | str:
         return exc.message
 
 
-def validate_tool_arguments(parameters: Mapping[str, Any] | None, arguments: str | Mapping[str, Any]) -> Violation | None:
+def validate_tool_arguments(
+    parameters: Mapping[str, Any] | None, arguments: str | Mapping[str, Any]
+) -> Violation | None:
     """Check a tool call's arguments against the tool's declared parameter schema.
 
     `arguments` is the JSON text the model produced (OpenAI `function.arguments`; an empty string

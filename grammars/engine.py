@@ -12,18 +12,21 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 import llguidance as llg
 
 from grammars.spec import Violation
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 EOS: Final[int] = 256
 # Why these options: general \uXXXX escapes are valid JSON that every serializer emits for non-ASCII
 # text (off by default in llguidance); `lenient` turns keywords llguidance cannot enforce into warnings
 # (jsonschema still enforces them at the end); `coerce_one_of` accepts overlapping oneOf branches,
 # whose exclusivity jsonschema checks.
-JSON_OPTIONS: Final[dict[str, Any]] = {
+JSON_OPTIONS: Final[JsonCompileOptions] = {
     "json_allow_general_unicode_escapes": True,
     "lenient": True,
     "coerce_one_of": True,
@@ -35,10 +38,10 @@ _NOISE: Final = re.compile(r"^([\s^~]*|\d+\s*\|.*|regex parse error:)$")
 class _ByteTokenizer:
     """The duck-typed tokenizer `llg.TokenizerWrapper` wants: token i is byte i, 256 is EOS."""
 
-    eos_token_id = EOS
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"<|end|>"]
-    special_token_ids = [EOS]
+    eos_token_id: ClassVar[int] = EOS
+    bos_token_id: ClassVar[int | None] = None
+    tokens: ClassVar[list[bytes]] = [bytes([i]) for i in range(256)] + [b"<|end|>"]
+    special_token_ids: ClassVar[list[int]] = [EOS]
 
     def __call__(self, data: bytes) -> list[int]:
         return list(data)
@@ -64,7 +67,7 @@ def grammar_for(kind: str, source: str) -> str:
     raise ValueError(f"no llguidance grammar for kind {kind!r}")
 
 
-def grammar_for_schema(schema: Any) -> str:
+def grammar_for_schema(schema: dict[str, object]) -> str:
     """The llguidance grammar for a JSON schema (dict or bool), with `JSON_OPTIONS`."""
     return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
 

@@ -9,14 +9,17 @@ output is matched anyway.
 
 from __future__ import annotations
 
+import importlib
 import re
 import warnings
 from collections.abc import Sequence
-from re import _constants as C  # noqa: N812 - the sre opcode constants
-from re import _parser as sre
 from typing import Any, Final
 
 from gateway.errors import InvalidGrammar
+
+# The stdlib regex parser and its opcodes (private modules, stable since 3.11; typeshed has no stubs).
+sre: Any = importlib.import_module("re._parser")
+C: Any = importlib.import_module("re._constants")
 
 _CATEGORIES: Final[dict[Any, tuple[bool, str]]] = {
     C.CATEGORY_DIGIT: (False, "0-9"),
@@ -164,9 +167,12 @@ def _quantifier(low: int, high: int) -> str:
 
 def _describe(op: Any) -> str:
     names = {
-        "ASSERT": "look-ahead/look-behind", "ASSERT_NOT": "negative look-around",
-        "GROUPREF": "a backreference", "GROUPREF_EXISTS": "a conditional group",
-        "AT": "a word boundary or anchor in this position", "ATOMIC_GROUP": "an atomic group",
+        "ASSERT": "look-ahead/look-behind",
+        "ASSERT_NOT": "negative look-around",
+        "GROUPREF": "a backreference",
+        "GROUPREF_EXISTS": "a conditional group",
+        "AT": "a word boundary or anchor in this position",
+        "ATOMIC_GROUP": "an atomic group",
         "POSSESSIVE_REPEAT": "a possessive quantifier",
     }
     return names.get(str(op), str(op))

@@ -32,10 +32,18 @@ from grammars.schema import parse_json
 from grammars.spec import JSON_OBJECT, ConstraintSpec, Kind
 
 SUFFIXES: Final[dict[str, Kind]] = {
-    ".json": "json_schema", ".regex": "regex", ".lark": "lark", ".gbnf": "gbnf", ".choice": "choice",
+    ".json": "json_schema",
+    ".regex": "regex",
+    ".lark": "lark",
+    ".gbnf": "gbnf",
+    ".choice": "choice",
 }
 INLINE_PREFIXES: Final[dict[str, Kind]] = {
-    "json_schema": "json_schema", "regex": "regex", "choice": "choice", "lark": "lark", "gbnf": "gbnf",
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "lark": "lark",
+    "gbnf": "gbnf",
 }
 
 

@@ -4,15 +4,15 @@
 that the upstream constrains decoding itself, or None when the dialect cannot express the constraint
 (then tollgate only validates). Table (schema = json_schema, obj = json_object):
 
-| dialect      | schema / obj                                        | regex            | lark / gbnf        | choice                 |
-|--------------|-----------------------------------------------------|------------------|--------------------|------------------------|
-| openai       | response_format json_schema strict / json_object    | -                | -                  | -                      |
-| vllm         | structured_outputs.json                             | .regex           | .grammar           | .choice                |
-| vllm-legacy  | guided_json                                         | guided_regex     | guided_grammar     | guided_choice          |
-| llamacpp     | json_schema                                         | grammar (GBNF)   | - / grammar        | grammar (GBNF)         |
-| ollama       | response_format json_schema / json_object           | -                | -                  | -                      |
-| sglang       | response_format json_schema                         | regex            | - / ebnf           | regex                  |
-| none         | -                                                   | -                | -                  | -                      |
+| dialect     | json_schema / json_object                  | regex          | lark / gbnf    | choice      |
+|-------------|--------------------------------------------|----------------|----------------|-------------|
+| openai      | response_format json_schema strict / j.o.  | -              | -              | -           |
+| vllm        | structured_outputs.json                    | .regex         | .grammar       | .choice     |
+| vllm-legacy | guided_json                                | guided_regex   | guided_grammar | guided_choice|
+| llamacpp    | json_schema                                | grammar (GBNF) | - / grammar    | grammar     |
+| ollama      | response_format json_schema / json_object  | -              | -              | -           |
+| sglang      | response_format json_schema                | regex          | - / ebnf       | regex       |
+| none        | -                                          | -              | -              | -           |
 
 Ollama: its OpenAI-compatible endpoint turns `response_format` into its native `format`; a top-level
 `format` field would be silently ignored there.
@@ -39,8 +39,13 @@ DIALECTS: Final[tuple[str, ...]] = ("openai", "vllm", "vllm-legacy", "llamacpp",
 # llama.cpp (and Ollama, built on it) moves required properties before optional ones.
 _ORDERED: Final[frozenset[str]] = frozenset({"openai", "vllm", "vllm-legacy", "sglang"})
 _ANY_OBJECT: Final[dict[str, Any]] = {"type": "object"}
-_VLLM_FIELDS: Final[dict[str, str]] = {"json_schema": "json", "regex": "regex", "lark": "grammar",
-                                       "gbnf": "grammar", "choice": "choice"}
+_VLLM_FIELDS: Final[dict[str, str]] = {
+    "json_schema": "json",
+    "regex": "regex",
+    "lark": "grammar",
+    "gbnf": "grammar",
+    "choice": "choice",
+}
 
 
 def native_params(dialect: str, spec: ConstraintSpec) -> dict[str, Any] | None:
@@ -101,16 +106,24 @@ def _json_object(dialect: str) -> dict[str, Any]:
         return {"guided_json": dict(_ANY_OBJECT)}
     if dialect == "llamacpp":
         return {"json_schema": dict(_ANY_OBJECT)}
-    return {"response_format": {"type": "json_schema",
-                                "json_schema": {"name": "json_object", "schema": dict(_ANY_OBJECT)}}}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "json_object", "schema": dict(_ANY_OBJECT)},
+        }
+    }
 
 
 def _openai(spec: ConstraintSpec, schema: Any) -> dict[str, Any] | None:
     strict = _strict_json(spec.source)
     if strict is None:
         return None
-    return {"response_format": {"type": "json_schema", "json_schema": {
-        "name": schema_name(spec.name), "strict": True, "schema": orjson.loads(strict)}}}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": schema_name(spec.name), "strict": True, "schema": orjson.loads(strict)},
+        }
+    }
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,8 +134,12 @@ def _strict_json(source: str) -> str | None:
 
 
 def _response_format(spec: ConstraintSpec, schema: Any) -> dict[str, Any]:
-    return {"response_format": {"type": "json_schema",
-                                "json_schema": {"name": schema_name(spec.name), "schema": schema}}}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": schema_name(spec.name), "schema": schema},
+        }
+    }
 
 
 def _llamacpp(kind: str, value: Any) -> dict[str, Any] | None:

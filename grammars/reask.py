@@ -34,18 +34,24 @@ def restate(spec: ConstraintSpec) -> str:
         return "Reply with a single JSON object and nothing else."
     if kind == "json_schema":
         schema = orjson.dumps(orjson.loads(spec.source)).decode()  # compact, whatever the source layout
-        return ("Reply with only a JSON document (no prose, no code fences) that validates against this "
-                f"JSON Schema:\n{_truncate(schema, MAX_CONSTRAINT_CHARS)}")
+        return (
+            "Reply with only a JSON document (no prose, no code fences) that validates against this "
+            f"JSON Schema:\n{_truncate(schema, MAX_CONSTRAINT_CHARS)}"
+        )
     if kind == "choice":
         options = orjson.loads(spec.source)
         listed = _truncate(", ".join(orjson.dumps(o).decode() for o in options), MAX_CONSTRAINT_CHARS)
         return f"Reply with exactly one of these options and nothing else: {listed}"
     if kind == "regex":
-        return ("Reply with only text that fully matches this regular expression: "
-                f"{_truncate(spec.source, MAX_CONSTRAINT_CHARS)}")
+        return (
+            "Reply with only text that fully matches this regular expression: "
+            f"{_truncate(spec.source, MAX_CONSTRAINT_CHARS)}"
+        )
     dialect = "Lark" if kind == "lark" else "GBNF"
-    return (f"Reply with only text that this {dialect} grammar accepts:\n"
-            f"{_truncate(spec.source.strip(), MAX_CONSTRAINT_CHARS)}")
+    return (
+        f"Reply with only text that this {dialect} grammar accepts:\n"
+        f"{_truncate(spec.source.strip(), MAX_CONSTRAINT_CHARS)}"
+    )
 
 
 def _truncate(text: str, limit: int) -> str:

@@ -17,12 +17,17 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.errors import InvalidGrammar
-from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 from grammars.schema import parse_json
+from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 
 VLLM_ONLY_FIELDS: Final[tuple[str, ...]] = (
-    "guided_json", "guided_regex", "guided_grammar", "guided_choice", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
 )
 
 
@@ -57,7 +62,7 @@ def strip_guided_fields(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def grammar_kind(text: str) -> str:
-    """"gbnf" when the grammar uses GBNF's `::=`, else "lark"."""
+    """ "gbnf" when the grammar uses GBNF's `::=`, else "lark"."""
     return "gbnf" if "::=" in text else "lark"
 
 

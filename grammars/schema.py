@@ -18,10 +18,13 @@ from typing import Any, Final
 
 import jsonschema
 import orjson
+import referencing
 import referencing.exceptions
+import referencing.jsonschema
 from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.protocols import Validator
+from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignore[import-untyped]
 
 from gateway.errors import InvalidGrammar
 from grammars.spec import Violation
@@ -44,6 +47,8 @@ _DATE_TIME = re.compile(
     r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))", re.ASCII
 )
 _TIME = re.compile(r"(\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))", re.ASCII)
+# No `retrieve` function: a URI that is not in the schema itself or a metaschema is Unresolvable.
+_NO_RETRIEVAL: Final[referencing.Registry[Any]] = referencing.Registry()
 # Data-valued keywords: their contents are instances, not schemas, so a "$ref" inside is just data.
 _DATA_KEYWORDS: Final[frozenset[str]] = frozenset({"enum", "const", "default", "examples"})
 
@@ -82,8 +87,9 @@ def parse_json(text: str) -> tuple[Any, Violation | None]:
 
 def describe_errors(errors: list[ValidationError]) -> str:
     """`at <path>: <message>` for each error, sorted by path, at most `_MAX_ERRORS_SHOWN`, joined by "; "."""
-    ordered = sorted(errors, key=lambda e: [(0, p, "") if isinstance(p, int) else (1, 0, str(p))
-                                            for p in e.absolute_path])
+    ordered = sorted(
+        errors, key=lambda e: [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in e.absolute_path]
+    )
     parts = []
     for error in ordered[:_MAX_ERRORS_SHOWN]:
         path = "/".join(str(p) for p in error.absolute_path) or "<root>"
@@ -103,12 +109,14 @@ def build_check(schema: Any) -> SchemaCheck:
         raise InvalidGrammar(f"json_schema: a schema must be a JSON object or boolean, not {_type(schema)}")
     cls = _validator_class(schema)
     try:
-        cls.check_schema(schema)
+        cls.check_schema(schema)  # type: ignore[arg-type]  # the stubs forget boolean schemas
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "<root>"
         raise InvalidGrammar(f"json_schema: invalid schema at {where}: {exc.message}") from exc
-    validator = cls(schema, format_checker=format_checker())
-    _check_refs(schema, validator)
+    # An explicit registry: jsonschema's default one fetches unknown remote $refs over HTTP (a
+    # client-supplied schema must never make tollgate open a connection).
+    validator = cls(schema, format_checker=format_checker(), registry=_NO_RETRIEVAL)
+    _check_refs(schema, cls)
     return SchemaCheck(validator)
 
 
@@ -119,13 +127,20 @@ def _validator_class(schema: Any) -> type[Validator]:
     return Draft202012Validator
 
 
-def _check_refs(schema: Any, validator: Validator) -> None:
-    """Reject refs that cannot be resolved inside the schema: jsonschema would only fail at answer
-    time, and nothing is ever fetched over the network."""
+def _check_refs(schema: Any, cls: type[Validator]) -> None:
+    """Reject refs that cannot be resolved inside the schema (or to a JSON Schema metaschema):
+    jsonschema would only fail at answer time. Nothing is ever fetched."""
     refs = list(_refs(schema))
     if not refs:
         return
-    resolver = validator._resolver  # noqa: SLF001 - the resolver the validator itself will use
+    meta = cls.META_SCHEMA
+    dialect = str(meta.get("$id", meta.get("id", "")))
+    specification = referencing.jsonschema.specification_with(
+        dialect, default=referencing.Specification.OPAQUE
+    )
+    resolver = _SPECIFICATIONS.combine(_NO_RETRIEVAL).resolver_with_root(
+        specification.create_resource(schema)
+    )
     has_ids = any(True for _ in _walk(schema, "$id"))
     for ref in refs:
         try:

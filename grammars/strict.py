@@ -17,21 +17,52 @@ from typing import Any, Final
 
 from grammars.walk import map_schema
 
-OPENAI_KEYWORDS: Final[frozenset[str]] = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-    "$ref", "$defs", "definitions", "description", "title", "pattern", "format", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
-})
-OPENAI_FORMATS: Final[frozenset[str]] = frozenset({
-    "date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
-})
+OPENAI_KEYWORDS: Final[frozenset[str]] = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "enum",
+        "const",
+        "anyOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "description",
+        "title",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minItems",
+        "maxItems",
+    }
+)
+OPENAI_FORMATS: Final[frozenset[str]] = frozenset(
+    {
+        "date-time",
+        "time",
+        "date",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uuid",
+    }
+)
 # Keywords whose presence means the schema is a map or otherwise not expressible in strict mode.
 _INEXPRESSIBLE: Final[frozenset[str]] = frozenset({"patternProperties", "unevaluatedProperties"})
 _TYPED: Final[tuple[str, ...]] = ("type", "anyOf", "$ref", "enum", "const")
 _NULL: Final[dict[str, str]] = {"type": "null"}
 
 
-class _NotExpressible(Exception):
+class _InexpressibleError(Exception):
     """Raised inside the conversion; turned into None at the top."""
 
 
@@ -41,7 +72,7 @@ def openai_strict_schema(schema: Any) -> dict[str, Any] | None:
         return None
     try:
         return _strict(schema)
-    except _NotExpressible:
+    except _InexpressibleError:
         return None
 
 
@@ -52,7 +83,9 @@ def nullable_optionals(schema: Any) -> Any:
 
 def is_object_schema(node: dict[str, Any]) -> bool:
     declared = node.get("type")
-    return declared == "object" or (isinstance(declared, list) and "object" in declared) or "properties" in node
+    return (
+        declared == "object" or (isinstance(declared, list) and "object" in declared) or "properties" in node
+    )
 
 
 def nullable(node: Any) -> Any:
@@ -83,9 +116,9 @@ def _relax_object(node: dict[str, Any]) -> dict[str, Any]:
 
 def _strict(node: Any) -> dict[str, Any]:
     if not isinstance(node, dict) or any(k in node for k in _INEXPRESSIBLE):
-        raise _NotExpressible
+        raise _InexpressibleError
     if "oneOf" in node and "anyOf" in node:
-        raise _NotExpressible
+        raise _InexpressibleError
     out: dict[str, Any] = {}
     for key, value in node.items():
         key = "anyOf" if key == "oneOf" else key  # exclusivity is checked on the answer
@@ -101,7 +134,7 @@ def _strict(node: Any) -> dict[str, Any]:
             out[key] = [_strict(sub) for sub in value]
         elif key == "additionalProperties":
             if value is not False:
-                raise _NotExpressible  # a map: strict mode would force it to be empty
+                raise _InexpressibleError  # a map: strict mode would force it to be empty
         else:
             out[key] = _copy(value)
     if is_object_schema(node):
@@ -113,7 +146,7 @@ def _strict(node: Any) -> dict[str, Any]:
         out["required"] = list(props)
         out["additionalProperties"] = False
     if not any(k in out for k in _TYPED):
-        raise _NotExpressible  # strict mode rejects untyped ("any value") subschemas
+        raise _InexpressibleError  # strict mode rejects untyped ("any value") subschemas
     return out
 
 

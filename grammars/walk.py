@@ -9,14 +9,32 @@ from collections.abc import Callable
 from typing import Any, Final
 
 # Keywords whose value is one subschema (or, for the two item keywords of old drafts, a list of them).
-SINGLE: Final[frozenset[str]] = frozenset({
-    "additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
-    "propertyNames", "unevaluatedItems", "unevaluatedProperties",
-})
+SINGLE: Final[frozenset[str]] = frozenset(
+    {
+        "additionalProperties",
+        "items",
+        "additionalItems",
+        "contains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    }
+)
 LISTS: Final[frozenset[str]] = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
-MAPS: Final[frozenset[str]] = frozenset({
-    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies",
-})
+MAPS: Final[frozenset[str]] = frozenset(
+    {
+        "properties",
+        "patternProperties",
+        "$defs",
+        "definitions",
+        "dependentSchemas",
+        "dependencies",
+    }
+)
 
 SchemaFn = Callable[[dict[str, Any]], Any]
 

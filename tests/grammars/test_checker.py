@@ -13,8 +13,11 @@ from grammars.compile import Violation, compile_constraint
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 from tests.grammars.samples import BAD_AGE, COMPACT, PRETTY, USER_SCHEMA, chunks
 
-SMALL = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-         "required": ["a"]}
+SMALL = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a"],
+}
 USER = json_schema_spec(USER_SCHEMA)
 DATE = ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 ARITH = ConstraintSpec("lark", 'start: expr\nexpr: NUM | expr "+" expr | "(" expr ")"\nNUM: /[0-9]+/')
@@ -33,61 +36,139 @@ def feed_all(spec: ConstraintSpec, parts: list[str], *, native: bool) -> tuple[i
     return first_bad, verdict
 
 
-@pytest.mark.parametrize(("spec", "parts", "native", "bad_chunk", "verdict"), [
-    # JSON schema, native: the schema grammar cuts the stream at the chunk with the bad value
-    (USER, chunks(COMPACT, 7), True, None, None),
-    (USER, chunks(BAD_AGE, 7), True, 10,
-     Violation("at char 71: unexpected '\"'; expected one of: '\\t'-'\\n', '\\r', ' ', '0'-'9'", 71)),
-    # ... not native: syntax only while streaming, the schema verdict at the end
-    (USER, chunks(BAD_AGE, 7), False, None, Violation("at age: '36' is not of type 'integer'")),
-    (USER, chunks(PRETTY, 5), True, None, None),
-    (USER, chunks(COMPACT.replace('"age":36', '"age":36]'), 7), False, 10,
-     Violation("at char 73: unexpected ']'; expected one of: '\\t'-'\\n', '\\r', ' ', ',', '.', '0'-'9', "
-               "'E', 'e', '}'", 73)),
-    # key order: a valid document with keys in another order than the schema's
-    (json_schema_spec(SMALL), ['{"b": "x", ', '"a": 1}'], False, None, None),
-    (json_schema_spec(SMALL), ['{"b": "x", ', '"a": 1}'], True, 0,
-     Violation("at char 2: unexpected 'b'; expected 'a'", 2)),
-    # surrounding whitespace, in its own chunks or glued to the document
-    (json_schema_spec(SMALL), ["\n ", ' \t{"a"', ": 1}  ", "\n", ""], True, None, None),
-    (json_schema_spec(SMALL), ["\n ", ' {"a"', ": 1}  ", "\n", "x"], True, 4,
-     Violation("at char 14: unexpected 'x' after the end of the JSON document; expected end of output", 14)),
-    (json_schema_spec(SMALL), ['{"a": 1} x'], False, 0,
-     Violation("at char 9: unexpected 'x' after the end of the JSON document; expected end of output", 9)),
-    (json_schema_spec({"type": "integer"}), ["12", " ", "3"], True, 2,
-     Violation("at char 3: unexpected '3' after the end of the JSON document; expected end of output", 3)),
-    (json_schema_spec({"type": "integer"}), ["12", "3 \n"], True, None, None),
-    # multibyte text split across chunks (chunks are str, so a character is never split)
-    (json_schema_spec(SMALL), ['{"a": 1, "b": "Zo', "\u00eb\u00e9\U0001F600", '"}'], True, None, None),
-    (json_schema_spec(SMALL), ['{"a": 1, "b": "\u00e9', '\u00e9"', "x"], True, 2,
-     Violation("at char 18: unexpected 'x'; expected one of: '\\t'-'\\n', '\\r', ' ', ',', '}'", 18)),
-    # unicode escapes and exponents are JSON like any other
-    (json_schema_spec(SMALL), ['{"a": 1, "b": "\\u00', 'e9"}'], True, None, None),
-    (json_schema_spec({"type": "number"}), ["1e", "5"], True, None, None),
-    # json_object
-    (JSON_OBJECT, ['{"z": 1, ', '"a": [1, 2]}'], False, None, None),
-    (JSON_OBJECT, ["[", "1]"], True, 0, Violation("at char 0: unexpected '['; expected '{'", 0)),
-    (JSON_OBJECT, ['{"a": ', "1"], False, None, Violation("not valid JSON: unexpected end of data at char 7", 7)),
-    # regex
-    (DATE, ["20", "24-0", "1-02"], False, None, None),
-    # "2024-1" could still become "2024-10-..."; the chunk with the "-" is the one that breaks it
-    (DATE, ["20", "24-1", "-02"], False, 2, Violation("at char 6: unexpected '-'; expected '0'-'9'", 6)),
-    (DATE, ["2024", "-01"], False, None, Violation("at char 7: output ended too early; expected '-'", 7)),
-    (DATE, ["2024-01-02", "\n"], False, 1, Violation("at char 10: unexpected '\\n'; expected end of output", 10)),
-    # choice
-    (choice_spec(["yes", "no"]), ["y", "e", "s"], False, None, None),
-    (choice_spec(["yes", "no"]), ["y", "o"], False, 1, Violation("at char 1: unexpected 'o'; expected 'e'", 1)),
-    (choice_spec(["\u00e9t\u00e9", "hiver"]), ["\u00e9", "t\u00e9"], False, None, None),
-    # lark
-    (ARITH, ["(1+", "2)+3"], False, None, None),
-    (ARITH, ["(1+", "2))"], False, 1, Violation("at char 5: unexpected ')'; expected one of: '+', end of output", 5)),
-    (ARITH, ["(1+"], False, None, Violation("at char 3: output ended too early; expected one of: '(', '0'-'9'", 3)),
-    # gbnf
-    (LIST, ["- a\n", "- bc\n"], False, None, None),
-    (LIST, ["- a\n", "- B\n"], False, 1, Violation("at char 6: unexpected 'B'; expected 'a'-'z'", 6)),
-])
-def test_first_bad_chunk(spec: ConstraintSpec, parts: list[str], native: bool, bad_chunk: int | None,
-                         verdict: Violation | None) -> None:
+@pytest.mark.parametrize(
+    ("spec", "parts", "native", "bad_chunk", "verdict"),
+    [
+        # JSON schema, native: the schema grammar cuts the stream at the chunk with the bad value
+        (USER, chunks(COMPACT, 7), True, None, None),
+        (
+            USER,
+            chunks(BAD_AGE, 7),
+            True,
+            10,
+            Violation("at char 71: unexpected '\"'; expected one of: '\\t'-'\\n', '\\r', ' ', '0'-'9'", 71),
+        ),
+        # ... not native: syntax only while streaming, the schema verdict at the end
+        (USER, chunks(BAD_AGE, 7), False, None, Violation("at age: '36' is not of type 'integer'")),
+        (USER, chunks(PRETTY, 5), True, None, None),
+        (
+            USER,
+            chunks(COMPACT.replace('"age":36', '"age":36]'), 7),
+            False,
+            10,
+            Violation(
+                "at char 73: unexpected ']'; expected one of: '\\t'-'\\n', '\\r', ' ', ',', '.', '0'-'9', "
+                "'E', 'e', '}'",
+                73,
+            ),
+        ),
+        # key order: a valid document with keys in another order than the schema's
+        (json_schema_spec(SMALL), ['{"b": "x", ', '"a": 1}'], False, None, None),
+        (
+            json_schema_spec(SMALL),
+            ['{"b": "x", ', '"a": 1}'],
+            True,
+            0,
+            Violation("at char 2: unexpected 'b'; expected 'a'", 2),
+        ),
+        # surrounding whitespace, in its own chunks or glued to the document
+        (json_schema_spec(SMALL), ["\n ", ' \t{"a"', ": 1}  ", "\n", ""], True, None, None),
+        (
+            json_schema_spec(SMALL),
+            ["\n ", ' {"a"', ": 1}  ", "\n", "x"],
+            True,
+            4,
+            Violation(
+                "at char 14: unexpected 'x' after the end of the JSON document; expected end of output", 14
+            ),
+        ),
+        (
+            json_schema_spec(SMALL),
+            ['{"a": 1} x'],
+            False,
+            0,
+            Violation(
+                "at char 9: unexpected 'x' after the end of the JSON document; expected end of output", 9
+            ),
+        ),
+        (
+            json_schema_spec({"type": "integer"}),
+            ["12", " ", "3"],
+            True,
+            2,
+            Violation(
+                "at char 3: unexpected '3' after the end of the JSON document; expected end of output", 3
+            ),
+        ),
+        (json_schema_spec({"type": "integer"}), ["12", "3 \n"], True, None, None),
+        # multibyte text split across chunks (chunks are str, so a character is never split)
+        (json_schema_spec(SMALL), ['{"a": 1, "b": "Zo', "\u00eb\u00e9\U0001f600", '"}'], True, None, None),
+        (
+            json_schema_spec(SMALL),
+            ['{"a": 1, "b": "\u00e9', '\u00e9"', "x"],
+            True,
+            2,
+            Violation("at char 18: unexpected 'x'; expected one of: '\\t'-'\\n', '\\r', ' ', ',', '}'", 18),
+        ),
+        # unicode escapes and exponents are JSON like any other
+        (json_schema_spec(SMALL), ['{"a": 1, "b": "\\u00', 'e9"}'], True, None, None),
+        (json_schema_spec({"type": "number"}), ["1e", "5"], True, None, None),
+        # json_object
+        (JSON_OBJECT, ['{"z": 1, ', '"a": [1, 2]}'], False, None, None),
+        (JSON_OBJECT, ["[", "1]"], True, 0, Violation("at char 0: unexpected '['; expected '{'", 0)),
+        (
+            JSON_OBJECT,
+            ['{"a": ', "1"],
+            False,
+            None,
+            Violation("not valid JSON: unexpected end of data at char 7", 7),
+        ),
+        # regex
+        (DATE, ["20", "24-0", "1-02"], False, None, None),
+        # "2024-1" could still become "2024-10-..."; the chunk with the "-" is the one that breaks it
+        (DATE, ["20", "24-1", "-02"], False, 2, Violation("at char 6: unexpected '-'; expected '0'-'9'", 6)),
+        (DATE, ["2024", "-01"], False, None, Violation("at char 7: output ended too early; expected '-'", 7)),
+        (
+            DATE,
+            ["2024-01-02", "\n"],
+            False,
+            1,
+            Violation("at char 10: unexpected '\\n'; expected end of output", 10),
+        ),
+        # choice
+        (choice_spec(["yes", "no"]), ["y", "e", "s"], False, None, None),
+        (
+            choice_spec(["yes", "no"]),
+            ["y", "o"],
+            False,
+            1,
+            Violation("at char 1: unexpected 'o'; expected 'e'", 1),
+        ),
+        (choice_spec(["\u00e9t\u00e9", "hiver"]), ["\u00e9", "t\u00e9"], False, None, None),
+        # lark
+        (ARITH, ["(1+", "2)+3"], False, None, None),
+        (
+            ARITH,
+            ["(1+", "2))"],
+            False,
+            1,
+            Violation("at char 5: unexpected ')'; expected one of: '+', end of output", 5),
+        ),
+        (
+            ARITH,
+            ["(1+"],
+            False,
+            None,
+            Violation("at char 3: output ended too early; expected one of: '(', '0'-'9'", 3),
+        ),
+        # gbnf
+        (LIST, ["- a\n", "- bc\n"], False, None, None),
+        (LIST, ["- a\n", "- B\n"], False, 1, Violation("at char 6: unexpected 'B'; expected 'a'-'z'", 6)),
+    ],
+)
+def test_first_bad_chunk(
+    spec: ConstraintSpec, parts: list[str], native: bool, bad_chunk: int | None, verdict: Violation | None
+) -> None:
     assert feed_all(spec, parts, native=native) == (bad_chunk, verdict)
 
 

@@ -21,45 +21,69 @@ from grammars.compile import (
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 from tests.grammars.samples import BAD_AGE, COMPACT, PRETTY, USER_SCHEMA, user_with
 
-ZIP = {"type": "object", "properties": {"address": {"type": "object", "properties": {
-    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
-SMALL = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-         "required": ["a"]}
+ZIP = {
+    "type": "object",
+    "properties": {
+        "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}
+    },
+}
+SMALL = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a"],
+}
 
 
 def v(message: str, offset: int | None = None) -> Violation:
     return Violation(message, offset)
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    # valid
-    (COMPACT, None),
-    (PRETTY, None),
-    ("  \n" + COMPACT + "\n\t ", None),  # whitespace around the document
-    (user_with(name="Caf\u00e9"), None),  # \u00e9 escape (json.dumps default)
-    (user_with(score=1e5), None),
-    (user_with(extra={"deep": [1, 2, {"x": None}]}), None),  # extra property (allowed by default)
-    (json.dumps(dict(reversed(json.loads(COMPACT).items()))), None),  # other key order
-    (user_with(nickname="zo"), None),
-    # invalid, with exact messages
-    (BAD_AGE, v("at age: '36' is not of type 'integer'")),
-    (user_with(id=None), v("at <root>: 'id' is a required property")),
-    (user_with(address={"street": "s", "city": "c", "zip": "ABCDE", "country": "US"}),
-     v("at address/zip: 'ABCDE' does not match '^[0-9]{5}$'")),
-    (user_with(email="nope", role="root", tags=["a"] * 6),
-     v("at email: 'nope' is not a 'email'; at role: 'root' is not one of ['admin', 'user', 'guest']; "
-       "at tags: ['a', 'a', 'a', 'a', 'a', 'a'] is too long")),
-    (user_with(orders=[{"sku": "A", "qty": 0, "price": 1, "created_at": "2024-02-30T00:00:00Z"}]),
-     v("at orders/0/created_at: '2024-02-30T00:00:00Z' is not a 'date-time'; "
-       "at orders/0/qty: 0 is less than the minimum of 1")),
-    (user_with(age=-1, id=None), v("at <root>: 'id' is a required property; at age: -1 is less than the minimum of 0")),
-    ('{"id": 1', v("not valid JSON: unexpected end of data at char 8", 8)),
-    ("```json\n{}\n```", v("not valid JSON: unexpected character, expected a JSON value at char 0", 0)),
-    ('{"a": NaN}', v("not valid JSON: unexpected character, expected a JSON value at char 6", 6)),
-    ("{} {}", v("not valid JSON: unexpected content after document at char 3", 3)),
-    ("", v("not valid JSON: Input is a zero-length, empty document at char 0", 0)),
-    ("[1]", v("at <root>: [1] is not of type 'object'")),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # valid
+        (COMPACT, None),
+        (PRETTY, None),
+        ("  \n" + COMPACT + "\n\t ", None),  # whitespace around the document
+        (user_with(name="Caf\u00e9"), None),  # \u00e9 escape (json.dumps default)
+        (user_with(score=1e5), None),
+        (user_with(extra={"deep": [1, 2, {"x": None}]}), None),  # extra property (allowed by default)
+        (json.dumps(dict(reversed(json.loads(COMPACT).items()))), None),  # other key order
+        (user_with(nickname="zo"), None),
+        # invalid, with exact messages
+        (BAD_AGE, v("at age: '36' is not of type 'integer'")),
+        (user_with(id=None), v("at <root>: 'id' is a required property")),
+        (
+            user_with(address={"street": "s", "city": "c", "zip": "ABCDE", "country": "US"}),
+            v("at address/zip: 'ABCDE' does not match '^[0-9]{5}$'"),
+        ),
+        (
+            user_with(email="nope", role="root", tags=["a"] * 6),
+            v(
+                "at email: 'nope' is not a 'email'; "
+                "at role: 'root' is not one of ['admin', 'user', 'guest']; "
+                "at tags: ['a', 'a', 'a', 'a', 'a', 'a'] is too long"
+            ),
+        ),
+        (
+            user_with(orders=[{"sku": "A", "qty": 0, "price": 1, "created_at": "2024-02-30T00:00:00Z"}]),
+            v(
+                "at orders/0/created_at: '2024-02-30T00:00:00Z' is not a 'date-time'; "
+                "at orders/0/qty: 0 is less than the minimum of 1"
+            ),
+        ),
+        (
+            user_with(age=-1, id=None),
+            v("at <root>: 'id' is a required property; at age: -1 is less than the minimum of 0"),
+        ),
+        ('{"id": 1', v("not valid JSON: unexpected end of data at char 8", 8)),
+        ("```json\n{}\n```", v("not valid JSON: unexpected character, expected a JSON value at char 0", 0)),
+        ('{"a": NaN}', v("not valid JSON: unexpected character, expected a JSON value at char 6", 6)),
+        ("{} {}", v("not valid JSON: unexpected content after document at char 3", 3)),
+        ("", v("not valid JSON: Input is a zero-length, empty document at char 0", 0)),
+        ("[1]", v("at <root>: [1] is not of type 'object'")),
+    ],
+)
 def test_json_schema_validate(text: str, expected: Violation | None) -> None:
     assert compile_constraint(json_schema_spec(USER_SCHEMA)).validate(text) == expected
 
@@ -67,107 +91,185 @@ def test_json_schema_validate(text: str, expected: Violation | None) -> None:
 def test_json_schema_errors_sorted_by_path_and_capped() -> None:
     schema = {"type": "array", "items": {"type": "integer"}}
     got = compile_constraint(json_schema_spec(schema)).validate(json.dumps(["x"] * 12))
-    assert got == v("at 0: 'x' is not of type 'integer'; at 1: 'x' is not of type 'integer'; "
-                    "at 2: 'x' is not of type 'integer'; at 3: 'x' is not of type 'integer'; "
-                    "at 4: 'x' is not of type 'integer'; and 7 more")
+    assert got == v(
+        "at 0: 'x' is not of type 'integer'; at 1: 'x' is not of type 'integer'; "
+        "at 2: 'x' is not of type 'integer'; at 3: 'x' is not of type 'integer'; "
+        "at 4: 'x' is not of type 'integer'; and 7 more"
+    )
 
 
 def test_deep_nesting() -> None:
-    tree = {"$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"},
-                                                               "v": {"type": "integer"}}}},
-            "$ref": "#/$defs/node"}
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"child": {"$ref": "#/$defs/node"}, "v": {"type": "integer"}},
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
     c = compile_constraint(json_schema_spec(tree))
     doc = '{"v":1}'
     for _ in range(60):
         doc = '{"v":1,"child":' + doc + "}"
     assert c.validate(doc) is None
     assert c.validate(doc.replace('{"v":1}', '{"v":"x"}')) == v(
-        "at " + "/".join(["child"] * 60) + "/v: 'x' is not of type 'integer'")
+        "at " + "/".join(["child"] * 60) + "/v: 'x' is not of type 'integer'"
+    )
     too_deep = "[" * 5000 + "]" * 5000
     assert compile_constraint(JSON_OBJECT).validate(too_deep) == v(
-        "not valid JSON: depth limit exceeded at char 1025", 1025)
+        "not valid JSON: depth limit exceeded at char 1025", 1025
+    )
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("{}", None),
-    (' {"b": [1, {"c": "\\u00e9"}], "a": 1e5} ', None),
-    ("[]", v("at <root>: [] is not of type 'object'")),
-    ('"x"', v("at <root>: 'x' is not of type 'object'")),
-    ("{", v("not valid JSON: unexpected end of data at char 1", 1)),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{}", None),
+        (' {"b": [1, {"c": "\\u00e9"}], "a": 1e5} ', None),
+        ("[]", v("at <root>: [] is not of type 'object'")),
+        ('"x"', v("at <root>: 'x' is not of type 'object'")),
+        ("{", v("not valid JSON: unexpected end of data at char 1", 1)),
+    ],
+)
 def test_json_object_validate(text: str, expected: Violation | None) -> None:
     assert compile_constraint(JSON_OBJECT).validate(text) == expected
 
 
-@pytest.mark.parametrize(("spec", "text", "expected"), [
-    # regex: the whole output must match; anchors are allowed and change nothing
-    (ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), "2024-01-02", None),
-    (ConstraintSpec("regex", r"^[a-z]+$"), "abc", None),
-    (ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), "2024-1-02",
-     v("at char 6: unexpected '-'; expected '0'-'9'", 6)),
-    (ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), "2024-01",
-     v("at char 7: output ended too early; expected '-'", 7)),
-    (ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), "2024-01-023",
-     v("at char 10: unexpected '3'; expected end of output", 10)),
-    (ConstraintSpec("regex", r"[0-9]+"), " 12", v("at char 0: unexpected ' '; expected '0'-'9'", 0)),
-    (ConstraintSpec("regex", r"caf\u00e9|tea"), "café", None),
-    (ConstraintSpec("regex", r"caf\u00e9|tea"), "cafe",
-     v("at char 3: unexpected 'e'; expected non-ASCII characters", 3)),
-    (ConstraintSpec("regex", r"[a-z]+"), "ab\u00e9", v("at char 2: unexpected 'é'; expected one of: 'a'-'z', "
-                                                        "end of output", 2)),
-    (ConstraintSpec("regex", r"(?i)yes"), "YeS", None),
-    # choice
-    (choice_spec(["yes", "no"]), "yes", None),
-    (choice_spec(["yes", "no"]), "maybe", v("at char 0: unexpected 'm'; expected one of: 'n', 'y'", 0)),
-    (choice_spec(["yes", "no"]), "ye", v("at char 2: output ended too early; expected 's'", 2)),
-    (choice_spec(["yes", "no"]), "yes\n", v("at char 3: unexpected '\\n'; expected end of output", 3)),
-    (choice_spec(["a", "ab"]), "a", None),
-    (choice_spec(["\u00e9t\u00e9", 'say "hi"']), 'say "hi"', None),
-    (choice_spec(["\u00e9t\u00e9", 'say "hi"']), "\u00e9t\u00e9", None),
-    # lark
-    (ConstraintSpec("lark", 'start: "(" start ")" | "x"'), "((x))", None),
-    (ConstraintSpec("lark", 'start: "(" start ")" | "x"'), "((x)",
-     v("at char 4: output ended too early; expected ')'", 4)),
-    (ConstraintSpec("lark", 'start: "(" start ")" | "x"'), "(x))",
-     v("at char 3: unexpected ')'; expected end of output", 3)),
-    (ConstraintSpec("lark", 'start: /[^"]+/'), 'a"b',
-     v("at char 1: unexpected '\"'; expected one of: any character except '\"', end of output", 1)),
-    # gbnf
-    (ConstraintSpec("gbnf", 'root ::= "x" [0-9]+'), "x12", None),
-    (ConstraintSpec("gbnf", 'root ::= "x" [0-9]+'), "xx", v("at char 1: unexpected 'x'; expected '0'-'9'", 1)),
-    (ConstraintSpec("gbnf", 'root ::= "x" [0-9]+'), "", v("at char 0: output ended too early; expected 'x'", 0)),
-])
+@pytest.mark.parametrize(
+    ("spec", "text", "expected"),
+    [
+        # regex: the whole output must match; anchors are allowed and change nothing
+        (ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), "2024-01-02", None),
+        (ConstraintSpec("regex", r"^[a-z]+$"), "abc", None),
+        (
+            ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+            "2024-1-02",
+            v("at char 6: unexpected '-'; expected '0'-'9'", 6),
+        ),
+        (
+            ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+            "2024-01",
+            v("at char 7: output ended too early; expected '-'", 7),
+        ),
+        (
+            ConstraintSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+            "2024-01-023",
+            v("at char 10: unexpected '3'; expected end of output", 10),
+        ),
+        (ConstraintSpec("regex", r"[0-9]+"), " 12", v("at char 0: unexpected ' '; expected '0'-'9'", 0)),
+        (ConstraintSpec("regex", r"caf\u00e9|tea"), "café", None),
+        (
+            ConstraintSpec("regex", r"caf\u00e9|tea"),
+            "cafe",
+            v("at char 3: unexpected 'e'; expected non-ASCII characters", 3),
+        ),
+        (
+            ConstraintSpec("regex", r"[a-z]+"),
+            "ab\u00e9",
+            v("at char 2: unexpected 'é'; expected one of: 'a'-'z', end of output", 2),
+        ),
+        (ConstraintSpec("regex", r"(?i)yes"), "YeS", None),
+        # choice
+        (choice_spec(["yes", "no"]), "yes", None),
+        (choice_spec(["yes", "no"]), "maybe", v("at char 0: unexpected 'm'; expected one of: 'n', 'y'", 0)),
+        (choice_spec(["yes", "no"]), "ye", v("at char 2: output ended too early; expected 's'", 2)),
+        (choice_spec(["yes", "no"]), "yes\n", v("at char 3: unexpected '\\n'; expected end of output", 3)),
+        (choice_spec(["a", "ab"]), "a", None),
+        (choice_spec(["\u00e9t\u00e9", 'say "hi"']), 'say "hi"', None),
+        (choice_spec(["\u00e9t\u00e9", 'say "hi"']), "\u00e9t\u00e9", None),
+        # lark
+        (ConstraintSpec("lark", 'start: "(" start ")" | "x"'), "((x))", None),
+        (
+            ConstraintSpec("lark", 'start: "(" start ")" | "x"'),
+            "((x)",
+            v("at char 4: output ended too early; expected ')'", 4),
+        ),
+        (
+            ConstraintSpec("lark", 'start: "(" start ")" | "x"'),
+            "(x))",
+            v("at char 3: unexpected ')'; expected end of output", 3),
+        ),
+        (
+            ConstraintSpec("lark", 'start: /[^"]+/'),
+            'a"b',
+            v("at char 1: unexpected '\"'; expected one of: any character except '\"', end of output", 1),
+        ),
+        # gbnf
+        (ConstraintSpec("gbnf", 'root ::= "x" [0-9]+'), "x12", None),
+        (
+            ConstraintSpec("gbnf", 'root ::= "x" [0-9]+'),
+            "xx",
+            v("at char 1: unexpected 'x'; expected '0'-'9'", 1),
+        ),
+        (
+            ConstraintSpec("gbnf", 'root ::= "x" [0-9]+'),
+            "",
+            v("at char 0: output ended too early; expected 'x'", 0),
+        ),
+    ],
+)
 def test_grammar_validate(spec: ConstraintSpec, text: str, expected: Violation | None) -> None:
     assert compile_constraint(spec).validate(text) == expected
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    (ConstraintSpec("regex", "a(?=b)"), "regex: at 1(8): invalid regex \"a(?=b)\" (in regex): regex parse "
-     "error: a(?=b) error: look-around, including look-ahead and look-behind, is not supported"),
-    (ConstraintSpec("regex", "(a)\\1"), "regex: at 1(8): invalid regex \"(a)\\\\1\" (in regex): regex parse "
-     "error: (a)\\1 error: backreferences are not supported"),
-    (ConstraintSpec("regex", "["), "regex: at 1(8): invalid regex \"[\" (in regex): regex parse error: "
-     "[ error: unclosed character class"),
-    (ConstraintSpec("lark", "start: foo"), 'lark: at 1(8): unknown name: "foo"'),
-    (ConstraintSpec("gbnf", "root ::= x"),
-     "gbnf: Failed to convert the grammar from GBNF to Lark: Rule 'x' not found"),
-    (ConstraintSpec("choice", "[]"), "choice: options must be a non-empty JSON array of strings"),
-    (ConstraintSpec("choice", '["a", 1]'), "choice: options must be a non-empty JSON array of strings"),
-    (ConstraintSpec("choice", "yes|no"),
-     "choice: options must be a JSON array of strings (not valid JSON: unexpected character, "
-     "expected a JSON value at char 0)"),
-    (ConstraintSpec("json_schema", '{"type": "foo"}'),
-     "json_schema: invalid schema at type: 'foo' is not valid under any of the given schemas"),
-    (ConstraintSpec("json_schema", '{"properties": {"a": {"minimum": "1"}}}'),
-     "json_schema: invalid schema at properties/a/minimum: '1' is not of type 'number'"),
-    (ConstraintSpec("json_schema", "[1]"), "json_schema: a schema must be a JSON object or boolean, not an array"),
-    (ConstraintSpec("json_schema", '{"$ref": "#/$defs/missing"}'),
-     "json_schema: cannot resolve $ref '#/$defs/missing' inside the schema"),
-    (ConstraintSpec("json_schema", '{"$ref": "https://example.com/s.json"}'),
-     "json_schema: cannot resolve $ref 'https://example.com/s.json' inside the schema"),
-    (ConstraintSpec("json_schema", "{bad"),
-     "json_schema: the schema is not valid JSON: unexpected character, expected a string key at char 1"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            ConstraintSpec("regex", "a(?=b)"),
+            'regex: at 1(8): invalid regex "a(?=b)" (in regex): regex parse '
+            "error: a(?=b) error: look-around, including look-ahead and look-behind, is not supported",
+        ),
+        (
+            ConstraintSpec("regex", "(a)\\1"),
+            'regex: at 1(8): invalid regex "(a)\\\\1" (in regex): regex parse '
+            "error: (a)\\1 error: backreferences are not supported",
+        ),
+        (
+            ConstraintSpec("regex", "["),
+            'regex: at 1(8): invalid regex "[" (in regex): regex parse error: '
+            "[ error: unclosed character class",
+        ),
+        (ConstraintSpec("lark", "start: foo"), 'lark: at 1(8): unknown name: "foo"'),
+        (
+            ConstraintSpec("gbnf", "root ::= x"),
+            "gbnf: Failed to convert the grammar from GBNF to Lark: Rule 'x' not found",
+        ),
+        (ConstraintSpec("choice", "[]"), "choice: options must be a non-empty JSON array of strings"),
+        (ConstraintSpec("choice", '["a", 1]'), "choice: options must be a non-empty JSON array of strings"),
+        (
+            ConstraintSpec("choice", "yes|no"),
+            "choice: options must be a JSON array of strings (not valid JSON: unexpected character, "
+            "expected a JSON value at char 0)",
+        ),
+        (
+            ConstraintSpec("json_schema", '{"type": "foo"}'),
+            "json_schema: invalid schema at type: 'foo' is not valid under any of the given schemas",
+        ),
+        (
+            ConstraintSpec("json_schema", '{"properties": {"a": {"minimum": "1"}}}'),
+            "json_schema: invalid schema at properties/a/minimum: '1' is not of type 'number'",
+        ),
+        (
+            ConstraintSpec("json_schema", "[1]"),
+            "json_schema: a schema must be a JSON object or boolean, not an array",
+        ),
+        (
+            ConstraintSpec("json_schema", '{"$ref": "#/$defs/missing"}'),
+            "json_schema: cannot resolve $ref '#/$defs/missing' inside the schema",
+        ),
+        (
+            ConstraintSpec("json_schema", '{"$ref": "https://example.com/s.json"}'),
+            "json_schema: cannot resolve $ref 'https://example.com/s.json' inside the schema",
+        ),
+        (
+            ConstraintSpec("json_schema", "{bad"),
+            "json_schema: the schema is not valid JSON: "
+            "unexpected character, expected a string key at char 1",
+        ),
+    ],
+)
 def test_compile_errors(spec: ConstraintSpec, message: str) -> None:
     with pytest.raises(InvalidGrammar) as caught:
         compile_constraint(spec)
@@ -199,13 +301,17 @@ def test_unsupported_keywords_are_warnings() -> None:
 def test_boolean_schemas() -> None:
     assert compile_constraint(json_schema_spec(True)).validate("[1]") is None
     assert compile_constraint(json_schema_spec(False)).validate("1") == v(
-        "at <root>: False schema does not allow 1")
+        "at <root>: False schema does not allow 1"
+    )
 
 
 def test_declared_draft_is_honoured() -> None:
     # Draft 7 tuple `items`; under 2020-12 this schema would be invalid.
-    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
-              "items": [{"type": "integer"}, {"type": "string"}]}
+    schema = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "array",
+        "items": [{"type": "integer"}, {"type": "string"}],
+    }
     c = compile_constraint(json_schema_spec(schema))
     assert c.validate('[1, "a"]') is None
     assert c.validate('["a", "a"]') == v("at 0: 'a' is not of type 'integer'")
@@ -226,8 +332,10 @@ def test_cache_is_bounded() -> None:
     for i in range(1, compile_mod.CACHE_SIZE + 1):
         compile_constraint(ConstraintSpec("regex", f"r{i}"))
     assert compile_constraint(ConstraintSpec("regex", "r0"))._core is not first._core
-    assert compile_constraint(ConstraintSpec("regex", f"r{compile_mod.CACHE_SIZE}"))._core is \
+    assert (
         compile_constraint(ConstraintSpec("regex", f"r{compile_mod.CACHE_SIZE}"))._core
+        is compile_constraint(ConstraintSpec("regex", f"r{compile_mod.CACHE_SIZE}"))._core
+    )
 
 
 async def test_compile_async_hits_without_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,25 +365,32 @@ def test_constraints_work_across_threads() -> None:
     assert checker.feed('{"a": 1, "b": "x"}') and checker.finish() is None
 
 
-@pytest.mark.parametrize(("parameters", "arguments", "expected"), [
-    (SMALL, '{"a": 1}', None),
-    (SMALL, {"a": 1, "b": "x"}, None),  # Anthropic `input` / MCP `arguments` come parsed
-    (SMALL, '{"b": 2}', v("at <root>: 'a' is a required property; at b: 2 is not of type 'string'")),
-    (SMALL, '{"a": 1', v("not valid JSON: unexpected end of data at char 7", 7)),
-    (SMALL, "[1]", v("at <root>: [1] is not of type 'object'")),
-    (SMALL, "", v("at <root>: 'a' is a required property")),  # empty = {}
-    (None, "", None),
-    (None, '{"anything": [1]}', None),
-    (None, "42", v("at <root>: 42 is not of type 'object'")),
-    (None, "nope", v("not valid JSON: invalid literal, expected 'null' at char 0", 0)),
-    ({"type": "object", "properties": {"when": {"type": "string", "format": "date"}}},
-     '{"when": "2024-13-01"}', v("at when: '2024-13-01' is not a 'date'")),
-])
-def test_validate_tool_arguments(parameters: dict[str, object] | None, arguments: str | dict[str, object],
-                                 expected: Violation | None) -> None:
+@pytest.mark.parametrize(
+    ("parameters", "arguments", "expected"),
+    [
+        (SMALL, '{"a": 1}', None),
+        (SMALL, {"a": 1, "b": "x"}, None),  # Anthropic `input` / MCP `arguments` come parsed
+        (SMALL, '{"b": 2}', v("at <root>: 'a' is a required property; at b: 2 is not of type 'string'")),
+        (SMALL, '{"a": 1', v("not valid JSON: unexpected end of data at char 7", 7)),
+        (SMALL, "[1]", v("at <root>: [1] is not of type 'object'")),
+        (SMALL, "", v("at <root>: 'a' is a required property")),  # empty = {}
+        (None, "", None),
+        (None, '{"anything": [1]}', None),
+        (None, "42", v("at <root>: 42 is not of type 'object'")),
+        (None, "nope", v("not valid JSON: invalid literal, expected 'null' at char 0", 0)),
+        (
+            {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}},
+            '{"when": "2024-13-01"}',
+            v("at when: '2024-13-01' is not a 'date'"),
+        ),
+    ],
+)
+def test_validate_tool_arguments(
+    parameters: dict[str, object] | None, arguments: str | dict[str, object], expected: Violation | None
+) -> None:
     assert validate_tool_arguments(parameters, arguments) == expected
 
 
 def test_validate_tool_arguments_broken_schema() -> None:
-    with pytest.raises(InvalidGrammar, match="^tool parameters: json_schema: invalid schema at type"):
+    with pytest.raises(InvalidGrammar, match=r"^tool parameters: json_schema: invalid schema at type"):
         validate_tool_arguments({"type": "nope"}, "{}")

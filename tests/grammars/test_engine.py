@@ -14,31 +14,41 @@ def mask(*allowed: int) -> bytes:
     return bytes(bits)
 
 
-@pytest.mark.parametrize(("allowed", "text"), [
-    ([ord("a")], "expected 'a'"),
-    ([engine.EOS], "expected end of output"),
-    ([*range(ord("0"), ord("9") + 1), engine.EOS], "expected one of: '0'-'9', end of output"),
-    ([9, 10, 13, 32], "expected one of: '\\t'-'\\n', '\\r', ' '"),
-    ([ord("'"), ord('"')], "expected one of: '\"', \"'\""),
-    ([0xC3, 0xE2], "expected non-ASCII characters"),
-    ([b for b in range(256) if b not in (ord('"'), ord("\\"))],
-     "expected any character except '\"', '\\\\'"),
-    ([*range(0x20, 0x80), *range(0x80, 0x100)], "expected any character except '\\x00'-'\\x1f'"),
-    ([*range(0x80)], "expected any character"),
-    ([], "expected nothing (no continuation is possible)"),
-    ([ord(c) for c in "acegikmoqsuwy"], "expected one of: 'a', 'c', 'e', 'g', 'i', 'k', 'm', 'o', 'q', 's', "
-     "'u', 'w', ... (1 more)"),
-])
+@pytest.mark.parametrize(
+    ("allowed", "text"),
+    [
+        ([ord("a")], "expected 'a'"),
+        ([engine.EOS], "expected end of output"),
+        ([*range(ord("0"), ord("9") + 1), engine.EOS], "expected one of: '0'-'9', end of output"),
+        ([9, 10, 13, 32], "expected one of: '\\t'-'\\n', '\\r', ' '"),
+        ([ord("'"), ord('"')], "expected one of: '\"', \"'\""),
+        ([0xC3, 0xE2], "expected non-ASCII characters"),
+        (
+            [b for b in range(256) if b not in (ord('"'), ord("\\"))],
+            "expected any character except '\"', '\\\\'",
+        ),
+        ([*range(0x20, 0x80), *range(0x80, 0x100)], "expected any character except '\\x00'-'\\x1f'"),
+        ([*range(0x80)], "expected any character"),
+        ([], "expected nothing (no continuation is possible)"),
+        (
+            [ord(c) for c in "acegikmoqsuwy"],
+            "expected one of: 'a', 'c', 'e', 'g', 'i', 'k', 'm', 'o', 'q', 's', 'u', 'w', ... (1 more)",
+        ),
+    ],
+)
 def test_expected_from_mask(allowed: list[int], text: str) -> None:
     assert engine.expected_from_mask(mask(*allowed)) == text
 
 
-@pytest.mark.parametrize(("text", "byte_pos", "char_pos"), [
-    ("abc", 2, 2),
-    ("\u00e9a", 2, 1),
-    ("\u00e9a", 1, 0),  # inside a multibyte character: that character
-    ("\U0001F600x", 4, 1),
-])
+@pytest.mark.parametrize(
+    ("text", "byte_pos", "char_pos"),
+    [
+        ("abc", 2, 2),
+        ("\u00e9a", 2, 1),
+        ("\u00e9a", 1, 0),  # inside a multibyte character: that character
+        ("\U0001f600x", 4, 1),
+    ],
+)
 def test_char_offset(text: str, byte_pos: int, char_pos: int) -> None:
     assert engine.char_offset(text.encode(), byte_pos) == char_pos
 

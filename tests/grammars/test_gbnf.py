@@ -38,40 +38,49 @@ PATTERNS = [
 ALPHABET = 'abcdexyzAZ_019-+.@"\\ \t\n\x01]^\u00e9\u0663'
 
 
-@pytest.mark.parametrize(("pattern", "grammar"), [
-    (r"[0-9]{3}-[0-9]{4}", 'root ::= ([0-9]){3} "-" ([0-9]){4}'),
-    (r"\+[1-9]\d{1,14}", 'root ::= "+" [1-9] ([0-9]){1,14}'),
-    (r"^[a-z]+$", "root ::= ([a-z])+"),
-    (r"a|b|", 'root ::= ("a" | "b" | "")'),
-    (r"[^\d]", "root ::= [^0-9]"),
-    (r"[\]\-^\\]x", 'root ::= [\\x5D\\x2D\\x5E\\x5C] "x"'),
-    (r"a.b", 'root ::= "a" [^\\n] "b"'),
-    (r"a*?", 'root ::= ("a")*'),
-    (r"(?:ab){2,}", 'root ::= ("a" "b"){2,}'),
-    ('\u00e9"\n', 'root ::= "\u00e9" "\\"" "\\n"'),
-    (r"\s", "root ::= [ \\t\\n\\r\\x0B\\x0C]"),
-    ("", 'root ::= ""'),
-])
+@pytest.mark.parametrize(
+    ("pattern", "grammar"),
+    [
+        (r"[0-9]{3}-[0-9]{4}", 'root ::= ([0-9]){3} "-" ([0-9]){4}'),
+        (r"\+[1-9]\d{1,14}", 'root ::= "+" [1-9] ([0-9]){1,14}'),
+        (r"^[a-z]+$", "root ::= ([a-z])+"),
+        (r"a|b|", 'root ::= ("a" | "b" | "")'),
+        (r"[^\d]", "root ::= [^0-9]"),
+        (r"[\]\-^\\]x", 'root ::= [\\x5D\\x2D\\x5E\\x5C] "x"'),
+        (r"a.b", 'root ::= "a" [^\\n] "b"'),
+        (r"a*?", 'root ::= ("a")*'),
+        (r"(?:ab){2,}", 'root ::= ("a" "b"){2,}'),
+        ('\u00e9"\n', 'root ::= "\u00e9" "\\"" "\\n"'),
+        (r"\s", "root ::= [ \\t\\n\\r\\x0B\\x0C]"),
+        ("", 'root ::= ""'),
+    ],
+)
 def test_regex_to_gbnf(pattern: str, grammar: str) -> None:
     assert regex_to_gbnf(pattern) == grammar
 
 
-@pytest.mark.parametrize(("pattern", "message"), [
-    ("(?i)abc", "regex: cannot convert to GBNF: inline flags such as (?i) are not supported"),
-    ("(?s).", "regex: cannot convert to GBNF: inline flags such as (?i) are not supported"),
-    ("(?i:a)b", "regex: cannot convert to GBNF: scoped flags such as (?i:...)"),
-    ("a(?=b)", "regex: cannot convert to GBNF: look-ahead/look-behind is not supported"),
-    ("(?<!a)b", "regex: cannot convert to GBNF: negative look-around is not supported"),
-    ("a(?!b)", "regex: cannot convert to GBNF: negative look-around is not supported"),
-    (r"(a)\1", "regex: cannot convert to GBNF: a backreference is not supported"),
-    (r"(a)?(?(1)b|c)", "regex: cannot convert to GBNF: a conditional group is not supported"),
-    (r"\bx", "regex: cannot convert to GBNF: a word boundary or anchor in this position is not supported"),
-    ("(?>ab)", "regex: cannot convert to GBNF: an atomic group is not supported"),
-    ("a++", "regex: cannot convert to GBNF: a possessive quantifier is not supported"),
-    (r"[a\D]", "regex: cannot convert to GBNF: a negated category inside a class"),
-    ("[[:alpha:]]", "regex: cannot convert to GBNF: Possible nested set at position 1"),
-    ("(", "regex: cannot convert to GBNF: missing ), unterminated subpattern at position 0"),
-])
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("(?i)abc", "regex: cannot convert to GBNF: inline flags such as (?i) are not supported"),
+        ("(?s).", "regex: cannot convert to GBNF: inline flags such as (?i) are not supported"),
+        ("(?i:a)b", "regex: cannot convert to GBNF: scoped flags such as (?i:...)"),
+        ("a(?=b)", "regex: cannot convert to GBNF: look-ahead/look-behind is not supported"),
+        ("(?<!a)b", "regex: cannot convert to GBNF: negative look-around is not supported"),
+        ("a(?!b)", "regex: cannot convert to GBNF: negative look-around is not supported"),
+        (r"(a)\1", "regex: cannot convert to GBNF: a backreference is not supported"),
+        (r"(a)?(?(1)b|c)", "regex: cannot convert to GBNF: a conditional group is not supported"),
+        (
+            r"\bx",
+            "regex: cannot convert to GBNF: a word boundary or anchor in this position is not supported",
+        ),
+        ("(?>ab)", "regex: cannot convert to GBNF: an atomic group is not supported"),
+        ("a++", "regex: cannot convert to GBNF: a possessive quantifier is not supported"),
+        (r"[a\D]", "regex: cannot convert to GBNF: a negated category inside a class"),
+        ("[[:alpha:]]", "regex: cannot convert to GBNF: Possible nested set at position 1"),
+        ("(", "regex: cannot convert to GBNF: missing ), unterminated subpattern at position 0"),
+    ],
+)
 def test_regex_to_gbnf_rejects(pattern: str, message: str) -> None:
     with pytest.raises(InvalidGrammar) as caught:
         regex_to_gbnf(pattern)
@@ -89,7 +98,9 @@ def test_gbnf_matches_what_the_regex_matches(data: st.DataObject, pattern: str) 
     gbnf = compile_constraint(ConstraintSpec("gbnf", regex_to_gbnf(pattern)))
     regex = compile_constraint(ConstraintSpec("regex", pattern))
     compiled = re.compile(pattern, re.ASCII)
-    member = data.draw(st.from_regex(compiled, fullmatch=True).filter(lambda s: s.isascii() or "\u00e9" in pattern))
+    member = data.draw(
+        st.from_regex(compiled, fullmatch=True).filter(lambda s: s.isascii() or "\u00e9" in pattern)
+    )
     assert gbnf.validate(member) is None, member
     anything = data.draw(st.text(alphabet=ALPHABET, max_size=12))
     expected = compiled.fullmatch(anything) is not None
@@ -107,7 +118,9 @@ def test_choice_to_gbnf() -> None:
     assert constraint.validate("no") is not None
 
 
-@pytest.mark.parametrize(("text", "literal"), [("a", '"a"'), ('"', '"\\""'), ("\x7f", '"\\x7F"'), ("\t", '"\\t"')])
+@pytest.mark.parametrize(
+    ("text", "literal"), [("a", '"a"'), ('"', '"\\""'), ("\x7f", '"\\x7F"'), ("\t", '"\\t"')]
+)
 def test_gbnf_literal(text: str, literal: str) -> None:
     assert gbnf_literal(text) == literal
 

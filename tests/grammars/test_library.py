@@ -32,16 +32,29 @@ def test_shipped_grammars() -> None:
     assert lib.get("bullet_list").kind == "gbnf"
 
 
-@pytest.mark.parametrize(("name", "good", "bad"), [
-    ("yes_no", "yes", "Yes"),
-    ("sentiment", "neutral", "mixed"),
-    ("iso_date", "2024-02-29", "2024-13-01"),
-    ("arithmetic", "(1 + 2.5) * -3", "1 + * 2"),
-    ("bullet_list", "- milk\n- eggs\n", "milk"),
-    ("ticket", json.dumps({"title": "Refund", "category": "billing", "priority": "high",
-                           "summary": "Charged twice", "order_id": "AB-123456"}),
-     json.dumps({"title": "Refund", "category": "billing", "priority": "asap", "summary": "x"})),
-])
+@pytest.mark.parametrize(
+    ("name", "good", "bad"),
+    [
+        ("yes_no", "yes", "Yes"),
+        ("sentiment", "neutral", "mixed"),
+        ("iso_date", "2024-02-29", "2024-13-01"),
+        ("arithmetic", "(1 + 2.5) * -3", "1 + * 2"),
+        ("bullet_list", "- milk\n- eggs\n", "milk"),
+        (
+            "ticket",
+            json.dumps(
+                {
+                    "title": "Refund",
+                    "category": "billing",
+                    "priority": "high",
+                    "summary": "Charged twice",
+                    "order_id": "AB-123456",
+                }
+            ),
+            json.dumps({"title": "Refund", "category": "billing", "priority": "asap", "summary": "x"}),
+        ),
+    ],
+)
 def test_shipped_grammars_validate(name: str, good: str, bad: str) -> None:
     constraint = compile_constraint(GrammarLibrary.load(None).get(name))
     assert constraint.validate(good) is None
@@ -49,20 +62,34 @@ def test_shipped_grammars_validate(name: str, good: str, bad: str) -> None:
 
 
 def test_user_folder(tmp_path: Path) -> None:
-    folder = write(tmp_path / "g", {
-        "colors.choice": "red\n  green \n\nblue\n",
-        "zip.regex": "[0-9]{5}\n",
-        "person.json": '{"type": "object", "required": ["name"]}',
-        "expr.lark": 'start: "x"+\n',
-        "digits.gbnf": "root ::= [0-9]+\n",
-        "yes_no.choice": "oui\nnon\n",  # replaces the shipped one
-        "README.md": "ignored",
-        ".hidden.regex": "ignored",
-    })
+    folder = write(
+        tmp_path / "g",
+        {
+            "colors.choice": "red\n  green \n\nblue\n",
+            "zip.regex": "[0-9]{5}\n",
+            "person.json": '{"type": "object", "required": ["name"]}',
+            "expr.lark": 'start: "x"+\n',
+            "digits.gbnf": "root ::= [0-9]+\n",
+            "yes_no.choice": "oui\nnon\n",  # replaces the shipped one
+            "README.md": "ignored",
+            ".hidden.regex": "ignored",
+        },
+    )
     (folder / "sub.regex").mkdir()  # a folder, not a grammar file
     lib = GrammarLibrary.load(folder)
-    assert lib.names() == ("arithmetic", "bullet_list", "colors", "digits", "expr", "iso_date", "person",
-                           "sentiment", "ticket", "yes_no", "zip")
+    assert lib.names() == (
+        "arithmetic",
+        "bullet_list",
+        "colors",
+        "digits",
+        "expr",
+        "iso_date",
+        "person",
+        "sentiment",
+        "ticket",
+        "yes_no",
+        "zip",
+    )
     assert lib.get("colors") == choice_spec(["red", "green", "blue"], "colors")
     assert lib.get("zip") == ConstraintSpec("regex", "[0-9]{5}", "zip")
     assert lib.get("person").source == '{"type":"object","required":["name"]}'
@@ -83,23 +110,33 @@ def test_user_dir_that_is_a_file(tmp_path: Path) -> None:
 
 
 def test_broken_user_files_are_config_errors_naming_the_grammar(tmp_path: Path) -> None:
-    folder = write(tmp_path / "g", {
-        "bad_regex.regex": "a(?=b)",
-        "bad_schema.json": '{"type": "strnig"}',
-        "not_json.json": "{",
-        "bad_lark.lark": "start: nothing_here",
-        "empty.choice": "\n\n",
-        "twice.regex": "x",
-        "twice.choice": "x",
-        "fine.regex": "ok",
-    })
+    folder = write(
+        tmp_path / "g",
+        {
+            "bad_regex.regex": "a(?=b)",
+            "bad_schema.json": '{"type": "strnig"}',
+            "not_json.json": "{",
+            "bad_lark.lark": "start: nothing_here",
+            "empty.choice": "\n\n",
+            "twice.regex": "x",
+            "twice.choice": "x",
+            "fine.regex": "ok",
+        },
+    )
     with pytest.raises(ConfigError) as caught:
         GrammarLibrary.load(folder)
     problems = dict(caught.value.problems)
-    assert sorted(problems) == ["grammars.bad_lark", "grammars.bad_regex", "grammars.bad_schema",
-                                "grammars.empty", "grammars.not_json", "grammars.twice"]
+    assert sorted(problems) == [
+        "grammars.bad_lark",
+        "grammars.bad_regex",
+        "grammars.bad_schema",
+        "grammars.empty",
+        "grammars.not_json",
+        "grammars.twice",
+    ]
     assert problems["grammars.bad_schema"] == (
-        "json_schema: invalid schema at type: 'strnig' is not valid under any of the given schemas")
+        "json_schema: invalid schema at type: 'strnig' is not valid under any of the given schemas"
+    )
     assert problems["grammars.bad_lark"] == 'lark: at 1(8): unknown name: "nothing_here"'
     assert problems["grammars.empty"] == "a .choice file needs at least one option (one per line)"
     assert problems["grammars.twice"] == "defined twice: twice.choice and twice.regex"
@@ -122,20 +159,26 @@ def test_get_unknown() -> None:
     with pytest.raises(InvalidGrammar) as caught:
         GrammarLibrary.load(None).get("nope")
     assert caught.value.message == (
-        "unknown grammar 'nope' (known: arithmetic, bullet_list, iso_date, sentiment, ticket, yes_no)")
+        "unknown grammar 'nope' (known: arithmetic, bullet_list, iso_date, sentiment, ticket, yes_no)"
+    )
 
 
-@pytest.mark.parametrize(("ref", "expected"), [
-    ("yes_no", ConstraintSpec("choice", '["yes","no"]', "yes_no")),
-    ("regex:^[a-z]+$", ConstraintSpec("regex", "^[a-z]+$")),
-    ("regex:a:b", ConstraintSpec("regex", "a:b")),
-    ('choice:["a", "b"]', choice_spec(["a", "b"])),
-    ('json_schema:{"type": "object",  "required": ["id"]}',
-     ConstraintSpec("json_schema", '{"type":"object","required":["id"]}')),
-    ('lark:start: "x"', ConstraintSpec("lark", 'start: "x"')),
-    ("gbnf:root ::= [0-9]+", ConstraintSpec("gbnf", "root ::= [0-9]+")),
-    ("json_object", JSON_OBJECT),
-])
+@pytest.mark.parametrize(
+    ("ref", "expected"),
+    [
+        ("yes_no", ConstraintSpec("choice", '["yes","no"]', "yes_no")),
+        ("regex:^[a-z]+$", ConstraintSpec("regex", "^[a-z]+$")),
+        ("regex:a:b", ConstraintSpec("regex", "a:b")),
+        ('choice:["a", "b"]', choice_spec(["a", "b"])),
+        (
+            'json_schema:{"type": "object",  "required": ["id"]}',
+            ConstraintSpec("json_schema", '{"type":"object","required":["id"]}'),
+        ),
+        ('lark:start: "x"', ConstraintSpec("lark", 'start: "x"')),
+        ("gbnf:root ::= [0-9]+", ConstraintSpec("gbnf", "root ::= [0-9]+")),
+        ("json_object", JSON_OBJECT),
+    ],
+)
 def test_resolve(ref: str, expected: ConstraintSpec) -> None:
     assert GrammarLibrary.load(None).resolve(ref) == expected
 
@@ -145,16 +188,19 @@ def test_resolve_prefers_a_grammar_named_json_object(tmp_path: Path) -> None:
     assert lib.resolve("json_object") == ConstraintSpec("regex", "x", "json_object")
 
 
-@pytest.mark.parametrize(("ref", "message"), [
-    ("nope", "unknown grammar 'nope'"),
-    ("regex:a(?=b)", "regex: at 1(8): invalid regex"),
-    ("choice:yes|no", "inline choice: not valid JSON"),
-    ("choice:[]", "choice: options must be a non-empty JSON array of strings"),
-    ("json_schema:{", "inline json_schema: not valid JSON"),
-    ('json_schema:{"type": 1}', "json_schema: invalid schema at type"),
-    ("lark:start: foo", "lark: at 1(8): unknown name: \"foo\""),
-    ("xml:<a/>", "unknown grammar 'xml:<a/>'"),
-])
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        ("nope", "unknown grammar 'nope'"),
+        ("regex:a(?=b)", "regex: at 1(8): invalid regex"),
+        ("choice:yes|no", "inline choice: not valid JSON"),
+        ("choice:[]", "choice: options must be a non-empty JSON array of strings"),
+        ("json_schema:{", "inline json_schema: not valid JSON"),
+        ('json_schema:{"type": 1}', "json_schema: invalid schema at type"),
+        ("lark:start: foo", 'lark: at 1(8): unknown name: "foo"'),
+        ("xml:<a/>", "unknown grammar 'xml:<a/>'"),
+    ],
+)
 def test_resolve_errors(ref: str, message: str) -> None:
     with pytest.raises(InvalidGrammar) as caught:
         GrammarLibrary.load(None).resolve(ref)

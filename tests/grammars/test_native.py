@@ -11,20 +11,35 @@ from grammars.compile import compile_constraint
 from grammars.native import DIALECTS, native_is_exact, native_params, schema_name, validation_spec
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 
-SMALL = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-         "required": ["a"]}
+SMALL = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a"],
+}
 SCHEMA = json_schema_spec(SMALL, name="thing")
 REGEX = ConstraintSpec("regex", "[0-9]{3}-[0-9]{4}")
 LARK = ConstraintSpec("lark", 'start: "a"+')
 GBNF = ConstraintSpec("gbnf", 'root ::= "a"+')
 CHOICE = choice_spec(["yes", "no", "a.b"])
-STRICT_SMALL = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": ["string", "null"]}},
-                "required": ["a", "b"], "additionalProperties": False}
+STRICT_SMALL = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": ["string", "null"]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 ANY_OBJECT = {"type": "object"}
 
 TABLE: list[tuple[str, ConstraintSpec, dict[str, Any] | None]] = [
-    ("openai", SCHEMA, {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "thing", "strict": True, "schema": STRICT_SMALL}}}),
+    (
+        "openai",
+        SCHEMA,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "thing", "strict": True, "schema": STRICT_SMALL},
+            }
+        },
+    ),
     ("openai", JSON_OBJECT, {"response_format": {"type": "json_object"}}),
     ("openai", REGEX, None),
     ("openai", LARK, None),
@@ -48,15 +63,31 @@ TABLE: list[tuple[str, ConstraintSpec, dict[str, Any] | None]] = [
     ("llamacpp", LARK, None),
     ("llamacpp", GBNF, {"grammar": 'root ::= "a"+'}),
     ("llamacpp", CHOICE, {"grammar": 'root ::= "yes" | "no" | "a.b"'}),
-    ("ollama", SCHEMA, {"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SMALL}}}),
+    (
+        "ollama",
+        SCHEMA,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SMALL}}},
+    ),
     ("ollama", JSON_OBJECT, {"response_format": {"type": "json_object"}}),
     ("ollama", REGEX, None),
     ("ollama", LARK, None),
     ("ollama", GBNF, None),
     ("ollama", CHOICE, None),
-    ("sglang", SCHEMA, {"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SMALL}}}),
-    ("sglang", JSON_OBJECT, {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "json_object", "schema": ANY_OBJECT}}}),
+    (
+        "sglang",
+        SCHEMA,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SMALL}}},
+    ),
+    (
+        "sglang",
+        JSON_OBJECT,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "json_object", "schema": ANY_OBJECT},
+            }
+        },
+    ),
     ("sglang", REGEX, {"regex": "[0-9]{3}-[0-9]{4}"}),
     ("sglang", LARK, None),
     ("sglang", GBNF, {"ebnf": 'root ::= "a"+'}),
@@ -71,8 +102,9 @@ def test_native_params(dialect: str, spec: ConstraintSpec, expected: dict[str, A
 
 
 def test_table_covers_every_dialect_and_kind() -> None:
-    assert {(d, s.kind) for d, s, _ in TABLE} == {(d, k) for d in DIALECTS for k in (
-        "json_schema", "json_object", "regex", "lark", "gbnf", "choice")}
+    assert {(d, s.kind) for d, s, _ in TABLE} == {
+        (d, k) for d in DIALECTS for k in ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
+    }
 
 
 def test_returned_dicts_are_fresh() -> None:
@@ -87,20 +119,33 @@ def test_unknown_dialect() -> None:
         native_params("tgi", SCHEMA)
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    (None, "output"), ("", "output"), ("ticket", "ticket"), ("my schema/v2", "my_schema_v2"), ("x" * 80, "x" * 64),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (None, "output"),
+        ("", "output"),
+        ("ticket", "ticket"),
+        ("my schema/v2", "my_schema_v2"),
+        ("x" * 80, "x" * 64),
+    ],
+)
 def test_schema_name(name: str | None, expected: str) -> None:
     assert schema_name(name) == expected
 
 
-@pytest.mark.parametrize(("schema", "reason"), [
-    ({"type": "array", "items": {"type": "string"}}, "root is not an object"),
-    ({"type": "object", "additionalProperties": {"type": "integer"}}, "a map"),
-    ({"type": "object", "properties": {"m": {"type": "object", "additionalProperties": True}}}, "nested map"),
-    ({"anyOf": [{"type": "object"}, {"type": "null"}]}, "root anyOf"),
-    ({"type": "object", "properties": {"x": {}}}, "untyped property"),
-])
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        ({"type": "array", "items": {"type": "string"}}, "root is not an object"),
+        ({"type": "object", "additionalProperties": {"type": "integer"}}, "a map"),
+        (
+            {"type": "object", "properties": {"m": {"type": "object", "additionalProperties": True}}},
+            "nested map",
+        ),
+        ({"anyOf": [{"type": "object"}, {"type": "null"}]}, "root anyOf"),
+        ({"type": "object", "properties": {"x": {}}}, "untyped property"),
+    ],
+)
 def test_openai_falls_back_to_validation_only(schema: dict[str, Any], reason: str) -> None:
     spec = json_schema_spec(schema)
     assert native_params("openai", spec) is None, reason
@@ -113,13 +158,25 @@ def test_regex_gbnf_cannot_express_falls_back() -> None:
     assert native_params("llamacpp", ConstraintSpec("regex", "(?i)yes")) is None
 
 
-@pytest.mark.parametrize(("dialect", "spec", "exact"), [
-    ("openai", SCHEMA, True), ("vllm", SCHEMA, True), ("vllm-legacy", SCHEMA, True), ("sglang", SCHEMA, True),
-    # llama.cpp's schema converter (and Ollama's) puts required properties before optional ones
-    ("llamacpp", SCHEMA, False), ("ollama", SCHEMA, False), ("none", SCHEMA, False),
-    ("openai", REGEX, False), ("llamacpp", REGEX, True), ("sglang", CHOICE, True), ("llamacpp", LARK, False),
-    ("vllm", JSON_OBJECT, True), ("ollama", JSON_OBJECT, False),
-])
+@pytest.mark.parametrize(
+    ("dialect", "spec", "exact"),
+    [
+        ("openai", SCHEMA, True),
+        ("vllm", SCHEMA, True),
+        ("vllm-legacy", SCHEMA, True),
+        ("sglang", SCHEMA, True),
+        # llama.cpp's schema converter (and Ollama's) puts required properties before optional ones
+        ("llamacpp", SCHEMA, False),
+        ("ollama", SCHEMA, False),
+        ("none", SCHEMA, False),
+        ("openai", REGEX, False),
+        ("llamacpp", REGEX, True),
+        ("sglang", CHOICE, True),
+        ("llamacpp", LARK, False),
+        ("vllm", JSON_OBJECT, True),
+        ("ollama", JSON_OBJECT, False),
+    ],
+)
 def test_native_is_exact(dialect: str, spec: ConstraintSpec, exact: bool) -> None:
     assert native_is_exact(dialect, spec) is exact
 

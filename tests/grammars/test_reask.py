@@ -21,17 +21,23 @@ def test_json_schema() -> None:
 def test_other_kinds() -> None:
     assert restate(JSON_OBJECT) == "Reply with a single JSON object and nothing else."
     assert restate(choice_spec(["yes", 'say "no"'])) == (
-        'Reply with exactly one of these options and nothing else: "yes", "say \\"no\\""')
+        'Reply with exactly one of these options and nothing else: "yes", "say \\"no\\""'
+    )
     assert restate(ConstraintSpec("regex", "[0-9]+")) == (
-        "Reply with only text that fully matches this regular expression: [0-9]+")
+        "Reply with only text that fully matches this regular expression: [0-9]+"
+    )
     assert restate(ConstraintSpec("lark", '\nstart: "x"\n')) == (
-        'Reply with only text that this Lark grammar accepts:\nstart: "x"')
+        'Reply with only text that this Lark grammar accepts:\nstart: "x"'
+    )
     assert restate(ConstraintSpec("gbnf", 'root ::= "x"')) == (
-        'Reply with only text that this GBNF grammar accepts:\nroot ::= "x"')
+        'Reply with only text that this GBNF grammar accepts:\nroot ::= "x"'
+    )
 
 
 def test_huge_constraints_and_errors_are_truncated() -> None:
-    big = json_schema_spec({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(500)}})
+    big = json_schema_spec(
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(500)}}
+    )
     text = reask_instruction(Violation("x" * 5000), big)
     assert len(text) < 1000 + MAX_CONSTRAINT_CHARS + 300
     assert "characters in all]" in text

@@ -16,32 +16,52 @@ LARK = 'start: "a"+'
 GBNF = 'root ::= "a"+'
 
 
-@pytest.mark.parametrize(("fields", "expected"), [
-    ({}, ()),
-    ({"response_format": {"type": "text"}}, ()),
-    ({"response_format": None, "guided_json": None}, ()),
-    ({"response_format": {"type": "json_object"}}, (JSON_OBJECT,)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "strict": True, "schema": SCHEMA}}},
-     (json_schema_spec(SCHEMA, "thing"),)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "thing"}}}, (JSON_OBJECT,)),
-    ({"guided_json": SCHEMA}, (json_schema_spec(SCHEMA),)),
-    ({"guided_json": '{"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}'},
-     (json_schema_spec(SCHEMA),)),
-    ({"guided_regex": "[a-z]+"}, (ConstraintSpec("regex", "[a-z]+"),)),
-    ({"guided_grammar": LARK}, (ConstraintSpec("lark", LARK),)),
-    ({"guided_grammar": GBNF}, (ConstraintSpec("gbnf", GBNF),)),
-    ({"guided_choice": ["yes", "no"]}, (choice_spec(["yes", "no"]),)),
-    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}}, (json_schema_spec(SCHEMA),)),
-    ({"structured_outputs": {"regex": "x+"}}, (ConstraintSpec("regex", "x+"),)),
-    ({"structured_outputs": {"grammar": GBNF}}, (ConstraintSpec("gbnf", GBNF),)),
-    ({"structured_outputs": {"choice": ["a"]}}, (choice_spec(["a"]),)),
-    ({"structured_outputs": {"json_object": True}}, (JSON_OBJECT,)),
-    ({"structured_outputs": {"json_object": False, "disable_fallback": True}}, ()),
-    # several fields: all apply, duplicates (same kind and source) once
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
-      "guided_json": SCHEMA, "guided_regex": "x"},
-     (json_schema_spec(SCHEMA, "n"), ConstraintSpec("regex", "x"))),
-])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, ()),
+        ({"response_format": {"type": "text"}}, ()),
+        ({"response_format": None, "guided_json": None}, ()),
+        ({"response_format": {"type": "json_object"}}, (JSON_OBJECT,)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "thing", "strict": True, "schema": SCHEMA},
+                }
+            },
+            (json_schema_spec(SCHEMA, "thing"),),
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "thing"}}}, (JSON_OBJECT,)),
+        ({"guided_json": SCHEMA}, (json_schema_spec(SCHEMA),)),
+        (
+            {
+                "guided_json": '{"type": "object", "properties": '
+                '{"z": {"type": "string"}, "a": {"type": "integer"}}}'
+            },
+            (json_schema_spec(SCHEMA),),
+        ),
+        ({"guided_regex": "[a-z]+"}, (ConstraintSpec("regex", "[a-z]+"),)),
+        ({"guided_grammar": LARK}, (ConstraintSpec("lark", LARK),)),
+        ({"guided_grammar": GBNF}, (ConstraintSpec("gbnf", GBNF),)),
+        ({"guided_choice": ["yes", "no"]}, (choice_spec(["yes", "no"]),)),
+        ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}}, (json_schema_spec(SCHEMA),)),
+        ({"structured_outputs": {"regex": "x+"}}, (ConstraintSpec("regex", "x+"),)),
+        ({"structured_outputs": {"grammar": GBNF}}, (ConstraintSpec("gbnf", GBNF),)),
+        ({"structured_outputs": {"choice": ["a"]}}, (choice_spec(["a"]),)),
+        ({"structured_outputs": {"json_object": True}}, (JSON_OBJECT,)),
+        ({"structured_outputs": {"json_object": False, "disable_fallback": True}}, ()),
+        # several fields: all apply, duplicates (same kind and source) once
+        (
+            {
+                "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+                "guided_json": SCHEMA,
+                "guided_regex": "x",
+            },
+            (json_schema_spec(SCHEMA, "n"), ConstraintSpec("regex", "x")),
+        ),
+    ],
+)
 def test_request_constraints(fields: dict[str, Any], expected: tuple[ConstraintSpec, ...]) -> None:
     got = request_constraints({**BASE, **fields})
     assert got == expected
@@ -53,30 +73,64 @@ def test_schema_key_order_is_kept() -> None:
     assert spec.source == '{"type":"object","properties":{"z":{"type":"string"},"a":{"type":"integer"}}}'
 
 
-@pytest.mark.parametrize(("fields", "param", "message"), [
-    ({"response_format": "json"}, "response_format", "response_format must be an object"),
-    ({"response_format": {"type": "xml"}}, "response_format.type",
-     "response_format.type 'xml' is not supported (text, json_object, json_schema)"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
-     "response_format.json_schema must be an object"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}},
-     "response_format.json_schema.name", "response_format.json_schema.name must be a string"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
-     "response_format.json_schema.schema", "response_format.json_schema.schema must be an object"),
-    ({"guided_json": "{nope"}, "guided_json",
-     "guided_json is a string but not valid JSON: unexpected character, expected a string key at char 1"),
-    ({"guided_json": 3}, "guided_json", "guided_json must be a JSON schema (an object, or its JSON text)"),
-    ({"guided_json": "[1]"}, "guided_json", "guided_json must be a JSON schema (an object, or its JSON text)"),
-    ({"guided_regex": 5}, "guided_regex", "guided_regex must be a string"),
-    ({"guided_grammar": "  "}, "guided_grammar", "guided_grammar must not be empty"),
-    ({"guided_choice": "yes"}, "guided_choice", "guided_choice must be a non-empty list of strings"),
-    ({"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list of strings"),
-    ({"guided_choice": ["a", 1]}, "guided_choice", "guided_choice must be a non-empty list of strings"),
-    ({"structured_outputs": ["json"]}, "structured_outputs", "structured_outputs must be an object"),
-    ({"structured_outputs": {"regex": ["x"]}}, "structured_outputs.regex", "structured_outputs.regex must be a string"),
-    ({"structured_outputs": {"choice": [None]}}, "structured_outputs.choice",
-     "structured_outputs.choice must be a non-empty list of strings"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"response_format": "json"}, "response_format", "response_format must be an object"),
+        (
+            {"response_format": {"type": "xml"}},
+            "response_format.type",
+            "response_format.type 'xml' is not supported (text, json_object, json_schema)",
+        ),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "response_format.json_schema must be an object",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}},
+            "response_format.json_schema.name",
+            "response_format.json_schema.name must be a string",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema must be an object",
+        ),
+        (
+            {"guided_json": "{nope"},
+            "guided_json",
+            "guided_json is a string but not valid JSON: "
+            "unexpected character, expected a string key at char 1",
+        ),
+        (
+            {"guided_json": 3},
+            "guided_json",
+            "guided_json must be a JSON schema (an object, or its JSON text)",
+        ),
+        (
+            {"guided_json": "[1]"},
+            "guided_json",
+            "guided_json must be a JSON schema (an object, or its JSON text)",
+        ),
+        ({"guided_regex": 5}, "guided_regex", "guided_regex must be a string"),
+        ({"guided_grammar": "  "}, "guided_grammar", "guided_grammar must not be empty"),
+        ({"guided_choice": "yes"}, "guided_choice", "guided_choice must be a non-empty list of strings"),
+        ({"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list of strings"),
+        ({"guided_choice": ["a", 1]}, "guided_choice", "guided_choice must be a non-empty list of strings"),
+        ({"structured_outputs": ["json"]}, "structured_outputs", "structured_outputs must be an object"),
+        (
+            {"structured_outputs": {"regex": ["x"]}},
+            "structured_outputs.regex",
+            "structured_outputs.regex must be a string",
+        ),
+        (
+            {"structured_outputs": {"choice": [None]}},
+            "structured_outputs.choice",
+            "structured_outputs.choice must be a non-empty list of strings",
+        ),
+    ],
+)
 def test_malformed_fields(fields: dict[str, Any], param: str, message: str) -> None:
     with pytest.raises(InvalidGrammar) as caught:
         request_constraints({**BASE, **fields})
@@ -84,9 +138,17 @@ def test_malformed_fields(fields: dict[str, Any], param: str, message: str) -> N
 
 
 def test_strip_guided_fields() -> None:
-    body = {**BASE, "response_format": {"type": "json_object"}, "guided_json": SCHEMA, "guided_regex": "x",
-            "guided_grammar": LARK, "guided_choice": ["a"], "guided_decoding_backend": "xgrammar",
-            "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "x"}}
+    body = {
+        **BASE,
+        "response_format": {"type": "json_object"},
+        "guided_json": SCHEMA,
+        "guided_regex": "x",
+        "guided_grammar": LARK,
+        "guided_choice": ["a"],
+        "guided_decoding_backend": "xgrammar",
+        "guided_whitespace_pattern": " ",
+        "structured_outputs": {"regex": "x"},
+    }
     stripped = strip_guided_fields(body)
     assert stripped == {**BASE, "response_format": {"type": "json_object"}}
     assert "guided_json" in body  # the input is untouched
@@ -94,6 +156,8 @@ def test_strip_guided_fields() -> None:
     assert set(VLLM_ONLY_FIELDS) == set(body) - set(stripped) - {"response_format"}
 
 
-@pytest.mark.parametrize(("text", "kind"), [(LARK, "lark"), (GBNF, "gbnf"), ("root::=x", "gbnf"), ("?start: a", "lark")])
+@pytest.mark.parametrize(
+    ("text", "kind"), [(LARK, "lark"), (GBNF, "gbnf"), ("root::=x", "gbnf"), ("?start: a", "lark")]
+)
 def test_grammar_kind(text: str, kind: str) -> None:
     assert grammar_kind(text) == kind

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from typing import Any
 
 import pytest
@@ -11,36 +13,46 @@ from grammars.schema import build_check, format_checker, parse_json
 from grammars.spec import Violation
 
 
-@pytest.mark.parametrize(("fmt", "value", "ok"), [
-    ("date-time", "2024-05-01T10:00:00Z", True),
-    ("date-time", "2024-05-01t10:00:00.123456+02:00", True),
-    ("date-time", "2016-12-31T23:59:60Z", True),  # leap second
-    ("date-time", "2024-05-01 10:00:00Z", False),
-    ("date-time", "2024-05-01T10:00:00", False),  # RFC 3339 needs an offset
-    ("date-time", "2024-02-30T10:00:00Z", False),
-    ("date-time", "2024-05-01T24:00:00Z", False),
-    ("date-time", "2024-05-01T10:00:00+25:00", False),
-    ("date-time", 5, True),  # formats apply to strings only
-    ("time", "10:00:00Z", True),
-    ("time", "10:00:00.5-03:30", True),
-    ("time", "10:00", False),
-    ("date", "2024-02-29", True),
-    ("date", "2023-02-29", False),
-    ("email", "a@b", True),
-    ("email", "ab", False),
-    ("uuid", "6f1c2a1e-3b7d-4c9a-9e8f-1a2b3c4d5e6f", True),
-    ("ipv4", "256.1.1.1", False),
-])
+@pytest.mark.parametrize(
+    ("fmt", "value", "ok"),
+    [
+        ("date-time", "2024-05-01T10:00:00Z", True),
+        ("date-time", "2024-05-01t10:00:00.123456+02:00", True),
+        ("date-time", "2016-12-31T23:59:60Z", True),  # leap second
+        ("date-time", "2024-05-01 10:00:00Z", False),
+        ("date-time", "2024-05-01T10:00:00", False),  # RFC 3339 needs an offset
+        ("date-time", "2024-02-30T10:00:00Z", False),
+        ("date-time", "2024-05-01T24:00:00Z", False),
+        ("date-time", "2024-05-01T10:00:00+25:00", False),
+        ("date-time", 5, True),  # formats apply to strings only
+        ("time", "10:00:00Z", True),
+        ("time", "10:00:00.5-03:30", True),
+        ("time", "10:00", False),
+        ("date", "2024-02-29", True),
+        ("date", "2023-02-29", False),
+        ("email", "a@b", True),
+        ("email", "ab", False),
+        ("uuid", "6f1c2a1e-3b7d-4c9a-9e8f-1a2b3c4d5e6f", True),
+        ("ipv4", "256.1.1.1", False),
+    ],
+)
 def test_formats(fmt: str, value: Any, ok: bool) -> None:
     assert format_checker().conforms(value, fmt) is ok
 
 
-@pytest.mark.parametrize(("text", "value", "violation"), [
-    (" {\"a\": [1, 2.5e3]} \n", {"a": [1, 2500.0]}, None),
-    ('"\\u00e9"', "\u00e9", None),
-    ('"\\ud800"', None, Violation("not valid JSON: no low surrogate in string at char 1", 1)),
-    ("Infinity", None, Violation("not valid JSON: unexpected character, expected a JSON value at char 0", 0)),
-])
+@pytest.mark.parametrize(
+    ("text", "value", "violation"),
+    [
+        (' {"a": [1, 2.5e3]} \n', {"a": [1, 2500.0]}, None),
+        ('"\\u00e9"', "\u00e9", None),
+        ('"\\ud800"', None, Violation("not valid JSON: no low surrogate in string at char 1", 1)),
+        (
+            "Infinity",
+            None,
+            Violation("not valid JSON: unexpected character, expected a JSON value at char 0", 0),
+        ),
+    ],
+)
 def test_parse_json(text: str, value: Any, violation: Violation | None) -> None:
     assert parse_json(text) == (value, violation)
 
@@ -54,14 +66,20 @@ def test_messages_truncate_huge_values() -> None:
 
 
 def test_nested_ids_let_relative_refs_through() -> None:
-    schema = {"$id": "https://example.com/root.json", "$defs": {
-        "item": {"$id": "item.json", "type": "integer"}}, "items": {"$ref": "item.json"}, "type": "array"}
+    schema = {
+        "$id": "https://example.com/root.json",
+        "$defs": {"item": {"$id": "item.json", "type": "integer"}},
+        "items": {"$ref": "item.json"},
+        "type": "array",
+    }
     assert build_check(schema).check_value([1, "x"]) == Violation("at 1: 'x' is not of type 'integer'")
 
 
 def test_unresolvable_ref_found_at_validation_time() -> None:
-    schema = {"$defs": {"x": {"$id": "https://example.com/x", "type": "string"}},
-              "properties": {"y": {"$ref": "other.json"}}}
+    schema = {
+        "$defs": {"x": {"$id": "https://example.com/x", "type": "string"}},
+        "properties": {"y": {"$ref": "other.json"}},
+    }
     check = build_check(schema)  # let through: relative refs next to nested $ids
     with pytest.raises(InvalidGrammar, match="json_schema: cannot resolve \\$ref"):
         check.check_value({"y": 1})
@@ -69,3 +87,32 @@ def test_unresolvable_ref_found_at_validation_time() -> None:
 
 def test_ref_like_data_is_not_a_ref() -> None:
     build_check({"enum": [{"$ref": "nowhere"}], "const": {"$ref": "x"}})
+
+
+def test_remote_refs_are_never_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[object] = []
+
+    def no_network(*args: object, **_kwargs: object) -> None:
+        opened.append(args)  # recorded: the retriever would swallow an exception raised here
+        raise OSError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    with pytest.raises(InvalidGrammar, match=re.escape("cannot resolve $ref 'https://example.com/s.json'")):
+        build_check({"$ref": "https://example.com/s.json"})
+    # let through at compile time (relative ref next to nested $ids), refused at validation time
+    check = build_check(
+        {
+            "$id": "https://example.com/root",
+            "$defs": {"a": {"$id": "a.json"}},
+            "properties": {"b": {"$ref": "b.json"}},
+        }
+    )
+    with pytest.raises(InvalidGrammar, match="cannot resolve"):
+        check.check_value({"b": 1})
+    assert opened == []
+
+
+def test_metaschema_refs_resolve_offline() -> None:
+    check = build_check({"$ref": "https://json-schema.org/draft/2020-12/schema"})
+    assert check.check_value({"type": "string"}) is None
+    assert check.check_value({"type": 5}) is not None

@@ -37,7 +37,7 @@ def test_helpers() -> None:
     assert json_schema_spec({"b": 1, "a": 2}, "n") == ConstraintSpec("json_schema", '{"b":1,"a":2}', "n")
     assert json_schema_spec(True).source == "true"
     assert choice_spec(("y", "\u00e9")) == ConstraintSpec("choice", '["y","\u00e9"]')
-    assert JSON_OBJECT == ConstraintSpec("json_object", "") and JSON_OBJECT.is_json
+    assert ConstraintSpec("json_object", "") == JSON_OBJECT and JSON_OBJECT.is_json
     assert not ConstraintSpec("regex", "x").is_json
 
 

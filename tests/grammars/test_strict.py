@@ -24,8 +24,13 @@ NESTED: dict[str, Any] = {
         "properties": {"type": "integer"},  # a property named like a keyword
     },
     "required": ["id", "lines", "properties"],
-    "$defs": {"line": {"type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}},
-                       "required": ["sku"]}},
+    "$defs": {
+        "line": {
+            "type": "object",
+            "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}},
+            "required": ["sku"],
+        }
+    },
 }
 
 NESTED_STRICT: dict[str, Any] = {
@@ -42,8 +47,14 @@ NESTED_STRICT: dict[str, Any] = {
     },
     "required": ["id", "note", "kind", "lines", "when", "site", "properties"],
     "additionalProperties": False,
-    "$defs": {"line": {"type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": ["integer", "null"]}},
-                       "required": ["sku", "qty"], "additionalProperties": False}},
+    "$defs": {
+        "line": {
+            "type": "object",
+            "properties": {"sku": {"type": "string"}, "qty": {"type": ["integer", "null"]}},
+            "required": ["sku", "qty"],
+            "additionalProperties": False,
+        }
+    },
 }
 
 
@@ -54,15 +65,15 @@ def test_strict_conversion() -> None:
 def test_strict_conversion_does_not_mutate_input() -> None:
     before = copy.deepcopy(NESTED)
     out = openai_strict_schema(NESTED)
-    assert NESTED == before
+    assert before == NESTED
     assert out is not None
     out["$defs"]["line"]["properties"]["sku"]["type"] = "mutated"
     out["properties"]["lines"]["items"]["$ref"] = "mutated"
-    assert NESTED == before
+    assert before == NESTED
     before_user = copy.deepcopy(USER_SCHEMA)
     openai_strict_schema(USER_SCHEMA)
     nullable_optionals(USER_SCHEMA)
-    assert USER_SCHEMA == before_user
+    assert before_user == USER_SCHEMA
 
 
 def test_strict_user_schema_makes_everything_required() -> None:
@@ -75,29 +86,59 @@ def test_strict_user_schema_makes_everything_required() -> None:
     assert "minLength" not in out["properties"]["name"]
 
 
-@pytest.mark.parametrize(("node", "expected"), [
-    ({"type": "string"}, {"type": ["string", "null"]}),
-    ({"type": ["string", "integer"]}, {"type": ["string", "integer", "null"]}),
-    ({"type": ["string", "null"]}, {"type": ["string", "null"]}),
-    ({"type": "null"}, {"type": "null"}),
-    ({"enum": ["a"]}, {"anyOf": [{"enum": ["a"]}, {"type": "null"}]}),
-    ({"type": "string", "enum": ["a"]}, {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "null"}]}),
-    ({"$ref": "#/x"}, {"anyOf": [{"$ref": "#/x"}, {"type": "null"}]}),
-    ({"anyOf": [{"type": "string"}], "description": "d"}, {"anyOf": [{"type": "string"}, {"type": "null"}],
-                                                           "description": "d"}),
-    ({"anyOf": [{"type": "null"}, {"type": "string"}]}, {"anyOf": [{"type": "null"}, {"type": "string"}]}),
-    ({"anyOf": [{"type": "string"}], "minLength": 1}, {"anyOf": [{"anyOf": [{"type": "string"}], "minLength": 1},
-                                                                 {"type": "null"}]}),
-])
+@pytest.mark.parametrize(
+    ("node", "expected"),
+    [
+        ({"type": "string"}, {"type": ["string", "null"]}),
+        ({"type": ["string", "integer"]}, {"type": ["string", "integer", "null"]}),
+        ({"type": ["string", "null"]}, {"type": ["string", "null"]}),
+        ({"type": "null"}, {"type": "null"}),
+        ({"enum": ["a"]}, {"anyOf": [{"enum": ["a"]}, {"type": "null"}]}),
+        ({"type": "string", "enum": ["a"]}, {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "null"}]}),
+        ({"$ref": "#/x"}, {"anyOf": [{"$ref": "#/x"}, {"type": "null"}]}),
+        (
+            {"anyOf": [{"type": "string"}], "description": "d"},
+            {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "d"},
+        ),
+        (
+            {"anyOf": [{"type": "null"}, {"type": "string"}]},
+            {"anyOf": [{"type": "null"}, {"type": "string"}]},
+        ),
+        (
+            {"anyOf": [{"type": "string"}], "minLength": 1},
+            {"anyOf": [{"anyOf": [{"type": "string"}], "minLength": 1}, {"type": "null"}]},
+        ),
+    ],
+)
 def test_nullable(node: dict[str, Any], expected: dict[str, Any]) -> None:
     assert nullable(node) == expected
 
 
 def test_nullable_optionals() -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {
-        "c": {"type": "string"}, "format": {"enum": [1]}}, "required": ["c"]}}, "required": ["a"]}
-    assert nullable_optionals(schema) == {"type": "object", "properties": {
-        "a": {"type": "integer"},
-        "b": {"type": ["object", "null"], "properties": {
-            "c": {"type": "string"}, "format": {"anyOf": [{"enum": [1]}, {"type": "null"}]}}, "required": ["c"]}},
-        "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {
+                "type": "object",
+                "properties": {"c": {"type": "string"}, "format": {"enum": [1]}},
+                "required": ["c"],
+            },
+        },
+        "required": ["a"],
+    }
+    assert nullable_optionals(schema) == {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {
+                "type": ["object", "null"],
+                "properties": {
+                    "c": {"type": "string"},
+                    "format": {"anyOf": [{"enum": [1]}, {"type": "null"}]},
+                },
+                "required": ["c"],
+            },
+        },
+        "required": ["a"],
+    }

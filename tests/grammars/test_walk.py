@@ -30,7 +30,7 @@ def test_without_keywords_knows_properties_from_keywords() -> None:
         "dependencies": {"a": ["b"], "c": {}},
         "additionalProperties": {},
     }
-    assert SCHEMA == before
+    assert before == SCHEMA
 
 
 def test_map_schema_copies_leaves() -> None:
@@ -42,6 +42,8 @@ def test_map_schema_copies_leaves() -> None:
 
 def test_map_schema_visits_bottom_up() -> None:
     seen: list[str] = []
-    map_schema({"title": "root", "properties": {"a": {"title": "a", "items": {"title": "i"}}}},
-               lambda node: seen.append(node["title"]) or node)
+    map_schema(
+        {"title": "root", "properties": {"a": {"title": "a", "items": {"title": "i"}}}},
+        lambda node: seen.append(node["title"]) or node,
+    )
     assert seen == ["i", "a", "root"]
