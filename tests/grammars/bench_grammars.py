@@ -10,13 +10,14 @@ and a cache hit (sync and async).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
 
 from grammars import compile as compile_mod
-from grammars.compile import compile_async, compile_constraint
+from grammars.compile import Constraint, compile_async, compile_constraint
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 from tests.grammars.samples import USER, USER_SCHEMA
 
@@ -74,7 +75,7 @@ def main() -> None:
     for label, spec, text in cases:
         constraint = compile_constraint(spec)
         assert constraint.validate(text) is None, label
-        ns = median_ns(lambda c=constraint, t=text: c.validate(t))
+        ns = median_ns(functools.partial(constraint.validate, text))
         size = len(text.encode())
         print(f"  {label:30} {size:6} {ns / 1e3:9.1f} {ns / 1e3 * 1024 / size:8.1f}")
     short = compile_constraint(choice_spec(["positive", "neutral", "negative"]))
@@ -89,12 +90,12 @@ def main() -> None:
             for size in (4, 16):
                 parts = [text[i : i + size] for i in range(0, len(text), size)]
 
-                def run(c=constraint, p=parts, n=native) -> None:
+                def run(c: Constraint = constraint, p: list[str] = parts, n: bool = native) -> None:
                     checker = c.checker(native=n)
                     for part in p:
                         checker.feed(part)
 
-                new_ns = median_ns(lambda c=constraint, n=native: c.checker(native=n))
+                new_ns = median_ns(functools.partial(constraint.checker, native=native))
                 total = median_ns(run, repeat=50)
                 finishes = []
                 for _ in range(30):
@@ -130,7 +131,7 @@ def main() -> None:
     print(f"  cache hit, await compile_async:   {asyncio.run(hits()) / 1e3:8.2f} µs")
     for label, spec, _ in cases[2:]:
 
-        def cold_other(s=spec) -> None:
+        def cold_other(s: ConstraintSpec = spec) -> None:
             compile_mod.clear_cache()
             compile_constraint(s)
 

@@ -42,8 +42,10 @@ def test_map_schema_copies_leaves() -> None:
 
 def test_map_schema_visits_bottom_up() -> None:
     seen: list[str] = []
-    map_schema(
-        {"title": "root", "properties": {"a": {"title": "a", "items": {"title": "i"}}}},
-        lambda node: seen.append(node["title"]) or node,
-    )
+
+    def visit(node: dict[str, Any]) -> dict[str, Any]:
+        seen.append(node["title"])
+        return node
+
+    map_schema({"title": "root", "properties": {"a": {"title": "a", "items": {"title": "i"}}}}, visit)
     assert seen == ["i", "a", "root"]
