@@ -170,5 +170,6 @@ def test_dockerignore_lets_in_what_the_wheel_needs() -> None:
 
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed")
 def test_hadolint_is_clean() -> None:
-    result = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
