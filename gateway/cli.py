@@ -1,4 +1,4 @@
-"""Command line: `tollgate serve | check-config | demo | runs | ledger verify`."""
+"""Command line: `tollgate serve | check-config | runs | ledger verify` (`demo` lands with issue 6)."""
 
 from __future__ import annotations
 
@@ -120,12 +120,6 @@ def cmd_ledger_verify(args: argparse.Namespace) -> int:
     return 1
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo import run_demo
-
-    return run_demo(otlp_json=args.otlp_json)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tollgate", description="Sidecar gateway for AI agents.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -138,9 +132,6 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=cmd_check_config)
-    demo = sub.add_parser("demo", help="offline tour with a scripted model and tool server")
-    demo.add_argument("--otlp-json", help="also write the traces as OTLP JSON to this file")
-    demo.set_defaults(func=cmd_demo)
     runs = sub.add_parser("runs", help="table of runs")
     runs.add_argument("--admin", default="http://127.0.0.1:9464")
     runs.set_defaults(func=cmd_runs)

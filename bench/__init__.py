@@ -1,0 +1,1 @@
+"""In-repo benchmark: `make bench` / `python -m bench`."""

@@ -1,0 +1,141 @@
+"""`make bench`: tollgate (every guard, tracing to a local sink, output checks) against the fake
+upstream called directly and a bare aiohttp proxy, in one run, on loopback only. Bounded: a fixed
+number of requests per phase. Prints requests/s, p50/p99 latency, streaming time to first byte,
+peak RSS and cold start."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+BODY = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"say ok"}],"max_tokens":16}'
+STREAM = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"say ok"}],"max_tokens":16,"stream":true}'
+
+
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_ready(url: str, body: bytes, deadline: float = 15.0) -> float:
+    start = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        while time.perf_counter() - start < deadline:
+            try:
+                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status == 200:
+                        return time.perf_counter() - start
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.01)
+    raise RuntimeError(f"{url} not ready")
+
+
+async def load(url: str, body: bytes, concurrency: int, total: int, ttfb: bool = False) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"Content-Type": "application/json", "x-tollgate-run-id": "bench"}
+    async with aiohttp.ClientSession(connector=connector) as session:
+        remaining = total
+
+        async def worker() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                async with session.post(url, data=body, headers=headers) as r:
+                    if ttfb:
+                        await r.content.readany()
+                        latencies.append(time.perf_counter() - t0)
+                        await r.read()
+                    else:
+                        await r.read()
+                        latencies.append(time.perf_counter() - t0)
+                    if r.status != 200:
+                        raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return total / (time.perf_counter() - start), latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def main(requests: int) -> None:
+    up, bare, tg, admin, tmp = port(), port(), port(), port(), Path(tempfile.mkdtemp())
+    py = sys.executable
+    procs = [subprocess.Popen([py, "-m", "bench.upstream", str(up)])]
+    procs.append(subprocess.Popen([py, "-m", "bench.bare", str(bare), str(up)]))
+    config = {
+        "providers": {"fake": {"type": "openai", "base_url": f"http://127.0.0.1:{up}/v1", "api_key": "sk-bench"}},
+        "models": {"gpt-*": "fake"},
+        "pricing": {"gpt-*": {"input_per_mtok": 0.15, "output_per_mtok": 0.6}},
+        "state": {"backend": "sqlite", "path": str(tmp / "state.db")},
+        "agents": {"default": {"budget": {"usd": 1e9, "tokens": 10**15}, "caps": {"llm_calls": 10**9, "seconds": 10**7},
+                               "loop": {"window": 6, "max_distinct": 3},
+                               "output": {"grammar": "regex:[a-z ]+"}}},
+    }
+    (tmp / "tollgate.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{up}"}
+    try:
+        await wait_ready(f"http://127.0.0.1:{up}/v1/chat/completions", BODY)
+        await wait_ready(f"http://127.0.0.1:{bare}/v1/chat/completions", BODY)
+        started = time.perf_counter()
+        gate = subprocess.Popen([py, "-m", "gateway", "serve", "--config", str(tmp / "tollgate.yaml"), "--port", str(tg),
+                                 "--admin-port", str(admin)], env=env, stdout=subprocess.DEVNULL)
+        procs.append(gate)
+        await wait_ready(f"http://127.0.0.1:{tg}/v1/chat/completions", BODY, 30)
+        cold = time.perf_counter() - started
+        targets = {"direct": up, "bare proxy": bare, "tollgate": tg}
+        print(f"cold start to first proxied answer: {cold * 1000:.0f} ms (target <= 1000)")
+        results: dict[tuple[str, int], tuple[float, list[float]]] = {}
+        for c in (1, 16):
+            for name, p in targets.items():
+                url = f"http://127.0.0.1:{p}/v1/chat/completions"
+                await load(url, BODY, c, min(200, requests))  # warm-up
+                results[(name, c)] = await load(url, BODY, c, requests)
+        print(f"{'target':<12}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}")
+        for (name, c), (rps, lat) in results.items():
+            print(f"{name:<12}{c:>5}{rps:>10.0f}{pct(lat, 0.5):>9.2f}{pct(lat, 0.99):>9.2f}")
+        for name, p in targets.items():
+            _, lat = await load(f"http://127.0.0.1:{p}/v1/chat/completions", STREAM, 1, min(500, requests), ttfb=True)
+            print(f"stream ttfb {name:<11} p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms")
+        ratio = results[("tollgate", 16)][0] / results[("bare proxy", 16)][0]
+        add1 = pct(results[("tollgate", 1)][1], 0.5) - pct(results[("direct", 1)][1], 0.5)
+        add16 = pct(results[("tollgate", 16)][1], 0.99) - pct(results[("direct", 16)][1], 0.99)
+        print(f"throughput vs bare proxy (c=16): {ratio * 100:.0f}% (target >= 80%)")
+        print(f"p50 added latency (c=1): {add1:.2f} ms (target <= 1); p99 added (c=16): {add16:.2f} ms (target <= 5)")
+        print(f"tollgate peak RSS: {rss_mb(gate.pid):.0f} MB (target <= 80)")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=2000)
+    asyncio.run(main(parser.parse_args().requests))
