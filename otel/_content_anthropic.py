@@ -26,7 +26,9 @@ def _source(block: Mapping[str, Any], modality: str) -> Part:
     source = mapping(block.get("source"))
     kind = source.get("type")
     if kind == "base64":
-        return without_none(type="blob", modality=modality, mime_type=source.get("media_type"), content=source.get("data"))
+        return without_none(
+            type="blob", modality=modality, mime_type=source.get("media_type"), content=source.get("data")
+        )
     if kind == "url":
         return data_url_part(str(source.get("url", "")), modality)
     if kind == "file":
@@ -45,7 +47,9 @@ def _tool_result(block: Mapping[str, Any]) -> Part:
 
 def _server_tool_result(block: Mapping[str, Any]) -> Part:
     body = {key: value for key, value in block.items() if key != "tool_use_id"}
-    return without_none(type="server_tool_call_response", id=block.get("tool_use_id"), server_tool_call_response=body)
+    return without_none(
+        type="server_tool_call_response", id=block.get("tool_use_id"), server_tool_call_response=body
+    )
 
 
 _BLOCKS: Final[Mapping[str, Callable[[Mapping[str, Any]], Part]]] = {
@@ -107,7 +111,9 @@ def _tool_definition(tool: Mapping[str, Any], detailed: bool) -> Part:
     server_tool = isinstance(kind, str) and kind != "custom"
     definition: Part = {"type": kind if server_tool else "function", "name": tool.get("name", "")}
     if detailed and not server_tool:
-        definition.update(without_none(description=tool.get("description"), parameters=tool.get("input_schema")))
+        definition.update(
+            without_none(description=tool.get("description"), parameters=tool.get("input_schema"))
+        )
     return definition
 
 

@@ -34,7 +34,9 @@ class ErrorCounter:
             first = component not in self._counts
             self._counts[component] = self._counts.get(component, 0) + 1
         if first:
-            _log.warning("telemetry error in %s (counted; later ones logged at DEBUG)", component, exc_info=True)
+            _log.warning(
+                "telemetry error in %s (counted; later ones logged at DEBUG)", component, exc_info=True
+            )
         else:
             _log.debug("telemetry error in %s", component, exc_info=True)
 
@@ -54,7 +56,9 @@ class _HasErrors(Protocol):
 S = TypeVar("S", bound=_HasErrors)
 
 
-def guarded(component: str) -> Callable[[Callable[Concatenate[S, P], R]], Callable[Concatenate[S, P], R | None]]:
+def guarded(
+    component: str,
+) -> Callable[[Callable[Concatenate[S, P], R]], Callable[Concatenate[S, P], R | None]]:
     """Method decorator: exceptions are counted in `self._errors` and swallowed (returns None)."""
 
     def decorate(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R | None]:
@@ -62,7 +66,7 @@ def guarded(component: str) -> Callable[[Callable[Concatenate[S, P], R]], Callab
         def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
             try:
                 return method(self, *args, **kwargs)
-            except Exception:
+            except Exception:  # noqa: BLE001 - telemetry must never raise into the request path
                 self._errors.record(component)
                 return None
 

@@ -27,6 +27,18 @@ from opentelemetry.util.types import AttributeValue
 
 from gateway.call import Answer, Call
 
+# fmt: off
+__all__ = [
+    "ANTHROPIC", "CHAT_COMPLETIONS", "EXECUTE_TOOL", "OPENAI", "TOLLGATE_AGENT", "TOLLGATE_ATTEMPT",
+    "TOLLGATE_COST_USD", "TOLLGATE_GUARD_DECISION", "TOLLGATE_GUARD_DETAIL", "TOLLGATE_GUARD_EVENT",
+    "TOLLGATE_GUARD_NAME", "TOLLGATE_GUARD_REASON", "TOLLGATE_LLM_CALLS", "TOLLGATE_MAX_TOKENS_CLAMPED",
+    "TOLLGATE_PATH_FINGERPRINT", "TOLLGATE_PROVIDER_KEY", "TOLLGATE_RESERVED_USD", "TOLLGATE_RUN_EPOCH",
+    "TOLLGATE_RUN_ID", "TOLLGATE_STOP_REASON", "TOLLGATE_TOOL_CALLS", "TOOLS_CALL", "TOOL_ERROR",
+    "Attributes", "guard_event_attributes", "inference_end_attributes", "inference_start_attributes",
+    "mcp_attributes", "mcp_span_name", "output_type", "present", "provider_name_for"
+]
+# fmt: on
+
 Attributes = dict[str, AttributeValue]
 
 # --- tollgate.* names (no semconv equivalent in v1.41; the dev-repo `gen_ai.guardrail.*` may replace
@@ -156,10 +168,12 @@ def output_type(call: Call) -> str | None:
 
 def _openai_extras(call: Call) -> Attributes:
     tier = call.raw.get("service_tier")
-    return present((
-        (OpenAI.OPENAI_API_TYPE, CHAT_COMPLETIONS if call.protocol == "openai" else None),
-        (OpenAI.OPENAI_REQUEST_SERVICE_TIER, tier if isinstance(tier, str) and tier != "auto" else None),
-    ))
+    return present(
+        (
+            (OpenAI.OPENAI_API_TYPE, CHAT_COMPLETIONS if call.protocol == "openai" else None),
+            (OpenAI.OPENAI_REQUEST_SERVICE_TIER, tier if isinstance(tier, str) and tier != "auto" else None),
+        )
+    )
 
 
 def inference_start_attributes(
@@ -173,24 +187,29 @@ def inference_start_attributes(
     the call as forwarded (after the shape stage), so `max_tokens` is what the upstream was given.
     """
     params = call.params
-    attrs = present((
-        (GenAI.GEN_AI_OPERATION_NAME, call.operation),
-        (GenAI.GEN_AI_PROVIDER_NAME, provider_name),
-        (GenAI.GEN_AI_REQUEST_MODEL, call.model or None),
-        (Server.SERVER_ADDRESS, server_address or None),
-        (Server.SERVER_PORT, server_port if server_address else None),
-        (GenAI.GEN_AI_REQUEST_MAX_TOKENS, call.max_tokens),
-        (GenAI.GEN_AI_REQUEST_TEMPERATURE, _float(params.temperature)),
-        (GenAI.GEN_AI_REQUEST_TOP_P, _float(params.top_p)),
-        (GenAI.GEN_AI_REQUEST_TOP_K, _float(params.top_k)),
-        (GenAI.GEN_AI_REQUEST_FREQUENCY_PENALTY, _float(params.frequency_penalty)),
-        (GenAI.GEN_AI_REQUEST_PRESENCE_PENALTY, _float(params.presence_penalty)),
-        (GenAI.GEN_AI_REQUEST_STOP_SEQUENCES, tuple(params.stop_sequences) if params.stop_sequences else None),
-        (GenAI.GEN_AI_REQUEST_SEED, params.seed),
-        (GenAI.GEN_AI_REQUEST_CHOICE_COUNT, params.choice_count if params.choice_count != 1 else None),
-        (GenAI.GEN_AI_REQUEST_STREAM, True if call.stream else None),
-        (GenAI.GEN_AI_OUTPUT_TYPE, output_type(call)),
-    ))
+    attrs = present(
+        (
+            (GenAI.GEN_AI_OPERATION_NAME, call.operation),
+            (GenAI.GEN_AI_PROVIDER_NAME, provider_name),
+            (GenAI.GEN_AI_REQUEST_MODEL, call.model or None),
+            (Server.SERVER_ADDRESS, server_address or None),
+            (Server.SERVER_PORT, server_port if server_address else None),
+            (GenAI.GEN_AI_REQUEST_MAX_TOKENS, call.max_tokens),
+            (GenAI.GEN_AI_REQUEST_TEMPERATURE, _float(params.temperature)),
+            (GenAI.GEN_AI_REQUEST_TOP_P, _float(params.top_p)),
+            (GenAI.GEN_AI_REQUEST_TOP_K, _float(params.top_k)),
+            (GenAI.GEN_AI_REQUEST_FREQUENCY_PENALTY, _float(params.frequency_penalty)),
+            (GenAI.GEN_AI_REQUEST_PRESENCE_PENALTY, _float(params.presence_penalty)),
+            (
+                GenAI.GEN_AI_REQUEST_STOP_SEQUENCES,
+                tuple(params.stop_sequences) if params.stop_sequences else None,
+            ),
+            (GenAI.GEN_AI_REQUEST_SEED, params.seed),
+            (GenAI.GEN_AI_REQUEST_CHOICE_COUNT, params.choice_count if params.choice_count != 1 else None),
+            (GenAI.GEN_AI_REQUEST_STREAM, True if call.stream else None),
+            (GenAI.GEN_AI_OUTPUT_TYPE, output_type(call)),
+        )
+    )
     if provider_name == OPENAI:
         attrs.update(_openai_extras(call))
     return attrs
@@ -208,22 +227,30 @@ def inference_end_attributes(answer: Answer, *, provider_name: str) -> Attribute
     """
     del provider_name  # reserved: see docstring
     usage = answer.usage
-    return present((
-        (GenAI.GEN_AI_RESPONSE_ID, answer.response_id or None),
-        (GenAI.GEN_AI_RESPONSE_MODEL, answer.model or None),
-        (GenAI.GEN_AI_RESPONSE_FINISH_REASONS, tuple(answer.finish_reasons) if answer.finish_reasons else None),
-        (GenAI.GEN_AI_USAGE_INPUT_TOKENS, usage.input_tokens if usage else None),
-        (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, usage.output_tokens if usage else None),
-        (GenAI.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, usage.cache_read_tokens if usage and usage.cache_read_tokens else None),
+    return present(
         (
-            GenAI.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS,
-            usage.cache_creation_tokens if usage and usage.cache_creation_tokens else None,
-        ),
-        (
-            GenAI.GEN_AI_USAGE_REASONING_OUTPUT_TOKENS,
-            usage.reasoning_tokens if usage and usage.reasoning_tokens else None,
-        ),
-    ))
+            (GenAI.GEN_AI_RESPONSE_ID, answer.response_id or None),
+            (GenAI.GEN_AI_RESPONSE_MODEL, answer.model or None),
+            (
+                GenAI.GEN_AI_RESPONSE_FINISH_REASONS,
+                tuple(answer.finish_reasons) if answer.finish_reasons else None,
+            ),
+            (GenAI.GEN_AI_USAGE_INPUT_TOKENS, usage.input_tokens if usage else None),
+            (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, usage.output_tokens if usage else None),
+            (
+                GenAI.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+                usage.cache_read_tokens if usage and usage.cache_read_tokens else None,
+            ),
+            (
+                GenAI.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS,
+                usage.cache_creation_tokens if usage and usage.cache_creation_tokens else None,
+            ),
+            (
+                GenAI.GEN_AI_USAGE_REASONING_OUTPUT_TOKENS,
+                usage.reasoning_tokens if usage and usage.reasoning_tokens else None,
+            ),
+        )
+    )
 
 
 def mcp_span_name(method: str, tool_name: str | None) -> str:
@@ -252,27 +279,31 @@ def mcp_attributes(
     """
     error_code = str(rpc_error_code) if rpc_error_code is not None else None
     error_type = error_code if error_code is not None else (TOOL_ERROR if is_error else None)
-    return present((
-        (Mcp.MCP_METHOD_NAME, method),
-        (GenAI.GEN_AI_OPERATION_NAME, EXECUTE_TOOL if method == TOOLS_CALL else None),
-        (GenAI.GEN_AI_TOOL_NAME, tool_name or None),
-        (JsonRpc.JSONRPC_REQUEST_ID, str(request_id) if request_id is not None else None),
-        (Mcp.MCP_SESSION_ID, session_id or None),
-        (Mcp.MCP_PROTOCOL_VERSION, protocol_version or None),
-        (Server.SERVER_ADDRESS, server_address or None),
-        (Server.SERVER_PORT, server_port if server_address else None),
-        (Network.NETWORK_TRANSPORT, Network.NetworkTransportValues.TCP.value),
-        (Network.NETWORK_PROTOCOL_NAME, "http"),
-        (Rpc.RPC_RESPONSE_STATUS_CODE, error_code),
-        (Error.ERROR_TYPE, error_type),
-    ))
+    return present(
+        (
+            (Mcp.MCP_METHOD_NAME, method),
+            (GenAI.GEN_AI_OPERATION_NAME, EXECUTE_TOOL if method == TOOLS_CALL else None),
+            (GenAI.GEN_AI_TOOL_NAME, tool_name or None),
+            (JsonRpc.JSONRPC_REQUEST_ID, str(request_id) if request_id is not None else None),
+            (Mcp.MCP_SESSION_ID, session_id or None),
+            (Mcp.MCP_PROTOCOL_VERSION, protocol_version or None),
+            (Server.SERVER_ADDRESS, server_address or None),
+            (Server.SERVER_PORT, server_port if server_address else None),
+            (Network.NETWORK_TRANSPORT, Network.NetworkTransportValues.TCP.value),
+            (Network.NETWORK_PROTOCOL_NAME, "http"),
+            (Rpc.RPC_RESPONSE_STATUS_CODE, error_code),
+            (Error.ERROR_TYPE, error_type),
+        )
+    )
 
 
 def guard_event_attributes(name: str, decision: str, reason: str | None, detail: str | None) -> Attributes:
     """Attributes of one `tollgate.guard` span event."""
-    return present((
-        (TOLLGATE_GUARD_NAME, name),
-        (TOLLGATE_GUARD_DECISION, decision),
-        (TOLLGATE_GUARD_REASON, reason or None),
-        (TOLLGATE_GUARD_DETAIL, detail or None),
-    ))
+    return present(
+        (
+            (TOLLGATE_GUARD_NAME, name),
+            (TOLLGATE_GUARD_DECISION, decision),
+            (TOLLGATE_GUARD_REASON, reason or None),
+            (TOLLGATE_GUARD_DETAIL, detail or None),
+        )
+    )

@@ -19,6 +19,13 @@ from gateway.call import Answer, Call
 from otel import _content_anthropic, _content_openai
 from otel._content_common import Message, Part, compact, json_or_text, without_none
 
+# fmt: off
+__all__ = [
+    "input_messages", "output_messages", "system_instructions", "tool_call_arguments", "tool_call_result",
+    "tool_definitions"
+]
+# fmt: on
+
 
 class _Dialect(NamedTuple):
     input_messages: Callable[[Mapping[str, Any]], list[Message] | None]
@@ -83,7 +90,9 @@ def output_messages(answer: Answer) -> str:
     tool call; `Answer` keeps no other choice's text)."""
     parts: list[Part] = [{"type": "text", "content": answer.text}] if answer.text else []
     parts.extend(
-        without_none(type="tool_call", id=call.id or None, name=call.name, arguments=json_or_text(call.arguments))
+        without_none(
+            type="tool_call", id=call.id or None, name=call.name, arguments=json_or_text(call.arguments)
+        )
         for call in answer.tool_calls
     )
     if answer.finish_reasons:

@@ -27,6 +27,8 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+__all__ = ["CountingSpanExporter", "CountingSpanProcessor", "DropCounter"]
+
 
 class DropCounter:
     """Spans waiting in the queue, and spans lost; shared by the processor and its exporter."""
@@ -93,7 +95,7 @@ class CountingSpanExporter(SpanExporter):
             return SpanExportResult.FAILURE
         try:
             result = self._inner.export(spans)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any exporter failure is a lost batch, counted below
             result = SpanExportResult.FAILURE
         if result is not SpanExportResult.SUCCESS:
             self._drops.lost(len(spans))
@@ -154,7 +156,7 @@ class CountingSpanProcessor(SpanProcessor):
 
     def shutdown(self) -> None:
         self._drops.close()
-        self._batch.shutdown()
+        self._batch.shutdown()  # type: ignore[no-untyped-call]  # unannotated in opentelemetry-sdk 1.45
         self._drops.abandon()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:

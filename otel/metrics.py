@@ -13,7 +13,7 @@ call them directly only for operations that have no `StepSpan`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Final
 
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
@@ -23,16 +23,18 @@ from opentelemetry.semconv.attributes import error_attributes as Error
 from opentelemetry.semconv.attributes import server_attributes as Server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
 
+from otel._prometheus import BoundedLabel, CallbackCounter, Children, WithoutCreated
 from otel._safe import ErrorCounter, guarded
 
+__all__ = ["DURATION_BUCKETS", "INPUT", "MCP_BUCKETS", "OUTPUT", "TOKEN_BUCKETS", "Metrics", "label"]
+
 # Bucket boundaries, semconv v1.41 `explicit_bucket_boundaries_advisory`.
+# fmt: off
 DURATION_BUCKETS: Final = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+# fmt: on
 TOKEN_BUCKETS: Final = tuple(float(4**i) for i in range(14))  # 1, 4, 16, ... 67108864
 MCP_BUCKETS: Final = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-OTHER: Final = "_OTHER"
 INPUT: Final = GenAI.GenAiTokenTypeValues.INPUT.value
 OUTPUT: Final = GenAI.GenAiTokenTypeValues.OUTPUT.value
 
@@ -68,60 +70,6 @@ _MCP: Final = tuple(
 )
 
 
-class _Bounded:
-    """At most `limit` distinct values; later newcomers become `_OTHER` (memory and series bound)."""
-
-    __slots__ = ("_limit", "_seen")
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str | None) -> str:
-        if not value:
-            return ""
-        if value in self._seen:
-            return value
-        if len(self._seen) >= self._limit:
-            return OTHER
-        self._seen.add(value)
-        return value
-
-
-class _CallbackCounter(Collector):
-    """A counter family whose samples come from a callback at scrape time."""
-
-    def __init__(self, name: str, doc: str, labelname: str | None, read: Callable[[], Iterable[tuple[str, float]]]):
-        self._name, self._doc, self._labelname, self._read = name, doc, labelname, read
-
-    def _family(self, samples: Iterable[tuple[str, float]]) -> CounterMetricFamily:
-        labels = [self._labelname] if self._labelname else None
-        family = CounterMetricFamily(self._name, self._doc, labels=labels)
-        for value_label, value in samples:
-            family.add_metric([value_label] if self._labelname else [], value)
-        return family
-
-    def describe(self) -> Iterator[Metric]:
-        yield self._family(())
-
-    def collect(self) -> Iterator[Metric]:
-        yield self._family(self._read())
-
-
-class _WithoutCreated:
-    """The registry as scraped, minus prometheus-client's `*_created` samples (one extra series per
-    label set, which Prometheus' text format does not need; disabling them is only possible
-    process-wide in prometheus-client)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self._registry.collect():
-            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
-            yield metric
-
-
 class Metrics:
     """All of tollgate's Prometheus series. One per process (per `Telemetry`); thread-safe."""
 
@@ -136,113 +84,179 @@ class Metrics:
         self._errors = errors or ErrorCounter()
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self._scrape = _WithoutCreated(r)
-        self._model = _Bounded(label_limit)
-        self._response_model = _Bounded(label_limit)
-        self._agent = _Bounded(label_limit)
-        self._tool = _Bounded(label_limit)
-        self._duration = Histogram(
-            "gen_ai_client_operation_duration_seconds", "GenAI operation duration (semconv gen_ai.client.operation.duration).",
-            (*_GENAI, label(Error.ERROR_TYPE)), registry=r, buckets=DURATION_BUCKETS,
+        self._scrape = WithoutCreated(r)
+        self._model = BoundedLabel(label_limit)
+        self._response_model = BoundedLabel(label_limit)
+        self._agent = BoundedLabel(label_limit)
+        self._tool = BoundedLabel(label_limit)
+        histogram, counter = self._histogram, self._counter
+        self._duration = histogram(
+            "gen_ai_client_operation_duration_seconds",
+            "GenAI operation duration (semconv gen_ai.client.operation.duration).",
+            (*_GENAI, label(Error.ERROR_TYPE)),
+            DURATION_BUCKETS,
         )
-        self._tokens = Histogram(
-            "gen_ai_client_token_usage", "Tokens used per operation (semconv gen_ai.client.token.usage).",
-            (*_GENAI, label(GenAI.GEN_AI_TOKEN_TYPE)), registry=r, buckets=TOKEN_BUCKETS,
+        self._tokens = histogram(
+            "gen_ai_client_token_usage",
+            "Tokens used per operation (semconv gen_ai.client.token.usage).",
+            (*_GENAI, label(GenAI.GEN_AI_TOKEN_TYPE)),
+            TOKEN_BUCKETS,
         )
-        self._ttfc = Histogram(
+        self._ttfc = histogram(
             "gen_ai_client_operation_time_to_first_chunk_seconds",
             "Time to the first streamed chunk (semconv gen_ai.client.operation.time_to_first_chunk).",
-            _GENAI, registry=r, buckets=DURATION_BUCKETS,
+            _GENAI,
+            DURATION_BUCKETS,
         )
-        self._mcp = Histogram(
-            "mcp_client_operation_duration_seconds", "MCP request duration (semconv mcp.client.operation.duration).",
-            _MCP, registry=r, buckets=MCP_BUCKETS,
+        self._mcp = histogram(
+            "mcp_client_operation_duration_seconds",
+            "MCP request duration (semconv mcp.client.operation.duration).",
+            _MCP,
+            MCP_BUCKETS,
         )
-        self._guard = Counter("tollgate_guard_decisions", "Guard decisions.", ("guard", "decision", "reason"), registry=r)
-        self._guard_errors = Counter("tollgate_guard_errors", "Guards that raised.", ("guard",), registry=r)
-        self._stopped = Counter("tollgate_runs_stopped", "Runs stopped, by stop code.", ("reason",), registry=r)
-        self._tools = Counter("tollgate_tool_calls", "Tool calls, by decision.", ("decision",), registry=r)
-        self._checks = Counter("tollgate_output_checks", "Output grammar checks.", ("kind", "result"), registry=r)
+        self._guard = counter("tollgate_guard_decisions", "Guard decisions.", ("guard", "decision", "reason"))
+        self._guard_errors = counter("tollgate_guard_errors", "Guards that raised.", ("guard",))
+        self._stopped = counter("tollgate_runs_stopped", "Runs stopped, by stop code.", ("reason",))
+        self._tools = counter("tollgate_tool_calls", "Tool calls, by decision.", ("decision",))
+        self._checks = counter("tollgate_output_checks", "Output grammar checks.", ("kind", "result"))
         self._reasks = Counter("tollgate_reasks", "Re-asks after a nonconforming output.", registry=r)
-        self._cost = Counter("tollgate_cost_usd", "Settled spend, USD.", ("agent", "provider", "model"), registry=r)
-        self._upstream = Counter("tollgate_upstream_requests", "Upstream requests, by status.", ("provider", "status"), registry=r)
+        self._cost = counter("tollgate_cost_usd", "Settled spend, USD.", ("agent", "provider", "model"))
+        self._upstream = counter(
+            "tollgate_upstream_requests", "Upstream requests, by status.", ("provider", "status")
+        )
         self._reserved = Gauge("tollgate_budget_reserved_usd", "USD reserved by in-flight steps.", registry=r)
         if budget_reserved is not None:
             self._reserved.set_function(budget_reserved)
         if spans_dropped is not None:
             read_dropped = spans_dropped
-            r.register(_CallbackCounter(
-                "tollgate_spans_dropped", "Spans lost: export queue full or export failed.", None,
-                lambda: [("", float(read_dropped()))],
-            ))
-        r.register(_CallbackCounter(
-            "tollgate_telemetry_errors", "Errors swallowed by telemetry code.", "component",
-            lambda: [(k, float(v)) for k, v in sorted(self._errors.counts().items())],
-        ))
+            r.register(
+                CallbackCounter(
+                    "tollgate_spans_dropped",
+                    "Spans lost: export queue full or export failed.",
+                    None,
+                    lambda: [("", float(read_dropped()))],
+                )
+            )
+        r.register(
+            CallbackCounter(
+                "tollgate_telemetry_errors",
+                "Errors swallowed by telemetry code.",
+                "component",
+                lambda: [(k, float(v)) for k, v in sorted(self._errors.counts().items())],
+            )
+        )
+
+    def _histogram(
+        self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> Children[Histogram]:
+        return Children(Histogram(name, doc, labels, registry=self.registry, buckets=buckets))
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Children[Counter]:
+        return Children(Counter(name, doc, labels, registry=self.registry))
 
     def _genai(
-        self, operation: str, provider: str, request_model: str | None, response_model: str | None,
-        server_address: str | None, server_port: int | None,
+        self,
+        operation: str,
+        provider: str,
+        request_model: str | None,
+        response_model: str | None,
+        server_address: str | None,
+        server_port: int | None,
     ) -> tuple[str, ...]:
         return (
-            operation, provider, self._model(request_model), self._response_model(response_model),
-            server_address or "", str(server_port) if server_address and server_port is not None else "",
+            operation,
+            provider,
+            self._model(request_model),
+            self._response_model(response_model),
+            server_address or "",
+            str(server_port) if server_address and server_port is not None else "",
         )
 
     @guarded("metrics.observe_inference")
     def observe_inference(
-        self, *, operation: str, provider: str, request_model: str | None, response_model: str | None,
-        server_address: str | None, server_port: int | None, error_type: str | None, duration_s: float,
-        input_tokens: int | None = None, output_tokens: int | None = None,
+        self,
+        *,
+        operation: str,
+        provider: str,
+        request_model: str | None,
+        response_model: str | None,
+        server_address: str | None,
+        server_port: int | None,
+        error_type: str | None,
+        duration_s: float,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
     ) -> None:
         """One finished upstream inference: duration, and token usage when the provider reported it."""
         common = self._genai(operation, provider, request_model, response_model, server_address, server_port)
-        self._duration.labels(*common, error_type or "").observe(duration_s)
+        self._duration(*common, error_type or "").observe(duration_s)
         if input_tokens is not None:
-            self._tokens.labels(*common, INPUT).observe(input_tokens)
+            self._tokens(*common, INPUT).observe(input_tokens)
         if output_tokens is not None:
-            self._tokens.labels(*common, OUTPUT).observe(output_tokens)
+            self._tokens(*common, OUTPUT).observe(output_tokens)
 
     @guarded("metrics.observe_first_chunk")
     def observe_first_chunk(
-        self, *, operation: str, provider: str, request_model: str | None, server_address: str | None,
-        server_port: int | None, seconds: float,
+        self,
+        *,
+        operation: str,
+        provider: str,
+        request_model: str | None,
+        server_address: str | None,
+        server_port: int | None,
+        seconds: float,
     ) -> None:
-        self._ttfc.labels(*self._genai(operation, provider, request_model, None, server_address, server_port)).observe(seconds)
+        self._ttfc(
+            *self._genai(operation, provider, request_model, None, server_address, server_port)
+        ).observe(seconds)
 
     @guarded("metrics.observe_mcp")
     def observe_mcp(
-        self, *, method: str, tool_name: str | None, operation: str | None, protocol_version: str | None,
-        server_address: str | None, server_port: int | None, rpc_status_code: str | None,
-        error_type: str | None, duration_s: float,
+        self,
+        *,
+        method: str,
+        tool_name: str | None,
+        operation: str | None,
+        protocol_version: str | None,
+        server_address: str | None,
+        server_port: int | None,
+        rpc_status_code: str | None,
+        error_type: str | None,
+        duration_s: float,
     ) -> None:
         port = str(server_port) if server_address and server_port is not None else ""
-        self._mcp.labels(
-            method, self._tool(tool_name), operation or "", protocol_version or "", server_address or "", port,
-            rpc_status_code or "", error_type or "",
+        self._mcp(
+            method,
+            self._tool(tool_name),
+            operation or "",
+            protocol_version or "",
+            server_address or "",
+            port,
+            rpc_status_code or "",
+            error_type or "",
         ).observe(duration_s)
 
     @guarded("metrics.guard_decision")
     def guard_decision(self, guard: str, decision: str, reason: str | None = None) -> None:
-        self._guard.labels(guard, decision, reason or "").inc()
+        self._guard(guard, decision, reason or "").inc()
 
     @guarded("metrics.guard_error")
     def guard_error(self, guard: str) -> None:
-        self._guard_errors.labels(guard).inc()
+        self._guard_errors(guard).inc()
 
     @guarded("metrics.run_stopped")
     def run_stopped(self, reason: str) -> None:
-        self._stopped.labels(reason).inc()
+        self._stopped(reason).inc()
 
     @guarded("metrics.tool_call")
     def tool_call(self, decision: str) -> None:
         """A tool call proposed or executed: `allowed`, `rejected`, `dropped`, `approved`, `denied`..."""
-        self._tools.labels(decision).inc()
+        self._tools(decision).inc()
 
     @guarded("metrics.output_check")
     def output_check(self, kind: str, result: str) -> None:
         """A grammar verdict: kind `json_schema`/`regex`/..., result `pass`/`fail`."""
-        self._checks.labels(kind, result).inc()
+        self._checks(kind, result).inc()
 
     @guarded("metrics.reask")
     def reask(self) -> None:
@@ -252,12 +266,12 @@ class Metrics:
     def cost(self, agent: str, provider: str, model: str, usd: float) -> None:
         """Settled spend of one step (after guard.after)."""
         if usd > 0:
-            self._cost.labels(self._agent(agent), provider, self._model(model)).inc(usd)
+            self._cost(self._agent(agent), provider, self._model(model)).inc(usd)
 
     @guarded("metrics.upstream_request")
     def upstream_request(self, provider: str, status: int | str) -> None:
         """One upstream HTTP exchange: its status code, or `timeout` / `unreachable`."""
-        self._upstream.labels(provider, str(status)).inc()
+        self._upstream(provider, str(status)).inc()
 
     @guarded("metrics.set_budget_reserved")
     def set_budget_reserved(self, usd: float) -> None:

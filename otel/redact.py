@@ -23,6 +23,11 @@ from typing import Final
 
 import orjson
 
+__all__ = [
+    "REDACTED",
+    "Redactor",
+]
+
 REDACTED: Final = "[REDACTED]"
 _MIN_SECRET_LEN: Final = 6  # shorter "secrets" would shred ordinary text
 

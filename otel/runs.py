@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from opentelemetry.context import Context
-from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
 from opentelemetry.semconv.attributes import error_attributes as Error
-from opentelemetry.trace import get_current_span
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.call import digest
 from otel.attributes import (
@@ -43,6 +39,14 @@ from otel.attributes import (
     Attributes,
     present,
 )
+from otel.propagation import context_from_headers, inject_headers
+
+# fmt: off
+__all__ = [
+    "GATEWAY_PROVIDER", "INVOKE_AGENT", "RunIdGenerator", "RunTotals", "context_from_headers",
+    "inject_headers", "path_fingerprint", "run_ids", "run_root_attributes"
+]
+# fmt: on
 
 INVOKE_AGENT = GenAI.GenAiOperationNameValues.INVOKE_AGENT.value
 GATEWAY_PROVIDER = "tollgate"
@@ -72,8 +76,9 @@ def path_fingerprint(decisions: Sequence[str]) -> str:
 def run_ids(run_id: str, epoch: int | str = 0) -> tuple[int, int]:
     """(trace id, span id) of a run epoch's root span: 128 + 64 uniformly distributed, non-zero bits
     (ratio samplers stay fair), stable across processes."""
-    raw = hashlib.blake2b(f"{run_id}\x00{epoch}".encode("utf-8", "surrogatepass"), digest_size=24,
-                          person=b"tollgate.run").digest()
+    raw = hashlib.blake2b(
+        f"{run_id}\x00{epoch}".encode("utf-8", "surrogatepass"), digest_size=24, person=b"tollgate.run"
+    ).digest()
     trace_id = int.from_bytes(raw[:16], "big") or 1
     span_id = int.from_bytes(raw[16:], "big") or 1
     return trace_id, span_id
@@ -81,22 +86,24 @@ def run_ids(run_id: str, epoch: int | str = 0) -> tuple[int, int]:
 
 def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int | str = 0) -> Attributes:
     """Attributes of the `invoke_agent {agent}` root span (INTERNAL: an agent run seen in process)."""
-    return present((
-        (GenAI.GEN_AI_OPERATION_NAME, INVOKE_AGENT),
-        (GenAI.GEN_AI_PROVIDER_NAME, totals.provider_name or GATEWAY_PROVIDER),
-        (GenAI.GEN_AI_AGENT_NAME, agent or None),
-        (TOLLGATE_AGENT, agent or None),
-        (TOLLGATE_RUN_ID, run_id),
-        (TOLLGATE_RUN_EPOCH, epoch if epoch != 0 else None),
-        (GenAI.GEN_AI_USAGE_INPUT_TOKENS, totals.input_tokens),
-        (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, totals.output_tokens),
-        (TOLLGATE_COST_USD, float(totals.cost_usd)),
-        (TOLLGATE_LLM_CALLS, totals.llm_calls),
-        (TOLLGATE_TOOL_CALLS, totals.tool_calls),
-        (TOLLGATE_STOP_REASON, totals.stop_reason or None),
-        (Error.ERROR_TYPE, totals.stop_reason or None),
-        (TOLLGATE_PATH_FINGERPRINT, totals.path_fingerprint or None),
-    ))
+    return present(
+        (
+            (GenAI.GEN_AI_OPERATION_NAME, INVOKE_AGENT),
+            (GenAI.GEN_AI_PROVIDER_NAME, totals.provider_name or GATEWAY_PROVIDER),
+            (GenAI.GEN_AI_AGENT_NAME, agent or None),
+            (TOLLGATE_AGENT, agent or None),
+            (TOLLGATE_RUN_ID, run_id),
+            (TOLLGATE_RUN_EPOCH, epoch if epoch != 0 else None),
+            (GenAI.GEN_AI_USAGE_INPUT_TOKENS, totals.input_tokens),
+            (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, totals.output_tokens),
+            (TOLLGATE_COST_USD, float(totals.cost_usd)),
+            (TOLLGATE_LLM_CALLS, totals.llm_calls),
+            (TOLLGATE_TOOL_CALLS, totals.tool_calls),
+            (TOLLGATE_STOP_REASON, totals.stop_reason or None),
+            (Error.ERROR_TYPE, totals.stop_reason or None),
+            (TOLLGATE_PATH_FINGERPRINT, totals.path_fingerprint or None),
+        )
+    )
 
 
 class RunIdGenerator(RandomIdGenerator):
@@ -124,34 +131,3 @@ class RunIdGenerator(RandomIdGenerator):
     def generate_span_id(self) -> int:
         chosen = self._override.get()
         return chosen[1] if chosen is not None else super().generate_span_id()
-
-
-class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):
-    """Header lookup for plain dicts as well as aiohttp's CIMultiDict."""
-
-    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
-        value = carrier.get(key)
-        if value is None:
-            value = next((v for k, v in carrier.items() if k.lower() == key), None)
-        return [value] if isinstance(value, str) else None
-
-    def keys(self, carrier: Mapping[str, str]) -> list[str]:
-        return list(carrier.keys())
-
-
-def context_from_headers(headers: Mapping[str, str]) -> Context | None:
-    """The agent's trace context from W3C `traceparent` / `tracestate`; None when absent or invalid."""
-    if not any(k.lower() == "traceparent" for k in headers):
-        return None
-    ctx = TraceContextTextMapPropagator().extract(headers, context=Context(), getter=_CaseInsensitiveGetter())
-    return ctx if get_current_span(ctx).get_span_context().is_valid else None
-
-
-def inject_headers(ctx: Context | None) -> dict[str, str]:
-    """`traceparent` (and `tracestate`) headers to send upstream for `ctx` (a step span's context);
-    empty when there is nothing valid to propagate. Baggage is deliberately not forwarded to model
-    providers (it may carry the agent's run ids and other internals)."""
-    carrier: dict[str, str] = {}
-    if ctx is not None and get_current_span(ctx).get_span_context().is_valid:
-        TraceContextTextMapPropagator().inject(carrier, context=ctx)
-    return carrier

@@ -1,24 +1,33 @@
 """Build a `Telemetry` from the standard `OTEL_*` variables, read from the mapping given (never from
 `os.environ` directly; pass `os.environ` at startup). No global provider is installed.
 
-| variable | effect |
-|---|---|
-| `OTEL_SDK_DISABLED=true` | no tracer at all; step spans are non-recording and the agent's trace context passes upstream unchanged; Prometheus metrics still work |
-| `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` | full URL of the traces endpoint, used as is |
-| `OTEL_EXPORTER_OTLP_ENDPOINT` | base URL; `/v1/traces` appended for http/protobuf, used as is for grpc |
-| `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` | `http/protobuf` (default) or `grpc`; `http/json` is not supported by the Python SDK and falls back to http/protobuf |
-| `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, `_TIMEOUT` (milliseconds, per the spec), `_COMPRESSION` (`gzip`), `_INSECURE` (grpc) | exporter options |
-| `OTEL_TRACES_EXPORTER` | `otlp` (default), `console`, `none` |
-| `OTEL_SERVICE_NAME` (default `tollgate`), `OTEL_RESOURCE_ATTRIBUTES` | resource |
-| `OTEL_TRACES_SAMPLER` (+ `_ARG`) | `parentbased_always_on` (default), `always_on`, `always_off`, `traceidratio`, `parentbased_traceidratio`, `parentbased_always_off` |
-| `OTEL_BSP_MAX_QUEUE_SIZE` (2048), `_SCHEDULE_DELAY` (5000 ms), `_MAX_EXPORT_BATCH_SIZE` (512), `_EXPORT_TIMEOUT` | batch processor |
-| `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`, `OTEL_SPAN_EVENT_COUNT_LIMIT` | span limits |
-| `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` | `SPAN_ONLY` / `SPAN_AND_EVENT` (or `true`) turn content capture on; `NO_CONTENT` (default) / `EVENT_ONLY` leave it off (no content events are emitted) |
+Variables:
 
-No endpoint configured (and `OTEL_TRACES_EXPORTER` not set to `otlp` explicitly): tracing is off,
-exactly as with `OTEL_SDK_DISABLED=true`. The SDK default of exporting to localhost:4318 is not
-followed: a sidecar without a collector would otherwise log export failures forever, and spans
-nobody exports would still be worth propagating as parents upstream, where they would be dangling.
+- `OTEL_SDK_DISABLED=true`: no tracer at all; step spans are non-recording and the agent's trace
+  context passes upstream unchanged. Prometheus metrics still work.
+- `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`: full URL of the traces endpoint, used as is.
+- `OTEL_EXPORTER_OTLP_ENDPOINT`: base URL; `/v1/traces` is appended for http/protobuf, used as is
+  for grpc.
+- `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`: `http/protobuf` (default) or `grpc`; `http/json` is not
+  supported by the Python SDK and falls back to http/protobuf.
+- `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, `_TIMEOUT` (milliseconds, as the specification says; the
+  Python SDK alone reads seconds), `_COMPRESSION` (`gzip`), `_INSECURE` (grpc).
+- `OTEL_TRACES_EXPORTER`: `otlp` (default), `console`, `none`.
+- `OTEL_SERVICE_NAME` (default `tollgate`), `OTEL_RESOURCE_ATTRIBUTES`: the resource.
+- `OTEL_TRACES_SAMPLER` (+ `_ARG`): `parentbased_always_on` (default), `always_on`, `always_off`,
+  `traceidratio`, `parentbased_traceidratio`, `parentbased_always_off`.
+- `OTEL_BSP_MAX_QUEUE_SIZE` (2048), `_SCHEDULE_DELAY` (5000 ms), `_MAX_EXPORT_BATCH_SIZE` (512),
+  `_EXPORT_TIMEOUT`: the batch processor.
+- `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`,
+  `OTEL_SPAN_EVENT_COUNT_LIMIT`: span limits.
+- `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`: `SPAN_ONLY` / `SPAN_AND_EVENT` (or `true`)
+  turn content capture on; `NO_CONTENT` (default) / `EVENT_ONLY` leave it off (tollgate emits no
+  content events).
+
+No endpoint configured (and `OTEL_TRACES_EXPORTER` not explicitly `otlp`): tracing is off, exactly
+as with `OTEL_SDK_DISABLED=true`, rather than the SDK default of exporting to localhost:4318. A
+sidecar without a collector would otherwise log export failures forever, and upstream services
+would see tollgate spans as parents that no backend ever receives.
 Certificates and credential providers are left to the SDK exporters' own environment lookups.
 """
 
@@ -47,13 +56,25 @@ from otel.metrics import Metrics
 from otel.runs import RunIdGenerator
 from otel.telemetry import Telemetry
 
+# fmt: off
+__all__ = [
+    "DEFAULT_SERVICE_NAME", "SCHEMA_URL", "capture_from_env", "exporter_from_env", "resource_from_env",
+    "sampler_from_env", "setup_telemetry"
+]
+# fmt: on
+
 _log = logging.getLogger("tollgate.otel")
 
 SCHEMA_URL: Final = Schemas.V1_41_0.value
 DEFAULT_SERVICE_NAME: Final = "tollgate"
 _CAPTURE: Final[Mapping[str, bool]] = {
-    "span_only": True, "span_and_event": True, "true": True,
-    "event_only": False, "no_content": False, "false": False, "": False,
+    "span_only": True,
+    "span_and_event": True,
+    "true": True,
+    "event_only": False,
+    "no_content": False,
+    "false": False,
+    "": False,
 }
 _SAMPLERS: Final[Mapping[str, Callable[[float], Sampling.Sampler]]] = {
     "always_on": lambda _: Sampling.ALWAYS_ON,
@@ -94,16 +115,20 @@ def resource_from_env(env: Mapping[str, str]) -> Resource:
             attrs[key.strip()] = unquote(value.strip())
         elif item.strip():
             _log.warning("ignoring malformed OTEL_RESOURCE_ATTRIBUTES entry %r", item)
-    attrs[Service.SERVICE_NAME] = _get(env, "OTEL_SERVICE_NAME") or attrs.get(Service.SERVICE_NAME) or DEFAULT_SERVICE_NAME
+    attrs[Service.SERVICE_NAME] = (
+        _get(env, "OTEL_SERVICE_NAME") or attrs.get(Service.SERVICE_NAME) or DEFAULT_SERVICE_NAME
+    )
     try:
         attrs.setdefault(Service.SERVICE_VERSION, version("tollgate"))
     except PackageNotFoundError:
         pass
-    attrs.update({
-        Tel.TELEMETRY_SDK_LANGUAGE: Tel.TelemetrySdkLanguageValues.PYTHON.value,
-        Tel.TELEMETRY_SDK_NAME: "opentelemetry",
-        Tel.TELEMETRY_SDK_VERSION: sdk_version,
-    })
+    attrs.update(
+        {
+            Tel.TELEMETRY_SDK_LANGUAGE: Tel.TelemetrySdkLanguageValues.PYTHON.value,
+            Tel.TELEMETRY_SDK_NAME: "opentelemetry",
+            Tel.TELEMETRY_SDK_VERSION: sdk_version,
+        }
+    )
     return Resource(attrs)
 
 
@@ -129,11 +154,19 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
     if not traces and not base and kind != "otlp":
         return None
     protocol = _get(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL").lower()
-    headers = dict(parse_env_headers(_get(env, "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"), liberal=True))
-    timeout_ms = _number(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", 0) or _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10_000)
-    gzip = _get(env, "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION").lower() == "gzip"
+    headers = dict(
+        parse_env_headers(
+            _get(env, "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"), liberal=True
+        )
+    )
+    timeout_ms = _number(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", 0) or _number(
+        env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10_000
+    )
+    gzip = (
+        _get(env, "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION").lower() == "gzip"
+    )
     if protocol == "grpc":
-        import grpc
+        import grpc  # type: ignore[import-untyped]  # grpcio ships no stubs; only Compression is used
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
         insecure = _get(env, "OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE").lower()
@@ -162,10 +195,14 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
 def _span_limits(env: Mapping[str, str]) -> SpanLimits:
     length = int(_number(env, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", SpanLimits.UNSET))
     return SpanLimits(
-        max_attributes=128, max_events=int(_number(env, "OTEL_SPAN_EVENT_COUNT_LIMIT", 128)), max_links=128,
+        max_attributes=128,
+        max_events=int(_number(env, "OTEL_SPAN_EVENT_COUNT_LIMIT", 128)),
+        max_links=128,
         max_span_attributes=int(_number(env, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", 128)),
-        max_event_attributes=128, max_link_attributes=128,
-        max_attribute_length=length, max_span_attribute_length=length,
+        max_event_attributes=128,
+        max_link_attributes=128,
+        max_attribute_length=length,
+        max_span_attribute_length=length,
     )
 
 
@@ -189,8 +226,16 @@ def setup_telemetry(
     span_exporter = None if disabled else (exporter if exporter is not None else exporter_from_env(env))
     if span_exporter is None:
         metrics = Metrics(errors=errors, spans_dropped=lambda: 0, budget_reserved=budget_reserved)
-        return Telemetry(tracer=None, provider=None, processor=None, sampler=None, ids=None,
-                         metrics=metrics, errors=errors, capture_content=capture)
+        return Telemetry(
+            tracer=None,
+            provider=None,
+            processor=None,
+            sampler=None,
+            ids=None,
+            metrics=metrics,
+            errors=errors,
+            capture_content=capture,
+        )
     processor = CountingSpanProcessor(
         span_exporter,
         max_queue_size=max(1, int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048))),
@@ -201,8 +246,12 @@ def setup_telemetry(
     ids = RunIdGenerator()
     sampler = sampler_from_env(env)
     provider = TracerProvider(
-        sampler=sampler, resource=resource_from_env(env), shutdown_on_exit=False, id_generator=ids,
-        span_limits=_span_limits(env), meter_provider=NoOpMeterProvider(),
+        sampler=sampler,
+        resource=resource_from_env(env),
+        shutdown_on_exit=False,
+        id_generator=ids,
+        span_limits=_span_limits(env),
+        meter_provider=NoOpMeterProvider(),
     )
     provider.add_span_processor(processor)
     try:
@@ -211,5 +260,13 @@ def setup_telemetry(
         tollgate_version = None
     tracer = provider.get_tracer("tollgate", tollgate_version, schema_url=SCHEMA_URL)
     metrics = Metrics(errors=errors, spans_dropped=processor.dropped, budget_reserved=budget_reserved)
-    return Telemetry(tracer=tracer, provider=provider, processor=processor, sampler=sampler, ids=ids,
-                     metrics=metrics, errors=errors, capture_content=capture)
+    return Telemetry(
+        tracer=tracer,
+        provider=provider,
+        processor=processor,
+        sampler=sampler,
+        ids=ids,
+        metrics=metrics,
+        errors=errors,
+        capture_content=capture,
+    )

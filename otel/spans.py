@@ -9,7 +9,8 @@ ever raises:
         step.guard_event("budget", "continue")
         headers.update(inject_headers(step.context))
         ... forward ...; step.first_chunk() on the first streamed chunk
-        step.capture_input(call, redactor); step.capture_output(answer, redactor)   # no-ops unless capture is on
+        step.capture_input(call, redactor)          # no-ops unless capture is on
+        step.capture_output(answer, redactor)
         step.finish(answer, cost_usd=cost)          # records the answer and ends the span
     except UpstreamTimeout:
         step.fail("upstream_timeout")               # error.type + status ERROR, ends the span
@@ -28,17 +29,14 @@ first chunk; MCP duration), with `error.type` of an upstream failure only.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
 from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
 from opentelemetry.semconv.attributes import error_attributes as Error
-from opentelemetry.trace import Span, Status, StatusCode, get_current_span, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Span, Status, StatusCode, set_span_in_context
 from opentelemetry.util.types import AttributeValue
 
 from gateway.call import Answer, Call
@@ -53,10 +51,12 @@ from otel.attributes import (
     inference_end_attributes,
 )
 from otel.metrics import Metrics
+from otel.propagation import extract_meta_context, inject_meta_context
 from otel.redact import Redactor
 
+__all__ = ["StepKind", "StepLabels", "StepSpan", "extract_meta_context", "inject_meta_context"]
+
 StepKind = Literal["inference", "mcp"]
-_META_KEYS = frozenset(("traceparent", "tracestate", "baggage"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +82,34 @@ class StepSpan:
     per request; not shared between requests."""
 
     __slots__ = (
-        "_answer", "_capture", "_context", "_ended", "_errors", "_kind", "_labels", "_metrics",
-        "_parent", "_recording", "_span", "_start", "_stopped", "_ttfc", "_upstream", "_upstream_error",
+        "_answer",
+        "_capture",
+        "_context",
+        "_ended",
+        "_errors",
+        "_kind",
+        "_labels",
+        "_metrics",
+        "_parent",
+        "_recording",
+        "_span",
+        "_start",
+        "_stopped",
+        "_ttfc",
+        "_upstream",
+        "_upstream_error",
     )
 
     def __init__(
-        self, span: Span, *, kind: StepKind, parent: Context | None, labels: StepLabels,
-        metrics: Metrics | None, errors: ErrorCounter, capture: bool,
+        self,
+        span: Span,
+        *,
+        kind: StepKind,
+        parent: Context | None,
+        labels: StepLabels,
+        metrics: Metrics | None,
+        errors: ErrorCounter,
+        capture: bool,
     ) -> None:
         self._span = span
         self._kind = kind
@@ -129,7 +150,9 @@ class StepSpan:
             self._span.set_attribute(key, value)
 
     @guarded("span.guard_event")
-    def guard_event(self, name: str, decision: str, reason: str | None = None, detail: str | None = None) -> None:
+    def guard_event(
+        self, name: str, decision: str, reason: str | None = None, detail: str | None = None
+    ) -> None:
         """A guard, tool or grammar decision on this step, as a `tollgate.guard` span event."""
         if self._recording:
             self._span.add_event(TOLLGATE_GUARD_EVENT, guard_event_attributes(name, decision, reason, detail))
@@ -239,47 +262,37 @@ class StepSpan:
         if self._kind == "mcp":
             error = self._upstream_error
             metrics.observe_mcp(
-                method=labels.method, tool_name=labels.tool_name, operation=labels.operation or None,
-                protocol_version=labels.protocol_version, server_address=labels.server_address,
-                server_port=labels.server_port, rpc_status_code=error if _is_rpc_code(error) else None,
-                error_type=error, duration_s=duration,
+                method=labels.method,
+                tool_name=labels.tool_name,
+                operation=labels.operation or None,
+                protocol_version=labels.protocol_version,
+                server_address=labels.server_address,
+                server_port=labels.server_port,
+                rpc_status_code=error if _is_rpc_code(error) else None,
+                error_type=error,
+                duration_s=duration,
             )
             return
         answer = self._answer
         usage = answer.usage if answer is not None else None
         metrics.observe_inference(
-            operation=labels.operation, provider=labels.provider, request_model=labels.request_model,
+            operation=labels.operation,
+            provider=labels.provider,
+            request_model=labels.request_model,
             response_model=answer.model if answer is not None else None,
-            server_address=labels.server_address, server_port=labels.server_port,
-            error_type=self._upstream_error, duration_s=duration,
+            server_address=labels.server_address,
+            server_port=labels.server_port,
+            error_type=self._upstream_error,
+            duration_s=duration,
             input_tokens=usage.input_tokens if usage else None,
             output_tokens=usage.output_tokens if usage else None,
         )
         if self._ttfc is not None:
             metrics.observe_first_chunk(
-                operation=labels.operation, provider=labels.provider, request_model=labels.request_model,
-                server_address=labels.server_address, server_port=labels.server_port, seconds=self._ttfc,
+                operation=labels.operation,
+                provider=labels.provider,
+                request_model=labels.request_model,
+                server_address=labels.server_address,
+                server_port=labels.server_port,
+                seconds=self._ttfc,
             )
-
-
-def extract_meta_context(meta: Mapping[str, Any] | None) -> Context | None:
-    """Trace context (and baggage) an MCP client put in `params._meta` (`traceparent`, `tracestate`,
-    `baggage`, per mcp.md); None when there is no valid one."""
-    if not isinstance(meta, Mapping) or not isinstance(meta.get("traceparent"), str):
-        return None
-    carrier = {k: v for k, v in meta.items() if k in _META_KEYS and isinstance(v, str)}
-    ctx = TraceContextTextMapPropagator().extract(carrier, context=Context())
-    if not get_current_span(ctx).get_span_context().is_valid:
-        return None
-    return W3CBaggagePropagator().extract(carrier, context=ctx)
-
-
-def inject_meta_context(meta: dict[str, Any], ctx: Context | None) -> None:
-    """Write `ctx` (the MCP step span's context) into a request's `params._meta` dict, in place:
-    `traceparent`, `tracestate` when set, `baggage` when the context carries any."""
-    if ctx is None or not get_current_span(ctx).get_span_context().is_valid:
-        return
-    carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier, context=ctx)
-    W3CBaggagePropagator().inject(carrier, context=ctx)
-    meta.update(carrier)

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import Sampler
-from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
 from opentelemetry.trace import (
     INVALID_SPAN,
     NonRecordingSpan,
@@ -34,9 +33,12 @@ from opentelemetry.trace import (
 from gateway.call import Call
 from otel._safe import ErrorCounter, guarded
 from otel.attributes import (
+    EXECUTE_TOOL,
     TOLLGATE_AGENT,
     TOLLGATE_ATTEMPT,
     TOLLGATE_RUN_ID,
+    TOOLS_CALL,
+    Attributes,
     inference_start_attributes,
     mcp_attributes,
     mcp_span_name,
@@ -44,7 +46,11 @@ from otel.attributes import (
 from otel.export import CountingSpanProcessor
 from otel.metrics import Metrics
 from otel.runs import INVOKE_AGENT, RunIdGenerator, RunTotals, run_ids, run_root_attributes
-from otel.spans import StepLabels, StepSpan
+from otel.spans import StepKind, StepLabels, StepSpan
+
+__all__ = [
+    "Telemetry",
+]
 
 _ENDED_RUNS_KEPT = 4096  # run epochs remembered to make `end_run` idempotent
 
@@ -62,8 +68,15 @@ class Telemetry:
     """Tracing and metrics for one gateway process. Build with `setup_telemetry(env)`."""
 
     def __init__(
-        self, *, tracer: Tracer | None, provider: TracerProvider | None, processor: CountingSpanProcessor | None,
-        sampler: Sampler | None, ids: RunIdGenerator | None, metrics: Metrics, errors: ErrorCounter,
+        self,
+        *,
+        tracer: Tracer | None,
+        provider: TracerProvider | None,
+        processor: CountingSpanProcessor | None,
+        sampler: Sampler | None,
+        ids: RunIdGenerator | None,
+        metrics: Metrics,
+        errors: ErrorCounter,
         capture_content: bool,
     ) -> None:
         self._tracer = tracer
@@ -89,70 +102,112 @@ class Telemetry:
             return INVALID_SPAN
         return NonRecordingSpan(get_current_span(parent).get_span_context())
 
-    def _step(self, span_factory: Callable[[], Span], parent: Context | None, kind: str, labels: StepLabels) -> StepSpan:
+    def _step(
+        self, start: Callable[[Tracer], Span], parent: Context | None, kind: StepKind, labels: StepLabels
+    ) -> StepSpan:
+        tracer = self._tracer
         try:
-            span = span_factory() if self._tracer is not None else self._passthrough(parent)
-        except Exception:
+            span = start(tracer) if tracer is not None else self._passthrough(parent)
+        except Exception:  # noqa: BLE001 - counted; the step still gets a (non-recording) span
             self._errors.record(f"start_{kind}")
             span = self._passthrough(parent)
-        return StepSpan(span, kind="mcp" if kind == "mcp" else "inference", parent=parent, labels=labels,
-                        metrics=self.metrics, errors=self._errors, capture=self.capture_content)
+        return StepSpan(
+            span,
+            kind=kind,
+            parent=parent,
+            labels=labels,
+            metrics=self.metrics,
+            errors=self._errors,
+            capture=self.capture_content,
+        )
+
+    def _tollgate(self, attrs: Attributes, run_id: str | None, agent: str | None) -> Attributes:
+        if run_id:
+            attrs[TOLLGATE_RUN_ID] = run_id
+        if agent:
+            attrs[TOLLGATE_AGENT] = agent
+        return attrs
 
     def start_inference(
-        self, call: Call, *, provider_name: str, server_address: str, server_port: int,
-        parent: Context | None, attempt: int = 0, run_id: str | None = None, agent: str | None = None,
+        self,
+        call: Call,
+        *,
+        provider_name: str,
+        server_address: str,
+        server_port: int,
+        parent: Context | None,
+        attempt: int = 0,
+        run_id: str | None = None,
+        agent: str | None = None,
     ) -> StepSpan:
         """Start the CLIENT span `{operation} {model}` of one upstream attempt.
 
         `parent`: `run_parent(...)` or the agent's `context_from_headers(...)`; None starts a new
         trace (the ambient context is never used implicitly). `attempt` counts re-asks of the step.
         """
-        labels = StepLabels(operation=call.operation, provider=provider_name, request_model=call.model or None,
-                            server_address=server_address or None, server_port=server_port)
+        labels = StepLabels(
+            operation=call.operation,
+            provider=provider_name,
+            request_model=call.model or None,
+            server_address=server_address or None,
+            server_port=server_port,
+        )
 
-        def factory() -> Span:
-            assert self._tracer is not None
+        def start(tracer: Tracer) -> Span:
             attrs = inference_start_attributes(
                 call, provider_name=provider_name, server_address=server_address, server_port=server_port
             )
             attrs[TOLLGATE_ATTEMPT] = attempt
-            if run_id:
-                attrs[TOLLGATE_RUN_ID] = run_id
-            if agent:
-                attrs[TOLLGATE_AGENT] = agent
             name = f"{call.operation} {call.model}" if call.model else call.operation
-            return self._tracer.start_span(name, context=parent or Context(), kind=SpanKind.CLIENT, attributes=attrs)
+            return tracer.start_span(
+                name, parent or Context(), SpanKind.CLIENT, self._tollgate(attrs, run_id, agent)
+            )
 
-        return self._step(factory, parent, "inference", labels)
+        return self._step(start, parent, "inference", labels)
 
     def start_mcp(
-        self, method: str, *, tool_name: str | None = None, request_id: str | int | None = None,
-        session_id: str | None = None, protocol_version: str | None = None, server_address: str | None = None,
-        server_port: int | None = None, parent: Context | None = None, run_id: str | None = None,
+        self,
+        method: str,
+        *,
+        tool_name: str | None = None,
+        request_id: str | int | None = None,
+        session_id: str | None = None,
+        protocol_version: str | None = None,
+        server_address: str | None = None,
+        server_port: int | None = None,
+        parent: Context | None = None,
+        run_id: str | None = None,
         agent: str | None = None,
     ) -> StepSpan:
         """Start the MCP CLIENT span `tools/call {tool}` (or `{method}`) of one forwarded request.
         `parent` usually comes from `extract_meta_context(params._meta)` or `run_parent(...)`."""
-        attrs = mcp_attributes(
-            method, tool_name=tool_name, request_id=request_id, session_id=session_id,
-            protocol_version=protocol_version, server_address=server_address, server_port=server_port,
-            is_error=None, rpc_error_code=None,
-        )
         labels = StepLabels(
-            operation=str(attrs.get(GenAI.GEN_AI_OPERATION_NAME, "")), method=method, tool_name=tool_name,
-            protocol_version=protocol_version, server_address=server_address, server_port=server_port,
+            operation=EXECUTE_TOOL if method == TOOLS_CALL else "",
+            method=method,
+            tool_name=tool_name,
+            protocol_version=protocol_version,
+            server_address=server_address,
+            server_port=server_port,
         )
 
-        def factory() -> Span:
-            assert self._tracer is not None
-            if run_id:
-                attrs[TOLLGATE_RUN_ID] = run_id
-            if agent:
-                attrs[TOLLGATE_AGENT] = agent
-            return self._tracer.start_span(mcp_span_name(method, tool_name), context=parent or Context(),
-                                           kind=SpanKind.CLIENT, attributes=attrs)
+        def start(tracer: Tracer) -> Span:
+            attrs = mcp_attributes(
+                method,
+                tool_name=tool_name,
+                request_id=request_id,
+                session_id=session_id,
+                protocol_version=protocol_version,
+                server_address=server_address,
+                server_port=server_port,
+                is_error=None,
+                rpc_error_code=None,
+            )
+            name = mcp_span_name(method, tool_name)
+            return tracer.start_span(
+                name, parent or Context(), SpanKind.CLIENT, self._tollgate(attrs, run_id, agent)
+            )
 
-        return self._step(factory, parent, "mcp", labels)
+        return self._step(start, parent, "mcp", labels)
 
     def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0) -> Context:
         """Parent context for the steps of a run without agent trace context: the (future) root span
@@ -161,18 +216,32 @@ class Telemetry:
             return Context()
         try:
             trace_id, span_id = run_ids(run_id, epoch)
-            decision = self._sampler.should_sample(Context(), trace_id, f"{INVOKE_AGENT} {agent}", SpanKind.INTERNAL)
-            flags = TraceFlags.RANDOM_TRACE_ID | (TraceFlags.SAMPLED if decision.decision.is_sampled() else 0)
-            root = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags),
-                               trace_state=decision.trace_state)
+            decision = self._sampler.should_sample(
+                Context(), trace_id, f"{INVOKE_AGENT} {agent}", SpanKind.INTERNAL
+            )
+            sampled = decision.decision.is_sampled()  # type: ignore[no-untyped-call]  # unannotated in the SDK
+            flags = TraceFlags.RANDOM_TRACE_ID | (TraceFlags.SAMPLED if sampled else 0)
+            root = SpanContext(
+                trace_id,
+                span_id,
+                is_remote=False,
+                trace_flags=TraceFlags(flags),
+                trace_state=decision.trace_state,
+            )
             return set_span_in_context(NonRecordingSpan(root), Context())
-        except Exception:
+        except Exception:  # noqa: BLE001 - counted; steps then start their own traces
             self._errors.record("run_parent")
             return Context()
 
     @guarded("end_run")
     def end_run(
-        self, run_id: str, agent: str, *, started_at: float, totals: RunTotals, epoch: int | str = 0,
+        self,
+        run_id: str,
+        agent: str,
+        *,
+        started_at: float,
+        totals: RunTotals,
+        epoch: int | str = 0,
     ) -> bool:
         """Export the run epoch's root span (start = `started_at`, Unix seconds; end = now) with its
         totals; `error.type` = the stop reason when a guard stopped the run. Returns False when
@@ -190,8 +259,11 @@ class Telemetry:
         name = f"{INVOKE_AGENT} {agent}" if agent else INVOKE_AGENT
         with self._ids.override(trace_id, span_id):
             span = self._tracer.start_span(
-                name, context=Context(), kind=SpanKind.INTERNAL,
-                attributes=run_root_attributes(run_id, agent, totals, epoch), start_time=int(started_at * 1e9),
+                name,
+                context=Context(),
+                kind=SpanKind.INTERNAL,
+                attributes=run_root_attributes(run_id, agent, totals, epoch),
+                start_time=int(started_at * 1e9),
             )
         if totals.stop_reason:
             span.set_status(Status(StatusCode.ERROR, totals.stop_reason))

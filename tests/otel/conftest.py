@@ -31,7 +31,9 @@ def telemetry(exporter: InMemorySpanExporter) -> Iterator[Telemetry]:
 @pytest.fixture
 def captured(exporter: InMemorySpanExporter) -> Iterator[Telemetry]:
     """Telemetry with content capture on."""
-    telemetry = setup_telemetry({"OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "SPAN_ONLY"}, exporter=exporter)
+    telemetry = setup_telemetry(
+        {"OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "SPAN_ONLY"}, exporter=exporter
+    )
     yield telemetry
     telemetry.shutdown()
 

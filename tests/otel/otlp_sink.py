@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # protobuf has no stubs
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -81,13 +81,22 @@ class OtlpSink:
             resource = typed_attributes(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    self.spans.append(WireSpan(
-                        name=span.name, kind=span.kind, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(), status_code=span.status.code,
-                        status_message=span.status.message, schema_url=scope_spans.schema_url,
-                        scope=scope_spans.scope.name, attributes=typed_attributes(span.attributes),
-                        events=[(e.name, typed_attributes(e.attributes)) for e in span.events], resource=resource,
-                    ))
+                    self.spans.append(
+                        WireSpan(
+                            name=span.name,
+                            kind=span.kind,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            status_code=span.status.code,
+                            status_message=span.status.message,
+                            schema_url=scope_spans.schema_url,
+                            scope=scope_spans.scope.name,
+                            attributes=typed_attributes(span.attributes),
+                            events=[(e.name, typed_attributes(e.attributes)) for e in span.events],
+                            resource=resource,
+                        )
+                    )
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(), content_type=PROTOBUF)
 
     def app(self) -> web.Application:

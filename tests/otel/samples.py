@@ -13,17 +13,36 @@ OPENAI_BODY: dict[str, Any] = {
     "model": "gpt-4o-mini",
     "messages": [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location":"Paris"}'}},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Weather in Paris?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"location":"Paris"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "rainy, 57°F"},
     ],
-    "tools": [{"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather",
-        "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
-    }}],
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather",
+                "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
+            },
+        }
+    ],
     "temperature": 0.2,
     "top_p": 1,
     "max_tokens": 256,
@@ -42,18 +61,34 @@ ANTHROPIC_BODY: dict[str, Any] = {
     "max_tokens": 512,
     "messages": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "Need the tool.", "signature": "sig"},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"location": "Paris"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "rainy"}]},
-            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/4AAQ"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Need the tool.", "signature": "sig"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"location": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "rainy"}],
+                },
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/4AAQ"},
+                },
+            ],
+        },
     ],
     "tools": [
-        {"name": "get_weather", "description": "Current weather",
-         "input_schema": {"type": "object", "properties": {"location": {"type": "string"}}}},
+        {
+            "name": "get_weather",
+            "description": "Current weather",
+            "input_schema": {"type": "object", "properties": {"location": {"type": "string"}}},
+        },
         {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
     ],
     "temperature": 1,
@@ -65,12 +100,19 @@ ANTHROPIC_BODY: dict[str, Any] = {
 def openai_call(body: dict[str, Any] | None = None, *, stream: bool = False) -> Call:
     body = dict(OPENAI_BODY if body is None else body)
     return Call(
-        protocol="openai", operation="chat", model=body["model"], stream=stream, max_tokens=body.get("max_tokens"),
+        protocol="openai",
+        operation="chat",
+        model=body["model"],
+        stream=stream,
+        max_tokens=body.get("max_tokens"),
         tools=(ToolSpec("get_weather", "Current weather", {"type": "object"}),),
         params=RequestParams(
-            temperature=body.get("temperature"), top_p=body.get("top_p"),
-            frequency_penalty=body.get("frequency_penalty"), presence_penalty=body.get("presence_penalty"),
-            stop_sequences=tuple(body["stop"]) if "stop" in body else None, seed=body.get("seed"),
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            frequency_penalty=body.get("frequency_penalty"),
+            presence_penalty=body.get("presence_penalty"),
+            stop_sequences=tuple(body["stop"]) if "stop" in body else None,
+            seed=body.get("seed"),
             choice_count=body.get("n"),
         ),
         raw=body,
@@ -80,9 +122,14 @@ def openai_call(body: dict[str, Any] | None = None, *, stream: bool = False) -> 
 def anthropic_call(body: dict[str, Any] | None = None, *, stream: bool = False) -> Call:
     body = dict(ANTHROPIC_BODY if body is None else body)
     return Call(
-        protocol="anthropic", operation="chat", model=body["model"], stream=stream, max_tokens=body["max_tokens"],
+        protocol="anthropic",
+        operation="chat",
+        model=body["model"],
+        stream=stream,
+        max_tokens=body["max_tokens"],
         params=RequestParams(
-            temperature=body.get("temperature"), top_k=body.get("top_k"),
+            temperature=body.get("temperature"),
+            top_k=body.get("top_k"),
             stop_sequences=tuple(body.get("stop_sequences", ())) or None,
         ),
         raw=body,
@@ -94,14 +141,18 @@ def mcp_call(tool: str = "read_file", arguments: str = '{"path": "/etc/motd"}') 
 
 
 OPENAI_ANSWER = Answer(
-    response_id="chatcmpl-123", model="gpt-4o-mini-2024-07-18", text="It is rainy.",
+    response_id="chatcmpl-123",
+    model="gpt-4o-mini-2024-07-18",
+    text="It is rainy.",
     finish_reasons=("stop", "length"),
     usage=Usage(input_tokens=120, output_tokens=30, cache_read_tokens=64, reasoning_tokens=12),
 )
 
 # The Anthropic adapter already summed input_tokens (100) + cache_read (20) + cache_creation (30).
 ANTHROPIC_ANSWER = Answer(
-    response_id="msg_01", model="claude-sonnet-4-5-20250929", text="",
+    response_id="msg_01",
+    model="claude-sonnet-4-5-20250929",
+    text="",
     tool_calls=(ToolCall("toolu_2", "get_weather", '{"location": "Lyon"}'),),
     finish_reasons=("tool_use",),
     usage=Usage(input_tokens=150, output_tokens=40, cache_read_tokens=20, cache_creation_tokens=30),

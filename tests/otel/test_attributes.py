@@ -78,18 +78,24 @@ def test_anthropic_start_attributes_exact() -> None:
 )
 def test_conditional_attributes_absent(change: dict[str, Any], absent: str) -> None:
     call = replace(openai_call(stream=True), **change)
-    assert absent not in inference_start_attributes(call, provider_name="openai", server_address="h", server_port=1)
+    assert absent not in inference_start_attributes(
+        call, provider_name="openai", server_address="h", server_port=1
+    )
 
 
 def test_openai_specific_attributes_only_for_openai_flavour() -> None:
-    attrs = inference_start_attributes(openai_call(), provider_name="local", server_address="127.0.0.1", server_port=8000)
+    attrs = inference_start_attributes(
+        openai_call(), provider_name="local", server_address="127.0.0.1", server_port=8000
+    )
     assert not [k for k in attrs if k.startswith("openai.")]
     assert attrs["gen_ai.provider.name"] == "local"
 
 
 def test_service_tier_auto_is_not_reported() -> None:
     call = openai_call({**OPENAI_BODY, "service_tier": "auto"})
-    attrs = inference_start_attributes(call, provider_name="openai", server_address="api.openai.com", server_port=443)
+    attrs = inference_start_attributes(
+        call, provider_name="openai", server_address="api.openai.com", server_port=443
+    )
     assert "openai.request.service_tier" not in attrs
 
 
@@ -163,8 +169,15 @@ def test_provider_name_for(provider_type: str, base_url: str, custom: str | None
 
 def test_mcp_tools_call_attributes_exact() -> None:
     attrs = mcp_attributes(
-        "tools/call", tool_name="read_file", request_id=7, session_id="sess-1", protocol_version="2025-06-18",
-        server_address="127.0.0.1", server_port=3001, is_error=None, rpc_error_code=None,
+        "tools/call",
+        tool_name="read_file",
+        request_id=7,
+        session_id="sess-1",
+        protocol_version="2025-06-18",
+        server_address="127.0.0.1",
+        server_port=3001,
+        is_error=None,
+        rpc_error_code=None,
     )
     assert typed(attrs) == {
         "mcp.method.name": (str, "tools/call"),
@@ -191,8 +204,15 @@ def test_mcp_tools_call_attributes_exact() -> None:
 )
 def test_mcp_errors(is_error: bool | None, code: int | None, expected: dict[str, str]) -> None:
     attrs = mcp_attributes(
-        "tools/call", tool_name="t", request_id=None, session_id=None, protocol_version=None,
-        server_address=None, server_port=None, is_error=is_error, rpc_error_code=code,
+        "tools/call",
+        tool_name="t",
+        request_id=None,
+        session_id=None,
+        protocol_version=None,
+        server_address=None,
+        server_port=None,
+        is_error=is_error,
+        rpc_error_code=code,
     )
     assert {k: v for k, v in attrs.items() if k in ("error.type", "rpc.response.status_code")} == expected
     assert "jsonrpc.request.id" not in attrs and "server.port" not in attrs
@@ -200,8 +220,15 @@ def test_mcp_errors(is_error: bool | None, code: int | None, expected: dict[str,
 
 def test_mcp_non_tool_method_has_no_operation_name() -> None:
     attrs = mcp_attributes(
-        "tools/list", tool_name=None, request_id="a", session_id=None, protocol_version=None,
-        server_address="h", server_port=1, is_error=None, rpc_error_code=None,
+        "tools/list",
+        tool_name=None,
+        request_id="a",
+        session_id=None,
+        protocol_version=None,
+        server_address="h",
+        server_port=1,
+        is_error=None,
+        rpc_error_code=None,
     )
     assert "gen_ai.operation.name" not in attrs and "gen_ai.tool.name" not in attrs
     assert mcp_span_name("tools/list", None) == "tools/list"
@@ -216,5 +243,6 @@ def test_guard_event_attributes() -> None:
         "tollgate.guard.detail": "spent 2.01 of 2.00",
     }
     assert guard_event_attributes("loop", "continue", None, None) == {
-        "tollgate.guard.name": "loop", "tollgate.guard.decision": "continue",
+        "tollgate.guard.name": "loop",
+        "tollgate.guard.decision": "continue",
     }

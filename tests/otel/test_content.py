@@ -28,14 +28,28 @@ def loads(text: str | None) -> Any:
 def test_openai_input_messages() -> None:
     assert loads(content.input_messages(openai_call())) == [
         {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
-        {"role": "user", "parts": [
-            {"type": "text", "content": "Weather in Paris?"},
-            {"type": "blob", "modality": "image", "mime_type": "image/png", "content": "iVBORw0K"},
-        ]},
-        {"role": "assistant", "parts": [
-            {"type": "tool_call", "id": "call_1", "name": "get_weather", "arguments": {"location": "Paris"}},
-        ]},
-        {"role": "tool", "parts": [{"type": "tool_call_response", "id": "call_1", "response": "rainy, 57°F"}]},
+        {
+            "role": "user",
+            "parts": [
+                {"type": "text", "content": "Weather in Paris?"},
+                {"type": "blob", "modality": "image", "mime_type": "image/png", "content": "iVBORw0K"},
+            ],
+        },
+        {
+            "role": "assistant",
+            "parts": [
+                {
+                    "type": "tool_call",
+                    "id": "call_1",
+                    "name": "get_weather",
+                    "arguments": {"location": "Paris"},
+                },
+            ],
+        },
+        {
+            "role": "tool",
+            "parts": [{"type": "tool_call_response", "id": "call_1", "response": "rainy, 57°F"}],
+        },
     ]
 
 
@@ -44,29 +58,46 @@ def test_openai_has_no_separate_system_instructions() -> None:
 
 
 def test_openai_less_common_parts() -> None:
-    body = {"model": "m", "messages": [
-        {"role": "developer", "name": "ops", "content": "Rules."},
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
-            {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}},
-            {"type": "file", "file": {"file_id": "file-1"}},
-            {"type": "mystery", "x": 1},
-        ]},
-        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}],
-         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]},
-    ]}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "developer", "name": "ops", "content": "Rules."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                    {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}},
+                    {"type": "file", "file": {"file_id": "file-1"}},
+                    {"type": "mystery", "x": 1},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "refusal", "refusal": "No."}],
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+                ],
+            },
+        ],
+    }
     assert loads(content.input_messages(openai_call(body))) == [
         {"role": "developer", "name": "ops", "parts": [{"type": "text", "content": "Rules."}]},
-        {"role": "user", "parts": [
-            {"type": "uri", "modality": "image", "uri": "https://example.com/cat.png"},
-            {"type": "blob", "modality": "audio", "mime_type": "audio/wav", "content": "UklGR"},
-            {"type": "file", "modality": "document", "file_id": "file-1"},
-            {"type": "mystery", "x": 1},
-        ]},
-        {"role": "assistant", "parts": [
-            {"type": "refusal", "content": "No."},
-            {"type": "tool_call", "id": "c", "name": "f", "arguments": "not json"},
-        ]},
+        {
+            "role": "user",
+            "parts": [
+                {"type": "uri", "modality": "image", "uri": "https://example.com/cat.png"},
+                {"type": "blob", "modality": "audio", "mime_type": "audio/wav", "content": "UklGR"},
+                {"type": "file", "modality": "document", "file_id": "file-1"},
+                {"type": "mystery", "x": 1},
+            ],
+        },
+        {
+            "role": "assistant",
+            "parts": [
+                {"type": "refusal", "content": "No."},
+                {"type": "tool_call", "id": "c", "name": "f", "arguments": "not json"},
+            ],
+        },
     ]
 
 
@@ -75,32 +106,70 @@ def test_anthropic_input_messages_and_system_instructions() -> None:
     assert loads(content.system_instructions(call)) == [{"type": "text", "content": "You are terse."}]
     assert loads(content.input_messages(call)) == [
         {"role": "user", "parts": [{"type": "text", "content": "Weather in Paris?"}]},
-        {"role": "assistant", "parts": [
-            {"type": "reasoning", "content": "Need the tool."},
-            {"type": "tool_call", "id": "toolu_1", "name": "get_weather", "arguments": {"location": "Paris"}},
-        ]},
-        {"role": "user", "parts": [
-            {"type": "tool_call_response", "id": "toolu_1", "response": "rainy"},
-            {"type": "blob", "modality": "image", "mime_type": "image/jpeg", "content": "/9j/4AAQ"},
-        ]},
+        {
+            "role": "assistant",
+            "parts": [
+                {"type": "reasoning", "content": "Need the tool."},
+                {
+                    "type": "tool_call",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "arguments": {"location": "Paris"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "parts": [
+                {"type": "tool_call_response", "id": "toolu_1", "response": "rainy"},
+                {"type": "blob", "modality": "image", "mime_type": "image/jpeg", "content": "/9j/4AAQ"},
+            ],
+        },
     ]
 
 
 def test_anthropic_string_system_and_server_tools() -> None:
-    body = {"model": "m", "max_tokens": 1, "system": "Plain.", "messages": [
-        {"role": "assistant", "content": [
-            {"type": "server_tool_use", "id": "srv_1", "name": "web_search", "input": {"query": "otel"}},
-            {"type": "web_search_tool_result", "tool_use_id": "srv_1", "content": [{"type": "web_search_result"}]},
-            {"type": "redacted_thinking", "data": "opaque"},
-        ]},
-    ]}
+    body = {
+        "model": "m",
+        "max_tokens": 1,
+        "system": "Plain.",
+        "messages": [
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "server_tool_use",
+                        "id": "srv_1",
+                        "name": "web_search",
+                        "input": {"query": "otel"},
+                    },
+                    {
+                        "type": "web_search_tool_result",
+                        "tool_use_id": "srv_1",
+                        "content": [{"type": "web_search_result"}],
+                    },
+                    {"type": "redacted_thinking", "data": "opaque"},
+                ],
+            },
+        ],
+    }
     call = anthropic_call(body)
     assert loads(content.system_instructions(call)) == [{"type": "text", "content": "Plain."}]
     assert loads(content.input_messages(call))[0]["parts"] == [
-        {"type": "server_tool_call", "id": "srv_1", "name": "web_search",
-         "server_tool_call": {"type": "web_search", "query": "otel"}},
-        {"type": "server_tool_call_response", "id": "srv_1", "server_tool_call_response": {
-            "type": "web_search_tool_result", "content": [{"type": "web_search_result"}]}},
+        {
+            "type": "server_tool_call",
+            "id": "srv_1",
+            "name": "web_search",
+            "server_tool_call": {"type": "web_search", "query": "otel"},
+        },
+        {
+            "type": "server_tool_call_response",
+            "id": "srv_1",
+            "server_tool_call_response": {
+                "type": "web_search_tool_result",
+                "content": [{"type": "web_search_result"}],
+            },
+        },
         {"type": "reasoning", "content": ""},
     ]
 
@@ -114,10 +183,14 @@ def test_tool_definitions_type_and_name_by_default() -> None:
 
 
 def test_tool_definitions_detailed() -> None:
-    assert loads(content.tool_definitions(openai_call(), detailed=True)) == [{
-        "type": "function", "name": "get_weather", "description": "Current weather",
-        "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
-    }]
+    assert loads(content.tool_definitions(openai_call(), detailed=True)) == [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
+        }
+    ]
     detailed = loads(content.tool_definitions(anthropic_call(), detailed=True))
     assert detailed[0]["parameters"] == {"type": "object", "properties": {"location": {"type": "string"}}}
     assert detailed[1] == {"type": "web_search_20250305", "name": "web_search"}
@@ -131,13 +204,26 @@ def test_no_tools_no_definitions() -> None:
 
 def test_output_messages() -> None:
     assert loads(content.output_messages(OPENAI_ANSWER)) == [
-        {"role": "assistant", "parts": [{"type": "text", "content": "It is rainy."}], "finish_reason": "stop"},
+        {
+            "role": "assistant",
+            "parts": [{"type": "text", "content": "It is rainy."}],
+            "finish_reason": "stop",
+        },
     ]
-    assert loads(content.output_messages(ANTHROPIC_ANSWER)) == [{
-        "role": "assistant",
-        "parts": [{"type": "tool_call", "id": "toolu_2", "name": "get_weather", "arguments": {"location": "Lyon"}}],
-        "finish_reason": "tool_call",
-    }]
+    assert loads(content.output_messages(ANTHROPIC_ANSWER)) == [
+        {
+            "role": "assistant",
+            "parts": [
+                {
+                    "type": "tool_call",
+                    "id": "toolu_2",
+                    "name": "get_weather",
+                    "arguments": {"location": "Lyon"},
+                }
+            ],
+            "finish_reason": "tool_call",
+        }
+    ]
 
 
 def test_output_finish_reason_mapping() -> None:

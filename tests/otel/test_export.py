@@ -15,7 +15,11 @@ from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 from tests.otel.samples import OPENAI_ANSWER, openai_call
 
-SMALL_QUEUE = {"OTEL_BSP_MAX_QUEUE_SIZE": "4", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+SMALL_QUEUE = {
+    "OTEL_BSP_MAX_QUEUE_SIZE": "4",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
+    "OTEL_BSP_SCHEDULE_DELAY": "60000",
+}
 
 
 class GateExporter(SpanExporter):
@@ -48,8 +52,14 @@ class FailingExporter(SpanExporter):
 
 def one_step(telemetry: Telemetry) -> float:
     """A full inference step; returns the seconds spent in `finish` (which ends the span)."""
-    step = telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                                     server_port=443, parent=None, attempt=0)
+    step = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=None,
+        attempt=0,
+    )
     step.guard_event("budget", "continue")
     started = time.perf_counter()
     step.finish(OPENAI_ANSWER, cost_usd=0.01)
@@ -108,13 +118,15 @@ def closed_port() -> int:
 
 def test_collector_down_costs_requests_nothing_and_drops_are_counted() -> None:
     baseline = setup_telemetry({}, exporter=FailingExporter(raises=False))
-    down = setup_telemetry({
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
-        "OTEL_EXPORTER_OTLP_TIMEOUT": "300",
-        "OTEL_BSP_MAX_QUEUE_SIZE": "64",
-        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "16",
-        "OTEL_BSP_SCHEDULE_DELAY": "10",
-    })
+    down = setup_telemetry(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "300",
+            "OTEL_BSP_MAX_QUEUE_SIZE": "64",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "16",
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+        }
+    )
     steps = 600
     for _ in range(50):  # warm up both
         one_step(baseline), one_step(down)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,15 +16,34 @@ from otel.metrics import DURATION_BUCKETS, MCP_BUCKETS, TOKEN_BUCKETS, Metrics
 
 def exercised() -> Metrics:
     metrics = Metrics(spans_dropped=lambda: 7, budget_reserved=lambda: 1.25, label_limit=3)
-    common = dict(operation="chat", provider="openai", request_model="gpt-4o-mini",
-                  server_address="api.openai.com", server_port=443)
-    metrics.observe_inference(**common, response_model="gpt-4o-mini-2024-07-18", error_type=None, duration_s=0.3,
-                              input_tokens=120, output_tokens=30)
+    common: dict[str, Any] = {
+        "operation": "chat",
+        "provider": "openai",
+        "request_model": "gpt-4o-mini",
+        "server_address": "api.openai.com",
+        "server_port": 443,
+    }
+    metrics.observe_inference(
+        **common,
+        response_model="gpt-4o-mini-2024-07-18",
+        error_type=None,
+        duration_s=0.3,
+        input_tokens=120,
+        output_tokens=30,
+    )
     metrics.observe_inference(**common, response_model=None, error_type="upstream_timeout", duration_s=120.0)
     metrics.observe_first_chunk(**common, seconds=0.05)
-    metrics.observe_mcp(method="tools/call", tool_name="read_file", operation="execute_tool",
-                        protocol_version="2025-06-18", server_address="127.0.0.1", server_port=3001,
-                        rpc_status_code=None, error_type="tool_error", duration_s=0.02)
+    metrics.observe_mcp(
+        method="tools/call",
+        tool_name="read_file",
+        operation="execute_tool",
+        protocol_version="2025-06-18",
+        server_address="127.0.0.1",
+        server_port=3001,
+        rpc_status_code=None,
+        error_type="tool_error",
+        duration_s=0.02,
+    )
     metrics.guard_decision("budget", "stop", "budget_exhausted")
     metrics.guard_decision("loop", "continue")
     metrics.guard_error("loop")
@@ -48,34 +68,60 @@ def samples(metrics: Metrics) -> dict[str, list[Sample]]:
 def test_exposition_names_and_labels() -> None:
     families = samples(exercised())
     assert {
-        "gen_ai_client_operation_duration_seconds", "gen_ai_client_token_usage",
-        "gen_ai_client_operation_time_to_first_chunk_seconds", "mcp_client_operation_duration_seconds",
-        "tollgate_guard_decisions", "tollgate_guard_errors", "tollgate_runs_stopped", "tollgate_tool_calls",
-        "tollgate_output_checks", "tollgate_reasks", "tollgate_cost_usd", "tollgate_upstream_requests",
-        "tollgate_budget_reserved_usd", "tollgate_spans_dropped", "tollgate_telemetry_errors",
+        "gen_ai_client_operation_duration_seconds",
+        "gen_ai_client_token_usage",
+        "gen_ai_client_operation_time_to_first_chunk_seconds",
+        "mcp_client_operation_duration_seconds",
+        "tollgate_guard_decisions",
+        "tollgate_guard_errors",
+        "tollgate_runs_stopped",
+        "tollgate_tool_calls",
+        "tollgate_output_checks",
+        "tollgate_reasks",
+        "tollgate_cost_usd",
+        "tollgate_upstream_requests",
+        "tollgate_budget_reserved_usd",
+        "tollgate_spans_dropped",
+        "tollgate_telemetry_errors",
     } <= set(families)
     assert not [s for f in families.values() for s in f if s.name.endswith("_created")]
-    counts = {s.labels["error_type"]: s.value for s in families["gen_ai_client_operation_duration_seconds"]
-              if s.name.endswith("_count")}
-    assert counts == {"": 1.0, "upstream_timeout": 1.0}
-    ok = next(s for s in families["gen_ai_client_operation_duration_seconds"]
-              if s.name.endswith("_count") and s.labels["error_type"] == "")
-    assert ok.labels == {
-        "gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai", "gen_ai_request_model": "gpt-4o-mini",
-        "gen_ai_response_model": "gpt-4o-mini-2024-07-18", "server_address": "api.openai.com",
-        "server_port": "443", "error_type": "",
+    counts = {
+        s.labels["error_type"]: s.value
+        for s in families["gen_ai_client_operation_duration_seconds"]
+        if s.name.endswith("_count")
     }
-    tokens = {s.labels["gen_ai_token_type"]: s.value for s in families["gen_ai_client_token_usage"]
-              if s.name.endswith("_sum")}
+    assert counts == {"": 1.0, "upstream_timeout": 1.0}
+    ok = next(
+        s
+        for s in families["gen_ai_client_operation_duration_seconds"]
+        if s.name.endswith("_count") and s.labels["error_type"] == ""
+    )
+    assert ok.labels == {
+        "gen_ai_operation_name": "chat",
+        "gen_ai_provider_name": "openai",
+        "gen_ai_request_model": "gpt-4o-mini",
+        "gen_ai_response_model": "gpt-4o-mini-2024-07-18",
+        "server_address": "api.openai.com",
+        "server_port": "443",
+        "error_type": "",
+    }
+    tokens = {
+        s.labels["gen_ai_token_type"]: s.value
+        for s in families["gen_ai_client_token_usage"]
+        if s.name.endswith("_sum")
+    }
     assert tokens == {"input": 120.0, "output": 30.0}
     assert [s.value for s in families["tollgate_spans_dropped"]] == [7.0]
     assert [s.value for s in families["tollgate_budget_reserved_usd"]] == [1.25]
     cost = families["tollgate_cost_usd"]
     assert [(s.labels, s.value) for s in cost] == [
-        ({"agent": "support-bot", "provider": "openai", "model": "gpt-4o-mini"}, 0.0123)]
+        ({"agent": "support-bot", "provider": "openai", "model": "gpt-4o-mini"}, 0.0123)
+    ]
     assert {s.labels["status"] for s in families["tollgate_upstream_requests"]} == {"200", "timeout"}
-    assert {(s.labels["guard"], s.labels["decision"], s.labels["reason"]) for s in families["tollgate_guard_decisions"]} == {
-        ("budget", "stop", "budget_exhausted"), ("loop", "continue", "")}
+    assert {
+        (s.labels["guard"], s.labels["decision"], s.labels["reason"])
+        for s in families["tollgate_guard_decisions"]
+    } == {("budget", "stop", "budget_exhausted"), ("loop", "continue", "")}
     mcp = next(s for s in families["mcp_client_operation_duration_seconds"] if s.name.endswith("_count"))
     assert mcp.labels["mcp_method_name"] == "tools/call" and mcp.labels["error_type"] == "tool_error"
 
@@ -91,7 +137,11 @@ def test_exposition_names_and_labels() -> None:
 def test_semconv_bucket_boundaries(family: str, bounds: tuple[float, ...]) -> None:
     buckets = samples(exercised())[family]
     first_series = buckets[0].labels | {"le": ""}
-    les = [s.labels["le"] for s in buckets if s.name.endswith("_bucket") and (s.labels | {"le": ""}) == first_series]
+    les = [
+        s.labels["le"]
+        for s in buckets
+        if s.name.endswith("_bucket") and (s.labels | {"le": ""}) == first_series
+    ]
     assert [float(le) for le in les] == [*map(float, bounds), float("inf")]
 
 
@@ -117,9 +167,16 @@ def test_never_a_run_id_label() -> None:
 
 def test_metric_errors_are_swallowed_and_counted() -> None:
     metrics = Metrics()
-    metrics.observe_inference(operation="chat", provider="p", request_model="m", response_model=None,
-                              server_address=None, server_port=None, error_type=None,
-                              duration_s="slow")  # type: ignore[arg-type]
+    metrics.observe_inference(
+        operation="chat",
+        provider="p",
+        request_model="m",
+        response_model=None,
+        server_address=None,
+        server_port=None,
+        error_type=None,
+        duration_s="slow",  # type: ignore[arg-type]  # a caller bug must not raise
+    )
     errors = {s.labels["component"]: s.value for s in samples(metrics)["tollgate_telemetry_errors"]}
     assert errors == {"metrics.observe_inference": 1.0}
 
@@ -131,6 +188,8 @@ def test_promtool_check_metrics() -> None:
             pytest.fail("promtool is required in CI (Debian package `prometheus`)")
         pytest.skip("promtool not installed (Debian package `prometheus`)")
     payload, _ = exercised().render()
-    result = subprocess.run([promtool, "check", "metrics"], input=payload, capture_output=True, timeout=30, check=False)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=payload, capture_output=True, timeout=30, check=False
+    )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert result.stdout.decode().strip() == "" and result.stderr.decode().strip() == ""

@@ -43,33 +43,67 @@ def run_scenario(telemetry: Telemetry) -> None:
     """One agent run without trace context (5 steps, then its end), one step in the agent's trace."""
     redactor = Redactor(secrets=(PROVIDER_KEY,))
     parent = telemetry.run_parent("run-42", "support-bot")
-    body = {**OPENAI_BODY, "messages": [{"role": "user", "content": f"my key is {PROVIDER_KEY}; Bearer {AGENT_BEARER}"}]}
+    body = {
+        **OPENAI_BODY,
+        "messages": [{"role": "user", "content": f"my key is {PROVIDER_KEY}; Bearer {AGENT_BEARER}"}],
+    }
 
-    chat = telemetry.start_inference(openai_call(body, stream=True), provider_name="openai",
-                                     server_address="api.openai.com", server_port=443, parent=parent, attempt=0)
+    chat = telemetry.start_inference(
+        openai_call(body, stream=True),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=parent,
+        attempt=0,
+    )
     chat.guard_event("budget", "continue", None, "reserved 0.02")
     chat.capture_input(openai_call(body), redactor)
     chat.first_chunk()
     chat.capture_output(Answer(text=f"noted {PROVIDER_KEY}", finish_reasons=("stop",)), redactor)
     chat.finish(OPENAI_ANSWER, cost_usd=0.02)
 
-    tool = telemetry.start_mcp("tools/call", tool_name="search_kb", request_id=3, session_id="s-9",
-                               protocol_version="2025-06-18", server_address="127.0.0.1", server_port=3001,
-                               parent=parent)
+    tool = telemetry.start_mcp(
+        "tools/call",
+        tool_name="search_kb",
+        request_id=3,
+        session_id="s-9",
+        protocol_version="2025-06-18",
+        server_address="127.0.0.1",
+        server_port=3001,
+        parent=parent,
+    )
     tool.capture_input(mcp_call("search_kb", '{"q": "refund"}'), redactor)
     tool.finish(MCP_OK)
 
-    claude = telemetry.start_inference(anthropic_call(), provider_name="anthropic",
-                                       server_address="api.anthropic.com", server_port=443, parent=parent, attempt=0)
+    claude = telemetry.start_inference(
+        anthropic_call(),
+        provider_name="anthropic",
+        server_address="api.anthropic.com",
+        server_port=443,
+        parent=parent,
+        attempt=0,
+    )
     claude.capture_input(anthropic_call(), redactor)
     claude.finish(ANTHROPIC_ANSWER, cost_usd=0.01)
 
-    limited = telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                                        server_port=443, parent=parent, attempt=0)
+    limited = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=parent,
+        attempt=0,
+    )
     limited.fail("429", "rate limited upstream")
 
-    stopped = telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                                        server_port=443, parent=parent, attempt=0)
+    stopped = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=parent,
+        attempt=0,
+    )
     stopped.guard_event("budget", "stop", "budget_exhausted", "spent 2.00 of 2.00")
     stopped.stop("budget_exhausted", "budget of 2.00 USD exhausted")
     stopped.end()
@@ -77,23 +111,41 @@ def run_scenario(telemetry: Telemetry) -> None:
     broken = telemetry.start_mcp("tools/call", tool_name="delete_all", request_id="r-1", parent=parent)
     broken.finish(MCP_TOOL_ERROR)
 
-    telemetry.end_run("run-42", "support-bot", started_at=1_750_000_000.0, totals=RunTotals(
-        cost_usd=0.03, input_tokens=270, output_tokens=70, llm_calls=4, tool_calls=2,
-        stop_reason="budget_exhausted", path_fingerprint=path_fingerprint(["llm", "tool", "llm", "stop"]),
-    ))
+    telemetry.end_run(
+        "run-42",
+        "support-bot",
+        started_at=1_750_000_000.0,
+        totals=RunTotals(
+            cost_usd=0.03,
+            input_tokens=270,
+            output_tokens=70,
+            llm_calls=4,
+            tool_calls=2,
+            stop_reason="budget_exhausted",
+            path_fingerprint=path_fingerprint(["llm", "tool", "llm", "stop"]),
+        ),
+    )
 
     agent_ctx = context_from_headers({"traceparent": f"00-{AGENT_TRACE}-{AGENT_SPAN}-01"})
-    joined = telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                                       server_port=443, parent=agent_ctx, attempt=0)
+    joined = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=agent_ctx,
+        attempt=0,
+    )
     joined.finish(OPENAI_ANSWER)
 
 
 async def test_otlp_protobuf_payload(sink: OtlpSink) -> None:
-    telemetry = setup_telemetry({
-        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
-        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "SPAN_ONLY",
-    })
+    telemetry = setup_telemetry(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
+            "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "SPAN_ONLY",
+        }
+    )
     run_scenario(telemetry)
     assert await asyncio.to_thread(telemetry.force_flush, 10)
     assert await asyncio.to_thread(telemetry.shutdown, 5)
@@ -103,8 +155,11 @@ async def test_otlp_protobuf_payload(sink: OtlpSink) -> None:
     for span in sink.spans:
         by_name.setdefault(span.name, []).append(span)
     assert sorted((name, len(spans)) for name, spans in by_name.items()) == [
-        ("chat claude-sonnet-4-5", 1), ("chat gpt-4o-mini", 4), ("invoke_agent support-bot", 1),
-        ("tools/call delete_all", 1), ("tools/call search_kb", 1),
+        ("chat claude-sonnet-4-5", 1),
+        ("chat gpt-4o-mini", 4),
+        ("invoke_agent support-bot", 1),
+        ("tools/call delete_all", 1),
+        ("tools/call search_kb", 1),
     ]
     for span in sink.spans:
         assert span.schema_url == "https://opentelemetry.io/schemas/1.41.0" and span.scope == "tollgate"
@@ -128,12 +183,25 @@ async def test_otlp_protobuf_payload(sink: OtlpSink) -> None:
     assert joined.parent_span_id == AGENT_SPAN and joined.name == "chat gpt-4o-mini"
 
     stream = next(s for s in by_name["chat gpt-4o-mini"] if "gen_ai.request.stream" in s.attributes)
-    assert {k: stream.attributes[k] for k in (
-        "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "server.address", "server.port",
-        "gen_ai.request.max_tokens", "gen_ai.request.temperature", "gen_ai.request.seed",
-        "gen_ai.request.choice.count", "gen_ai.request.stream", "gen_ai.usage.input_tokens",
-        "gen_ai.response.id", "tollgate.cost_usd", "tollgate.attempt",
-    )} == {
+    assert {
+        k: stream.attributes[k]
+        for k in (
+            "gen_ai.operation.name",
+            "gen_ai.provider.name",
+            "gen_ai.request.model",
+            "server.address",
+            "server.port",
+            "gen_ai.request.max_tokens",
+            "gen_ai.request.temperature",
+            "gen_ai.request.seed",
+            "gen_ai.request.choice.count",
+            "gen_ai.request.stream",
+            "gen_ai.usage.input_tokens",
+            "gen_ai.response.id",
+            "tollgate.cost_usd",
+            "tollgate.attempt",
+        )
+    } == {
         "gen_ai.operation.name": ("string_value", "chat"),
         "gen_ai.provider.name": ("string_value", "openai"),
         "gen_ai.request.model": ("string_value", "gpt-4o-mini"),
@@ -150,12 +218,21 @@ async def test_otlp_protobuf_payload(sink: OtlpSink) -> None:
         "tollgate.attempt": ("int_value", 0),
     }
     assert stream.attributes["gen_ai.response.finish_reasons"] == (
-        "array_value", [("string_value", "stop"), ("string_value", "length")])
+        "array_value",
+        [("string_value", "stop"), ("string_value", "length")],
+    )
     assert stream.attributes["gen_ai.request.stop_sequences"] == ("array_value", [("string_value", "END")])
     assert stream.attributes["gen_ai.response.time_to_first_chunk"][0] == "double_value"
-    assert stream.events == [("tollgate.guard", {
-        "tollgate.guard.name": ("string_value", "budget"), "tollgate.guard.decision": ("string_value", "continue"),
-        "tollgate.guard.detail": ("string_value", "reserved 0.02")})]
+    assert stream.events == [
+        (
+            "tollgate.guard",
+            {
+                "tollgate.guard.name": ("string_value", "budget"),
+                "tollgate.guard.decision": ("string_value", "continue"),
+                "tollgate.guard.detail": ("string_value", "reserved 0.02"),
+            },
+        )
+    ]
     messages = json.loads(stream.value("gen_ai.input.messages"))
     assert messages[0]["parts"][0]["content"] == "my key is [REDACTED]; Bearer [REDACTED]"
 
@@ -163,18 +240,34 @@ async def test_otlp_protobuf_payload(sink: OtlpSink) -> None:
     assert claude.attributes["gen_ai.provider.name"] == ("string_value", "anthropic")
     assert claude.attributes["gen_ai.usage.input_tokens"] == ("int_value", 150)
     assert claude.attributes["gen_ai.request.top_k"] == ("double_value", 40.0)
-    assert json.loads(claude.value("gen_ai.system_instructions")) == [{"type": "text", "content": "You are terse."}]
+    assert json.loads(claude.value("gen_ai.system_instructions")) == [
+        {"type": "text", "content": "You are terse."}
+    ]
 
-    failed = next(s for s in by_name["chat gpt-4o-mini"] if s.attributes.get("error.type") == ("string_value", "429"))
+    failed = next(
+        s for s in by_name["chat gpt-4o-mini"] if s.attributes.get("error.type") == ("string_value", "429")
+    )
     assert (failed.status_code, failed.status_message) == (ERROR, "rate limited upstream")
     stopped = next(s for s in by_name["chat gpt-4o-mini"] if "tollgate.stop_reason" in s.attributes)
-    assert stopped.attributes["error.type"] == ("string_value", "budget_exhausted") and stopped.status_code == ERROR
+    assert (
+        stopped.attributes["error.type"] == ("string_value", "budget_exhausted")
+        and stopped.status_code == ERROR
+    )
     assert "gen_ai.response.id" not in stopped.attributes  # never reached upstream
 
     (tool,) = by_name["tools/call search_kb"]
     assert tool.kind == CLIENT and tool.status_code == UNSET
-    assert {k: tool.attributes[k] for k in ("mcp.method.name", "gen_ai.operation.name", "gen_ai.tool.name",
-                                            "jsonrpc.request.id", "mcp.session.id", "server.port")} == {
+    assert {
+        k: tool.attributes[k]
+        for k in (
+            "mcp.method.name",
+            "gen_ai.operation.name",
+            "gen_ai.tool.name",
+            "jsonrpc.request.id",
+            "mcp.session.id",
+            "server.port",
+        )
+    } == {
         "mcp.method.name": ("string_value", "tools/call"),
         "gen_ai.operation.name": ("string_value", "execute_tool"),
         "gen_ai.tool.name": ("string_value", "search_kb"),
@@ -193,10 +286,20 @@ async def test_otlp_protobuf_payload(sink: OtlpSink) -> None:
 
 
 async def test_otlp_gzip(sink: OtlpSink) -> None:
-    telemetry = setup_telemetry({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{sink.url}/v1/traces",
-                                 "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"})
-    telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                              server_port=443, parent=None, attempt=0).finish(OPENAI_ANSWER)
+    telemetry = setup_telemetry(
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{sink.url}/v1/traces",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip",
+        }
+    )
+    telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=None,
+        attempt=0,
+    ).finish(OPENAI_ANSWER)
     assert await asyncio.to_thread(telemetry.force_flush, 10)
     assert await asyncio.to_thread(telemetry.shutdown, 5)
     assert [s.name for s in sink.spans] == ["chat gpt-4o-mini"]

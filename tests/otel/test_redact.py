@@ -36,10 +36,18 @@ def test_builtin_patterns(text: str, expected: str) -> None:
 
 
 def test_json_quoted_values_stay_valid_json() -> None:
-    payload = json.dumps([{"role": "user", "parts": [{"type": "text", "content": 'my "api_key": "abcdefgh12345"'}]},
-                          {"role": "assistant", "parts": [{"type": "tool_call", "name": "login",
-                                                           "arguments": {"password": "s3cretPassw0rd"}}]}],
-                         separators=(",", ":"))
+    payload = json.dumps(
+        [
+            {"role": "user", "parts": [{"type": "text", "content": 'my "api_key": "abcdefgh12345"'}]},
+            {
+                "role": "assistant",
+                "parts": [
+                    {"type": "tool_call", "name": "login", "arguments": {"password": "s3cretPassw0rd"}}
+                ],
+            },
+        ],
+        separators=(",", ":"),
+    )
     redacted = Redactor().redact(payload)
     assert "abcdefgh12345" not in redacted and "s3cretPassw0rd" not in redacted
     parsed = json.loads(redacted)
@@ -54,7 +62,9 @@ def test_exact_secrets_and_configured_patterns() -> None:
     redacted = redactor.redact(text)
     assert PROVIDER_KEY not in redacted and "ACME-123456" not in redacted
     assert json.dumps(odd_secret)[1:-1] not in redacted
-    assert json.loads(redacted)["content"] == f"{REDACTED} / {REDACTED} / {REDACTED} / abc"  # short secrets ignored
+    assert (
+        json.loads(redacted)["content"] == f"{REDACTED} / {REDACTED} / {REDACTED} / abc"
+    )  # short secrets ignored
 
 
 def test_invalid_configured_pattern_fails_at_construction() -> None:

@@ -34,18 +34,42 @@ def test_path_fingerprint() -> None:
 
 def test_steps_of_a_run_share_one_trace_under_the_derived_root(telemetry: Telemetry, spans: Spans) -> None:
     parent = telemetry.run_parent("run-1", "support-bot")
-    llm = telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                                    server_port=443, parent=parent, attempt=0)
+    llm = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=parent,
+        attempt=0,
+    )
     llm.finish(OPENAI_ANSWER, cost_usd=0.01)
-    tool = telemetry.start_mcp("tools/call", tool_name="search_kb", parent=telemetry.run_parent("run-1", "support-bot"))
+    tool = telemetry.start_mcp(
+        "tools/call", tool_name="search_kb", parent=telemetry.run_parent("run-1", "support-bot")
+    )
     tool.finish(MCP_OK)
-    other = telemetry.start_inference(anthropic_call(), provider_name="anthropic", server_address="api.anthropic.com",
-                                      server_port=443, parent=telemetry.run_parent("run-2", "support-bot"), attempt=0)
+    other = telemetry.start_inference(
+        anthropic_call(),
+        provider_name="anthropic",
+        server_address="api.anthropic.com",
+        server_port=443,
+        parent=telemetry.run_parent("run-2", "support-bot"),
+        attempt=0,
+    )
     other.finish(ANTHROPIC_ANSWER)
-    totals = RunTotals(cost_usd=0.01, input_tokens=120, output_tokens=30, llm_calls=1, tool_calls=1,
-                       stop_reason="loop_detected", path_fingerprint="abc", provider_name="openai")
+    totals = RunTotals(
+        cost_usd=0.01,
+        input_tokens=120,
+        output_tokens=30,
+        llm_calls=1,
+        tool_calls=1,
+        stop_reason="loop_detected",
+        path_fingerprint="abc",
+        provider_name="openai",
+    )
     assert telemetry.end_run("run-1", "support-bot", started_at=1_700_000_000.5, totals=totals)
-    assert not telemetry.end_run("run-1", "support-bot", started_at=1_700_000_000.5, totals=totals)  # idempotent
+    assert not telemetry.end_run(
+        "run-1", "support-bot", started_at=1_700_000_000.5, totals=totals
+    )  # idempotent
 
     llm_span, tool_span, other_span, root = spans()
     trace_id, span_id = run_ids("run-1")
@@ -76,8 +100,14 @@ def test_steps_of_a_run_share_one_trace_under_the_derived_root(telemetry: Teleme
 
 def test_each_epoch_gets_its_own_root(telemetry: Telemetry, spans: Spans) -> None:
     assert telemetry.end_run("run-1", "bot", started_at=1.0, totals=RunTotals())
-    step = telemetry.start_inference(openai_call(), provider_name="openai", server_address="h", server_port=1,
-                                     parent=telemetry.run_parent("run-1", "bot", epoch=1), attempt=0)
+    step = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="h",
+        server_port=1,
+        parent=telemetry.run_parent("run-1", "bot", epoch=1),
+        attempt=0,
+    )
     step.end()
     assert telemetry.end_run("run-1", "bot", started_at=2.0, totals=RunTotals(), epoch=1)
     first, step_span, second = spans()
@@ -92,21 +122,27 @@ def test_each_epoch_gets_its_own_root(telemetry: Telemetry, spans: Spans) -> Non
 def test_agent_traceparent_is_honoured(telemetry: Telemetry, spans: Spans) -> None:
     parent = context_from_headers({"traceparent": TRACEPARENT, "tracestate": "vendor=1"})
     assert parent is not None
-    step = telemetry.start_inference(openai_call(), provider_name="openai", server_address="h", server_port=1,
-                                     parent=parent, attempt=0)
+    step = telemetry.start_inference(
+        openai_call(), provider_name="openai", server_address="h", server_port=1, parent=parent, attempt=0
+    )
     upstream = inject_headers(step.context)
     step.end()
     (span,) = spans()
     assert span.context is not None and span.parent is not None
     assert span.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
     assert span.parent.span_id == 0xB7AD6B7169203331 and span.parent.is_remote
-    assert upstream == {"traceparent": f"00-0af7651916cd43dd8448eb211c80319c-{span.context.span_id:016x}-01",
-                        "tracestate": "vendor=1"}
+    assert upstream == {
+        "traceparent": f"00-0af7651916cd43dd8448eb211c80319c-{span.context.span_id:016x}-01",
+        "tracestate": "vendor=1",
+    }
 
 
 def test_context_from_headers_edge_cases() -> None:
     assert context_from_headers({}) is None
-    assert context_from_headers({"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"}) is None
+    assert (
+        context_from_headers({"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"})
+        is None
+    )
     assert context_from_headers({"traceparent": "nonsense"}) is None
     ctx = context_from_headers({"TraceParent": TRACEPARENT})
     assert ctx is not None and get_current_span(ctx).get_span_context().span_id == 0xB7AD6B7169203331
@@ -114,12 +150,14 @@ def test_context_from_headers_edge_cases() -> None:
 
 
 def test_sampled_out_runs_stay_consistent(exporter: InMemorySpanExporter) -> None:
-    telemetry = setup_telemetry({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
-                                exporter=exporter)
+    telemetry = setup_telemetry(
+        {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, exporter=exporter
+    )
     parent = telemetry.run_parent("run-x", "bot")
     assert not get_current_span(parent).get_span_context().trace_flags.sampled
-    step = telemetry.start_inference(openai_call(), provider_name="openai", server_address="h", server_port=1,
-                                     parent=parent, attempt=0)
+    step = telemetry.start_inference(
+        openai_call(), provider_name="openai", server_address="h", server_port=1, parent=parent, attempt=0
+    )
     assert not step.is_recording
     step.end()
     telemetry.end_run("run-x", "bot", started_at=1.0, totals=RunTotals())

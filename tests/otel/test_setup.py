@@ -22,42 +22,54 @@ from otel.setup import (
     [
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "http://collector:4318/v1/traces"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/"}, "http://collector:4318/v1/traces"),
-        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://a:4318", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://b:9/x"},
-         "http://b:9/x"),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://a:4318",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://b:9/x",
+            },
+            "http://b:9/x",
+        ),
         ({"OTEL_TRACES_EXPORTER": "otlp"}, "http://localhost:4318/v1/traces"),
-        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
-         "http://c:4318/v1/traces"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+            "http://c:4318/v1/traces",
+        ),
     ],
 )
 def test_http_exporter(env: dict[str, str], endpoint: str) -> None:
     exporter = exporter_from_env(env)
     assert isinstance(exporter, HttpExporter)
     assert exporter._endpoint == endpoint
-    exporter.shutdown()
+    exporter.shutdown()  # type: ignore[no-untyped-call]  # unannotated in the SDK
 
 
 def test_http_exporter_options() -> None:
-    exporter = exporter_from_env({
-        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
-        "OTEL_EXPORTER_OTLP_HEADERS": "api-key=abc,x-team=ml",
-        "OTEL_EXPORTER_OTLP_TIMEOUT": "2500",
-        "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip",
-    })
+    exporter = exporter_from_env(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+            "OTEL_EXPORTER_OTLP_HEADERS": "api-key=abc,x-team=ml",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "2500",
+            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip",
+        }
+    )
     assert isinstance(exporter, HttpExporter)
     client = exporter._client
     assert client._timeout == 2.5  # milliseconds, per the specification
     assert client._headers["api-key"] == "abc" and client._headers["Content-Encoding"] == "gzip"
-    exporter.shutdown()
+    exporter.shutdown()  # type: ignore[no-untyped-call]  # unannotated in the SDK
 
 
 def test_grpc_exporter() -> None:
-    exporter = exporter_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
-                                  "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    exporter = exporter_from_env(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    )
     assert isinstance(exporter, GrpcExporter)
     exporter.shutdown()
 
 
-@pytest.mark.parametrize("env", [{}, {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}])
+@pytest.mark.parametrize(
+    "env", [{}, {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}]
+)
 def test_no_exporter(env: dict[str, str]) -> None:
     assert exporter_from_env(env) is None
     assert not setup_telemetry(env).tracing
@@ -79,7 +91,9 @@ def test_enabled_with_endpoint() -> None:
 
 
 def test_resource() -> None:
-    resource = resource_from_env({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod, team=ml%20ops,bad"})
+    resource = resource_from_env(
+        {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod, team=ml%20ops,bad"}
+    )
     attrs = dict(resource.attributes)
     assert attrs["service.name"] == "tollgate"
     assert attrs["deployment.environment"] == "prod" and attrs["team"] == "ml ops"
@@ -94,9 +108,14 @@ def test_resource() -> None:
     [
         ({}, "ParentBased{root:AlwaysOnSampler,"),
         ({"OTEL_TRACES_SAMPLER": "always_off"}, "AlwaysOffSampler"),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}, "TraceIdRatioBased{0.25}"),
-        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "x"},
-         "ParentBased{root:TraceIdRatioBased{1.0},"),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"},
+            "TraceIdRatioBased{0.25}",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "x"},
+            "ParentBased{root:TraceIdRatioBased{1.0},",
+        ),
         ({"OTEL_TRACES_SAMPLER": "bogus"}, "ParentBased{root:AlwaysOnSampler,"),
     ],
 )
@@ -108,8 +127,15 @@ def test_sampler(env: dict[str, str], description: str) -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("SPAN_ONLY", True), ("span_and_event", True), ("true", True), ("NO_CONTENT", False),
-     ("EVENT_ONLY", False), ("", False), ("weird", False)],
+    [
+        ("SPAN_ONLY", True),
+        ("span_and_event", True),
+        ("true", True),
+        ("NO_CONTENT", False),
+        ("EVENT_ONLY", False),
+        ("", False),
+        ("weird", False),
+    ],
 )
 def test_capture_from_env(value: str, expected: bool) -> None:
     assert capture_from_env({"OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": value}) is expected

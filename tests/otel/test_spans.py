@@ -11,7 +11,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from gateway.call import Answer
 from otel.redact import Redactor
 from otel.runs import context_from_headers
-from otel.spans import extract_meta_context, inject_meta_context
+from otel.spans import StepSpan, extract_meta_context, inject_meta_context
 from otel.telemetry import Telemetry
 from tests.otel.conftest import Spans
 from tests.otel.samples import (
@@ -30,10 +30,14 @@ from tests.otel.samples import (
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-def start_openai(telemetry: Telemetry, **kw: object):  # type: ignore[no-untyped-def]
+def start_openai(telemetry: Telemetry, *, stream: bool = False) -> StepSpan:
     return telemetry.start_inference(
-        openai_call(**kw), provider_name="openai", server_address="api.openai.com", server_port=443,  # type: ignore[arg-type]
-        parent=None, attempt=0,
+        openai_call(stream=stream),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=None,
+        attempt=0,
     )
 
 
@@ -61,8 +65,14 @@ def test_finished_openai_step(telemetry: Telemetry, spans: Spans) -> None:
 
 def test_anthropic_step_usage_summed_once(telemetry: Telemetry, spans: Spans) -> None:
     step = telemetry.start_inference(
-        anthropic_call(), provider_name="anthropic", server_address="api.anthropic.com", server_port=443,
-        parent=None, attempt=1, run_id="r-1", agent="support-bot",
+        anthropic_call(),
+        provider_name="anthropic",
+        server_address="api.anthropic.com",
+        server_port=443,
+        parent=None,
+        attempt=1,
+        run_id="r-1",
+        agent="support-bot",
     )
     step.finish(ANTHROPIC_ANSWER)
     attrs = dict(spans()[0].attributes or {})
@@ -123,8 +133,14 @@ def test_stop_after_answer_keeps_usage_and_stop_code(telemetry: Telemetry, spans
 
 def test_mcp_tool_call(telemetry: Telemetry, spans: Spans) -> None:
     step = telemetry.start_mcp(
-        "tools/call", tool_name="read_file", request_id=7, session_id="s-1", protocol_version="2025-06-18",
-        server_address="127.0.0.1", server_port=3001, parent=None,
+        "tools/call",
+        tool_name="read_file",
+        request_id=7,
+        session_id="s-1",
+        protocol_version="2025-06-18",
+        server_address="127.0.0.1",
+        server_port=3001,
+        parent=None,
     )
     step.finish(MCP_OK)
     (span,) = spans()
@@ -132,8 +148,9 @@ def test_mcp_tool_call(telemetry: Telemetry, spans: Spans) -> None:
     attrs = dict(span.attributes or {})
     assert attrs["gen_ai.operation.name"] == "execute_tool" and attrs["jsonrpc.request.id"] == "7"
     assert "error.type" not in attrs
-    assert 'mcp_client_operation_duration_seconds_count{error_type="",gen_ai_operation_name="execute_tool"' in (
-        telemetry.metrics.render()[0].decode()
+    assert (
+        'mcp_client_operation_duration_seconds_count{error_type="",gen_ai_operation_name="execute_tool"'
+        in (telemetry.metrics.render()[0].decode())
     )
 
 
@@ -144,8 +161,13 @@ def test_mcp_tool_error_and_rpc_error(telemetry: Telemetry, spans: Spans) -> Non
     assert dict(tool_error.attributes or {})["error.type"] == "tool_error"
     assert tool_error.status.status_code is StatusCode.ERROR
     assert rpc_error.name == "tools/list"
-    assert {k: v for k, v in (rpc_error.attributes or {}).items() if k in ("error.type", "rpc.response.status_code")} == {
-        "error.type": "-32601", "rpc.response.status_code": "-32601",
+    assert {
+        k: v
+        for k, v in (rpc_error.attributes or {}).items()
+        if k in ("error.type", "rpc.response.status_code")
+    } == {
+        "error.type": "-32601",
+        "rpc.response.status_code": "-32601",
     }
     assert rpc_error.status.description == "Method not found"
 
@@ -158,10 +180,21 @@ def test_capture_off_by_default(telemetry: Telemetry, spans: Spans, redactor: Re
     assert not [k for k in spans()[0].attributes or {} if "messages" in k or "instructions" in k]
 
 
-def test_capture_on_is_redacted(captured: Telemetry, exporter: InMemorySpanExporter, redactor: Redactor) -> None:
-    body = {**OPENAI_BODY, "messages": [{"role": "user", "content": f"key {PROVIDER_KEY}, Bearer {AGENT_BEARER}"}]}
-    step = captured.start_inference(openai_call(body), provider_name="openai", server_address="api.openai.com",
-                                    server_port=443, parent=None, attempt=0)
+def test_capture_on_is_redacted(
+    captured: Telemetry, exporter: InMemorySpanExporter, redactor: Redactor
+) -> None:
+    body = {
+        **OPENAI_BODY,
+        "messages": [{"role": "user", "content": f"key {PROVIDER_KEY}, Bearer {AGENT_BEARER}"}],
+    }
+    step = captured.start_inference(
+        openai_call(body),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=None,
+        attempt=0,
+    )
     step.capture_input(openai_call(body), redactor)
     step.capture_output(Answer(text=f"echo {PROVIDER_KEY}", finish_reasons=("stop",)), redactor)
     step.finish(None)
@@ -176,7 +209,9 @@ def test_capture_on_is_redacted(captured: Telemetry, exporter: InMemorySpanExpor
     assert "gen_ai.system_instructions" not in attrs  # OpenAI: system messages are history
 
 
-def test_capture_mcp_arguments_and_result(captured: Telemetry, exporter: InMemorySpanExporter, redactor: Redactor) -> None:
+def test_capture_mcp_arguments_and_result(
+    captured: Telemetry, exporter: InMemorySpanExporter, redactor: Redactor
+) -> None:
     step = captured.start_mcp("tools/call", tool_name="read_file", parent=None)
     step.capture_input(mcp_call(arguments=f'{{"token": "{PROVIDER_KEY}"}}'), redactor)
     step.capture_output(MCP_OK, redactor)
@@ -189,8 +224,14 @@ def test_capture_mcp_arguments_and_result(captured: Telemetry, exporter: InMemor
 
 def test_parent_context_and_propagation(telemetry: Telemetry, spans: Spans) -> None:
     parent = context_from_headers({"Traceparent": TRACEPARENT})
-    step = telemetry.start_inference(openai_call(), provider_name="openai", server_address="api.openai.com",
-                                     server_port=443, parent=parent, attempt=0)
+    step = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=parent,
+        attempt=0,
+    )
     meta: dict[str, object] = {"progressToken": 1}
     inject_meta_context(meta, step.context)
     step.finish(OPENAI_ANSWER)
@@ -202,7 +243,9 @@ def test_parent_context_and_propagation(telemetry: Telemetry, spans: Spans) -> N
 
 
 def test_meta_context_round_trip() -> None:
-    ctx = extract_meta_context({"traceparent": TRACEPARENT, "tracestate": "k=v", "baggage": "a=b", "other": 1})
+    ctx = extract_meta_context(
+        {"traceparent": TRACEPARENT, "tracestate": "k=v", "baggage": "a=b", "other": 1}
+    )
     assert ctx is not None
     meta: dict[str, object] = {}
     inject_meta_context(meta, ctx)
@@ -223,13 +266,17 @@ def test_telemetry_errors_never_reach_the_caller(telemetry: Telemetry, spans: Sp
     captured = Telemetry.__new__(Telemetry)
     captured.__dict__.update(telemetry.__dict__)
     captured.capture_content = True
-    step = captured.start_inference(openai_call(), provider_name="openai", server_address="h", server_port=1,
-                                    parent=None, attempt=0)
+    step = captured.start_inference(
+        openai_call(), provider_name="openai", server_address="h", server_port=1, parent=None, attempt=0
+    )
     step.capture_input(openai_call(), Broken())
     step.finish(Answer(usage="not usage"))  # type: ignore[arg-type]
     step.end()
     assert telemetry.errors() == {"span.capture_input": 1, "span.finish": 1, "span.end": 1}
-    assert 'tollgate_telemetry_errors_total{component="span.finish"} 1.0' in telemetry.metrics.render()[0].decode()
+    assert (
+        'tollgate_telemetry_errors_total{component="span.finish"} 1.0'
+        in telemetry.metrics.render()[0].decode()
+    )
     assert len(spans()) == 1  # the span still ended
 
 
@@ -240,8 +287,9 @@ def test_tracing_off_passes_agent_context_through(env: dict[str, str]) -> None:
     telemetry = setup_telemetry(env, exporter=InMemorySpanExporter() if env else None)
     assert not telemetry.tracing
     parent = context_from_headers({"traceparent": TRACEPARENT})
-    step = telemetry.start_inference(openai_call(), provider_name="openai", server_address="h", server_port=1,
-                                     parent=parent, attempt=0)
+    step = telemetry.start_inference(
+        openai_call(), provider_name="openai", server_address="h", server_port=1, parent=parent, attempt=0
+    )
     assert not step.is_recording
     meta: dict[str, object] = {}
     inject_meta_context(meta, step.context)
