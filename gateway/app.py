@@ -11,6 +11,7 @@ from aiohttp import web
 from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.identity import Identifier
+from gateway.mcp import mcp_handler
 from gateway.ledger import Ledger
 from gateway.observe import end_run, on_step, redactor_for
 from gateway.outputs import resolve_agent_grammars
@@ -55,10 +56,12 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         gw.shutting_down = True
-        await upstream.close()
-        await ledger.close()
-        await store.close()
-        await asyncio.to_thread(telemetry.shutdown, 5.0)
+        try:
+            await upstream.close()
+            await ledger.close()  # raises StateUnavailable if rows could not be written: still close the rest
+        finally:
+            await store.close()
+            await asyncio.to_thread(telemetry.shutdown, 5.0)
 
 
 def _ledger_default(config: Config) -> str:
@@ -81,6 +84,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/v1/messages", chat_handler("anthropic"))
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
+    app.router.add_route("*", "/mcp/{server}", mcp_handler)
     return app
 
 

@@ -1,0 +1,53 @@
+"""The record stage through a running gateway: ledger rows for real steps, chain verifiable, metrics."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.ledger import verify
+from tests.conftest import GatewayFactory
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+async def test_ledger_rows_verify_and_tamper(gateway_factory: GatewayFactory, tmp_path: Path) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 2}}})
+    for _ in range(3):
+        async with h.session.post(f"{h.url}/v1/chat/completions", data=orjson.dumps({"model": "gpt-4o-mini", "messages": MSG}),
+                                  headers={"x-tollgate-run-id": "led", "content-type": "application/json"}) as resp:
+            await resp.read()
+    ledger = h.gateway.services["ledger"]
+    await ledger.flush()
+    rows = ledger.rows("led")
+    assert [r["decision"] for r in rows] == ["allow", "allow", "stop"]
+    assert rows[-1]["reason"] == "llm_call_cap"
+    path = tmp_path / "tollgate-ledger.db"
+    assert verify(path).ok
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TRIGGER IF EXISTS ledger_no_update")
+    for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'").fetchall():
+        conn.execute(f"DROP TRIGGER {name}")
+    conn.execute("UPDATE ledger SET detail = 'x' WHERE id = 2")
+    conn.commit()
+    conn.close()
+    result = verify(path)
+    assert not result.ok and result.first_bad_id == 2
+
+
+async def test_metrics_after_steps(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 1}}})
+    for _ in range(2):
+        async with h.session.post(f"{h.url}/v1/chat/completions", data=orjson.dumps({"model": "gpt-4o-mini", "messages": MSG}),
+                                  headers={"x-tollgate-run-id": "run-zq7", "content-type": "application/json"}) as resp:
+            await resp.read()
+    async with h.session.get(f"{h.admin_url}/metrics") as resp:
+        text = await resp.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    stopped = families["tollgate_runs_stopped"].samples
+    assert any(s.labels.get("reason") == "llm_call_cap" and s.value == 1 for s in stopped)
+    assert "gen_ai_client_operation_duration_seconds" in families
+    assert "run-zq7" not in text  # never a run id in a label
