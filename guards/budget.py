@@ -5,6 +5,7 @@ request body: byte-level BPE tokenizers emit at most one token per byte, and the
 each message outweighs the few template tokens a chat format adds. The output limit is the request's
 `max_tokens` or, when absent, what the remaining budget can pay for (clamped by the model's limit);
 the pipeline writes the granted value back into the request.
+An MCP tool execution (`execute_tool`) spends no tokens: it claims nothing from either budget.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class BudgetGuard(BaseGuard):
     name = "budget"
 
     def before(self, ctx: StepContext) -> Decision:
+        if ctx.call.operation == "execute_tool":
+            return Decision.allow(self.name)
         budget = ctx.policy.budget
         bound = ctx.call.input_bytes
         claims = [Claim("tokens", float(bound), 1.0, _f(budget.tokens), "token_budget_exhausted")]
@@ -48,14 +51,19 @@ def settlement(
     """Real amounts to settle a reservation with.
 
     Without provider-reported usage (missing usage chunk, broken stream) the step is charged its
-    whole reservation: never zero, never below what was relayed.
+    whole reservation: never zero, never below what was relayed. Output relayed beyond the reserved
+    units (an upstream that ignored `max_tokens`) is charged on top, at the worst output rate.
     """
     held = reservation.amounts
     if usage is None:
         out = dict(held)
-        reserved_tokens = held.get("tokens", 0.0)
-        out["output_tokens"] = max(float(reservation.units), float(relayed_output))
-        out["input_tokens"] = max(reserved_tokens - out["output_tokens"], 0.0)
+        excess = max(float(relayed_output) - float(reservation.units), 0.0)
+        out["output_tokens"] = float(reservation.units) + excess
+        out["input_tokens"] = max(held.get("tokens", 0.0) - float(reservation.units), 0.0)
+        if "tokens" in held:
+            out["tokens"] = held["tokens"] + excess
+        if "usd" in held and price is not None:
+            out["usd"] = held["usd"] + excess * price.output.worst
         return out
     actual: dict[str, float] = {
         "tokens": float(usage.input_tokens + usage.output_tokens),

@@ -1,4 +1,7 @@
-"""Runs an agent's guards in order. A guard that raises fails closed unless configured otherwise."""
+"""Runs an agent's guards in order. A guard that raises fails closed unless configured otherwise.
+
+A guard that returns something other than a `Decision` has failed like one that raised.
+"""
 
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ class GuardChain:
         for guard, on_error in self._guards:
             try:
                 decision = hook(guard)
+                if not isinstance(decision, Decision):
+                    raise TypeError(f"returned {type(decision).__name__}, not a Decision")
             except Exception as exc:  # a guard is user code: any failure is a decision, never a crash
                 if self._on_error is not None:
                     self._on_error(guard.name)

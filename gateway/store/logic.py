@@ -33,9 +33,9 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
             if fit < units:
                 units, limiting = fit, claim
         elif claim.fixed > available + EPS:
-            return _deny(state, claim, now)
+            return _deny(state, claim, request.min_units, now)
     if units < request.min_units and limiting is not None:
-        return _deny(state, limiting, now)
+        return _deny(state, limiting, request.min_units, now)
     units = max(units, 0)
     amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
     for counter, amount in amounts.items():
@@ -45,12 +45,12 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
     return Reservation(reservation_id, state.run_id, state.epoch, units, amounts)
 
 
-def _deny(state: RunState, claim: Claim, now: float) -> Denial:
+def _deny(state: RunState, claim: Claim, min_units: int, now: float) -> Denial:
     limit = claim.limit or 0.0
     available = limit - state.used.get(claim.counter, 0.0) - state.reserved.get(claim.counter, 0.0)
     detail = (
         f"{claim.counter} limit {_fmt(claim.limit)} reached: {_fmt(max(available, 0.0))} left, "
-        f"this step needs at least {_fmt(claim.fixed + claim.per_unit)}"
+        f"this step needs at least {_fmt(claim.fixed + claim.per_unit * min_units)}"
     )
     stop(state, claim.code or f"{claim.counter}_limit", detail, now)
     return Denial(state.stop_reason or claim.code, detail)
@@ -86,7 +86,8 @@ def recover(state: RunState, now: float) -> int:
 
 
 def add(state: RunState, counter: str, amount: float, limit: float | None, code: str, now: float) -> Denial | None:
-    """Add to a used counter; exceeding `limit` stops the run with `code` and adds nothing."""
+    """Add to a used counter; exceeding `limit` stops the run with `code` (default `<counter>_limit`)
+    and adds nothing."""
     if state.stopped:
         return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
     if state.started_at is None:
@@ -94,6 +95,7 @@ def add(state: RunState, counter: str, amount: float, limit: float | None, code:
     current = state.used.get(counter, 0.0) + state.reserved.get(counter, 0.0)
     if limit is not None and current + amount > limit + EPS:
         detail = f"{counter} limit {_fmt(limit)} reached: {_fmt(current)} used, this step adds {_fmt(amount)}"
+        code = code or f"{counter}_limit"
         stop(state, code, detail, now)
         return Denial(code, detail)
     state.used[counter] = state.used.get(counter, 0.0) + amount

@@ -57,7 +57,10 @@ class SqliteRunStore:
 
     def _recover(self) -> None:
         now = time.time()
-        rows = self._conn.execute("SELECT state FROM runs WHERE state LIKE '%\"open\":{\"%'").fetchall()
+        # `state` is a BLOB, and LIKE never matches a BLOB: compare its text.
+        rows = self._conn.execute(
+            "SELECT state FROM runs WHERE CAST(state AS TEXT) LIKE '%\"open\":{\"%'"
+        ).fetchall()
         for (blob,) in rows:
             run_id = orjson.loads(blob)["run_id"]
             self._tx(run_id, "", lambda s: logic.recover(s, now), create=False)

@@ -1,0 +1,314 @@
+"""The run store's behaviour through both backends (memory, SQLite), SQLite durability and crash recovery,
+and atomicity under concurrent reserves."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.errors import StateUnavailable
+from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunStore
+from gateway.store.memory import MemoryRunStore
+from gateway.store.sqlite import SqliteRunStore
+
+NOW = 1_000.0
+# $0.001 of input bound + 250 output tokens at $4/Mtok = $0.002 per call
+USD = Claim("usd", 0.001, 4e-6, 0.02, "budget_exhausted")
+PER_CALL = 0.002
+CALL = ReserveRequest((USD, Claim("llm_calls", 1.0)), 16, 250)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
+    s: RunStore = (
+        MemoryRunStore() if request.param == "memory" else SqliteRunStore.open(tmp_path / "state.db")
+    )
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def grant(store: RunStore, run_id: str = "run-1", request: ReserveRequest = CALL) -> Reservation:
+    result = await store.reserve(run_id, "bot", request, NOW)
+    assert isinstance(result, Reservation), result
+    return result
+
+
+async def test_unknown_runs(store: RunStore) -> None:
+    assert await store.get("nope") is None
+    assert await store.reset("nope", NOW) is None
+    assert await store.take("nope", "proposed", "x") is False
+    await store.settle(Reservation("r", "nope", 1, 0, {"usd": 1.0}), {"usd": 1.0}, NOW)
+    assert await store.get("nope") is None  # settling never creates a run
+    assert await store.list_runs() == []
+
+
+async def test_reserve_and_settle(store: RunStore) -> None:
+    res = await grant(store)
+    assert res.units == 250 and res.amounts["usd"] == pytest.approx(PER_CALL)
+    state = await store.get("run-1")
+    assert state is not None and state.agent == "bot" and state.started_at == NOW
+    assert state.reserved["usd"] == pytest.approx(PER_CALL) and res.id in state.open
+    await store.settle(res, {"usd": 0.0005, "llm_calls": 1.0, "output_tokens": 20.0}, NOW + 1)
+    await store.settle(res, {"usd": 0.0005, "llm_calls": 1.0, "output_tokens": 20.0}, NOW + 2)  # idempotent
+    state = await store.get("run-1")
+    assert state is not None
+    assert state.used == {"usd": pytest.approx(0.0005), "llm_calls": 1.0, "output_tokens": 20.0}
+    assert state.reserved["usd"] == pytest.approx(0.0) and state.open == {}
+    view = state.view()
+    assert (
+        view["spent_usd"] == pytest.approx(0.0005) and view["reserved_usd"] == 0.0 and view["llm_calls"] == 1
+    )
+
+
+async def test_denial_stops_the_run_and_sticks(store: RunStore) -> None:
+    for _ in range(10):
+        await grant(store)
+    denial = await store.reserve("run-1", "bot", CALL, NOW)
+    assert isinstance(denial, Denial) and denial.reason == "budget_exhausted"
+    cheap = ReserveRequest((Claim("llm_calls", 1.0),))
+    again = await store.reserve("run-1", "bot", cheap, NOW)
+    assert isinstance(again, Denial) and again.reason == "budget_exhausted"
+    state = await store.get("run-1")
+    assert state is not None and state.status == "stopped" and state.stop_reason == "budget_exhausted"
+    assert state.stop_detail == denial.detail
+    other = await grant(store, "run-2")  # other runs are unaffected
+    assert other.units == 250
+
+
+async def test_add_with_limit(store: RunStore) -> None:
+    for _ in range(3):
+        assert (
+            await store.add("run-1", "bot", "tool_calls", 1.0, limit=3.0, code="tool_call_cap", now=NOW)
+            is None
+        )
+    denial = await store.add("run-1", "bot", "tool_calls", 1.0, limit=3.0, code="tool_call_cap", now=NOW)
+    assert isinstance(denial, Denial) and denial.reason == "tool_call_cap"
+    state = await store.get("run-1")
+    assert state is not None and state.used["tool_calls"] == 3.0 and state.stop_reason == "tool_call_cap"
+    assert isinstance(await store.reserve("run-1", "bot", CALL, NOW), Denial)
+
+
+async def test_push_and_take(store: RunStore) -> None:
+    assert await store.push("run-1", "bot", "calls", ["a", "b"], 3) == ["a", "b"]
+    assert await store.push("run-1", "bot", "calls", ["c", "d"], 3) == ["b", "c", "d"]
+    await store.push("run-1", "bot", "proposed", ["p1", "p2", "p1"], 10)
+    assert await store.take("run-1", "proposed", "p1") is True
+    assert await store.take("run-1", "proposed", "p9") is False
+    state = await store.get("run-1")
+    assert state is not None
+    assert state.lists == {"calls": ["b", "c", "d"], "proposed": ["p2", "p1"]}
+
+
+async def test_stop_reset_and_a_stale_settle(store: RunStore) -> None:
+    old = await grant(store)
+    await store.record_step("run-1", "bot", {"operation": "chat"}, NOW)
+    await store.push("run-1", "bot", "calls", ["a"], 6)
+    await store.stop("run-1", "bot", "loop_detected", "repeating search", NOW + 1)
+    await store.stop("run-1", "bot", "time_cap", "later", NOW + 2)  # the first stop wins
+    state = await store.get("run-1")
+    assert state is not None and (state.stop_reason, state.stop_detail) == (
+        "loop_detected",
+        "repeating search",
+    )
+    reset = await store.reset("run-1", NOW + 3)
+    assert reset is not None and reset.status == "active" and reset.epoch == 2
+    assert reset.used == {} and reset.reserved == {} and reset.lists == {} and reset.steps == []
+    await store.settle(old, old.amounts, NOW + 4)  # in flight across the reset: settles into nothing
+    new = await grant(store)
+    assert new.epoch == 2
+    state = await store.get("run-1")
+    assert state is not None and state.used == {} and list(state.open) == [new.id]
+
+
+async def test_record_step_and_list_runs(store: RunStore) -> None:
+    await store.record_step("run-a", "bot", {"n": 1}, NOW + 1)
+    await store.record_step("run-b", "bot", {"n": 2}, NOW + 3)
+    await store.record_step("run-c", "other", {"n": 3}, NOW + 2)
+    runs = await store.list_runs()
+    assert [r.run_id for r in runs] == ["run-b", "run-c", "run-a"]  # most recently updated first
+    assert [r.run_id for r in await store.list_runs(limit=2)] == ["run-b", "run-c"]
+    assert runs[0].steps == [{"n": 2}] and runs[1].agent == "other"
+
+
+async def test_get_returns_a_snapshot(store: RunStore) -> None:
+    await grant(store)
+    await store.push("run-1", "bot", "calls", ["a"], 6)
+    snap = await store.get("run-1")
+    assert snap is not None
+    snap.used["usd"] = 5.0
+    snap.lists["calls"].append("b")
+    snap.status = "stopped"
+    state = await store.get("run-1")
+    assert state is not None and "usd" not in state.used and state.lists["calls"] == ["a"]
+    assert state.status == "active"
+
+
+async def test_both_backends_agree(tmp_path: Path) -> None:
+    """The same script gives the same run on both backends (the arithmetic lives once, in logic)."""
+
+    async def script(s: RunStore) -> dict[str, Any]:
+        reservations = [await grant(s) for _ in range(4)]
+        await s.settle(reservations[0], {"usd": 0.001, "llm_calls": 1.0}, NOW)
+        await s.settle(reservations[1], dict(reservations[1].amounts), NOW)
+        await s.add("run-1", "bot", "tool_calls", 2.0, limit=5.0, code="tool_call_cap", now=NOW)
+        await s.push("run-1", "bot", "calls", ["x", "y"], 6)
+        await s.record_step("run-1", "bot", {"k": "v"}, NOW)
+        await s.reserve(
+            "run-1", "bot", ReserveRequest((Claim("usd", 1.0, 0.0, 0.02, "budget_exhausted"),)), NOW
+        )
+        state = await s.get("run-1")
+        assert state is not None
+        await s.close()
+        data = state.view()
+        data["open"] = len(state.open)
+        data["lists"] = state.lists
+        return data
+
+    memory = await script(MemoryRunStore())
+    sqlite = await script(SqliteRunStore.open(tmp_path / "agree.db"))
+    assert memory == sqlite
+    assert memory["status"] == "stopped" and memory["open"] == 2
+
+
+# -- concurrency -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "reason"),
+    [
+        (
+            ReserveRequest((Claim("usd", 0.001, 4e-6, 10 * PER_CALL, "budget_exhausted"),), 16, 250),
+            "budget_exhausted",
+        ),
+        (
+            ReserveRequest((Claim("tokens", 1000.0, 1.0, 12_500.0, "token_budget_exhausted"),), 16, 250),
+            "token_budget_exhausted",
+        ),
+        (ReserveRequest((Claim("llm_calls", 1.0, 0.0, 10.0, "llm_call_cap"),)), "llm_call_cap"),
+    ],
+    ids=["usd", "tokens", "llm-calls"],
+)
+async def test_200_concurrent_reserves_on_a_budget_for_10_grant_exactly_10(
+    store: RunStore, request_: ReserveRequest, reason: str
+) -> None:
+    results = await asyncio.gather(*(store.reserve("run-1", "bot", request_, NOW) for _ in range(200)))
+    grants = [r for r in results if isinstance(r, Reservation)]
+    denials = [r for r in results if isinstance(r, Denial)]
+    assert len(grants) == 10 and len(denials) == 190
+    assert {d.reason for d in denials} == {reason}
+    assert len({g.id for g in grants}) == 10
+    await asyncio.gather(*(store.settle(g, g.amounts, NOW) for g in grants))
+    state = await store.get("run-1")
+    assert state is not None and state.open == {}
+    claim = request_.claims[0]
+    assert claim.limit is not None
+    assert state.used[claim.counter] <= claim.limit + 1e-9
+    assert state.reserved[claim.counter] == pytest.approx(0.0)
+
+
+async def test_200_concurrent_steps_that_reserve_then_settle(store: RunStore) -> None:
+    """Interleaved reserve / await / settle: spend never exceeds the budget, and exactly 10 steps run."""
+    request = ReserveRequest((Claim("usd", 0.001, 4e-6, 10 * PER_CALL, "budget_exhausted"),), 16, 250)
+    ran = 0
+
+    async def step() -> None:
+        nonlocal ran
+        result = await store.reserve("run-1", "bot", request, NOW)
+        if isinstance(result, Denial):
+            return
+        ran += 1
+        await asyncio.sleep(0)  # the upstream call
+        await store.settle(result, result.amounts, NOW)  # no usage reported: charged the reservation
+
+    await asyncio.gather(*(step() for _ in range(200)))
+    state = await store.get("run-1")
+    assert state is not None
+    assert ran == 10
+    assert state.used["usd"] == pytest.approx(10 * PER_CALL) and state.used["usd"] <= 10 * PER_CALL + 1e-9
+    assert state.reserved["usd"] == pytest.approx(0.0) and state.open == {}
+
+
+# -- SQLite durability -----------------------------------------------------------------------------
+
+
+async def test_sqlite_spend_and_stops_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = SqliteRunStore.open(path)
+    for _ in range(3):
+        res = await grant(first)
+        await first.settle(res, {"usd": 0.0015, "llm_calls": 1.0}, NOW)
+    await grant(first, "run-stopped")
+    await first.stop("run-stopped", "bot", "loop_detected", "repeating", NOW)
+    await first.close()
+
+    second = SqliteRunStore.open(path)
+    try:
+        state = await second.get("run-1")
+        assert state is not None
+        assert state.used == {"usd": pytest.approx(0.0045), "llm_calls": 3.0} and state.open == {}
+        stopped = await second.get("run-stopped")
+        assert stopped is not None and (stopped.status, stopped.stop_reason) == ("stopped", "loop_detected")
+        denial = await second.reserve("run-stopped", "bot", CALL, NOW)
+        assert isinstance(denial, Denial) and denial.reason == "loop_detected"
+        # the budget still holds: 0.02 - 0.0045 left pays for 7 full calls and one of 125 tokens
+        units = []
+        while isinstance(result := await second.reserve("run-1", "bot", CALL, NOW), Reservation):
+            units.append(result.units)
+        assert units == [250] * 7 + [125]
+        assert result.reason == "budget_exhausted"
+    finally:
+        await second.close()
+
+
+async def test_sqlite_recovers_reservations_of_a_crashed_process_as_spend(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    crashed = SqliteRunStore.open(path)
+    try:
+        settled = await grant(crashed)
+        await crashed.settle(settled, {"usd": 0.001, "llm_calls": 1.0}, NOW)
+        open_1 = await grant(crashed)
+        open_2 = await grant(crashed)
+        await grant(crashed, "run-2")
+        # the process dies here: no settle, no close. A new process opens the same file.
+        restarted = SqliteRunStore.open(path)
+        try:
+            state = await restarted.get("run-1")
+            assert state is not None
+            assert state.open == {} and state.reserved["usd"] == pytest.approx(0.0)
+            assert state.used["usd"] == pytest.approx(0.001 + 2 * PER_CALL)  # never zero for unseen answers
+            assert state.used["llm_calls"] == 3.0
+            other = await restarted.get("run-2")
+            assert other is not None and other.open == {} and other.used["usd"] == pytest.approx(PER_CALL)
+            # a late settle from the dead process cannot count twice
+            await crashed.settle(open_1, {"usd": 0.0}, NOW)
+            await crashed.settle(open_2, {"usd": 0.0}, NOW)
+            again = await restarted.get("run-1")
+            assert again is not None and again.used == state.used
+            # the new process's reservation ids do not collide with the dead one's
+            assert (await grant(restarted)).id not in {open_1.id, open_2.id, settled.id}
+        finally:
+            await restarted.close()
+    finally:
+        await crashed.close()
+
+
+async def test_sqlite_uses_wal(tmp_path: Path) -> None:
+    store = SqliteRunStore.open(tmp_path / "state.db")
+    await store.close()
+    conn = sqlite3.connect(tmp_path / "state.db")
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+def test_sqlite_unopenable_file_is_state_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(StateUnavailable, match="cannot open state file"):
+        SqliteRunStore.open(tmp_path / "missing-dir" / "state.db")
