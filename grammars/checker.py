@@ -19,6 +19,7 @@ from grammars.spec import Violation
 
 _JSON_WS = " \t\n\r"
 _JSON_WS_BYTES = b" \t\n\r"
+_BACKSLASH, _SLASH, _LETTER_B = 0x5C, 0x2F, 0x62
 
 
 class IncrementalChecker:
@@ -30,7 +31,18 @@ class IncrementalChecker:
     Not thread-safe: one checker per stream.
     """
 
-    __slots__ = ("_chars", "_final", "_json", "_matcher", "_parts", "_started", "_trailing", "violation")
+    __slots__ = (
+        "_chars",
+        "_escape_open",
+        "_fallback",
+        "_final",
+        "_json",
+        "_matcher",
+        "_parts",
+        "_started",
+        "_trailing",
+        "violation",
+    )
 
     def __init__(
         self,
@@ -38,15 +50,20 @@ class IncrementalChecker:
         *,
         json_document: bool,
         final: Callable[[str], Violation | None] | None,
+        fallback: llg.LLMatcher | None = None,
     ) -> None:
+        """`matcher` is this stream's own matcher. `fallback` (JSON schema grammars only) is a
+        pristine any-JSON matcher to switch to when the upstream spells a literal with escapes."""
         self.violation: Violation | None = None
         self._matcher = matcher
+        self._fallback = fallback
         self._json = json_document
         self._final = final
         self._parts: list[str] = []
         self._chars = 0  # characters fed so far (offsets in violations count from the output start)
         self._started = not json_document  # JSON: leading whitespace not yet skipped
         self._trailing = False  # JSON: the document is complete, only whitespace may follow
+        self._escape_open = False  # JSON: the bytes fed so far end inside an escape ("\\")
 
     def feed(self, chunk: str) -> bool:
         """Consume the next chunk of output; False once the output can no longer become valid."""
@@ -65,7 +82,13 @@ class IncrementalChecker:
             self._started = True
         if self._trailing:
             return self._only_whitespace(chunk, base)
-        data = chunk.encode("utf-8")
+        return self._consume(chunk, base)
+
+    def _consume(self, text: str, base: int) -> bool:
+        """Feed `text` (starting at character `base` of the output) to the matcher."""
+        data = text.encode("utf-8")
+        if self._json:
+            data = self._json_equivalent(data)
         accepted = engine.advance(self._matcher, list(data))
         if accepted == len(data):
             return True
@@ -74,8 +97,52 @@ class IncrementalChecker:
             self._trailing = True
             rest = data[accepted:].decode("utf-8")
             return self._only_whitespace(rest, base + engine.char_offset(data, accepted))
-        self.violation = engine.failure(self._matcher, chunk, engine.char_offset(data, accepted), base)
+        pos = engine.char_offset(data, accepted)
+        if self._fallback is not None and self._respelled(base + pos):
+            return self._degrade()
+        self.violation = engine.failure(self._matcher, text, pos, base)
         return False
+
+    def _json_equivalent(self, data: bytes) -> bytes:
+        """`data` with the two JSON spellings llguidance refuses replaced by equivalents it takes:
+        a raw DEL in a string becomes "~" and the escape "\\/" becomes "\\b" (same JSON syntax:
+        allowed in strings, nowhere else). Same length, so positions hold; the final verdict reads
+        the real text."""
+        if b"\x7f" in data:
+            data = data.replace(b"\x7f", b"~")
+        if not self._escape_open and b"\\" not in data:
+            return data
+        out = bytearray(data)
+        odd = self._escape_open  # inside a run of backslashes of odd length: next byte is escaped
+        for i, byte in enumerate(out):
+            if odd and byte == _SLASH:
+                out[i] = _LETTER_B
+            odd = byte == _BACKSLASH and not odd
+        self._escape_open = odd
+        return bytes(out)
+
+    def _respelled(self, pos: int) -> bool:
+        """Whether the output up to the refused character `pos` spells a string in a way a schema
+        grammar's literals (enum, const, property names) would not: a \\u or \\/ escape, or a raw
+        DEL. A refused backslash counts too: what it escapes may not have arrived yet."""
+        text = "".join(self._parts)[: pos + 2]
+        return text[pos : pos + 1] == "\\" or "\\u" in text or "\\/" in text or "\x7f" in text
+
+    def _degrade(self) -> bool:
+        """Switch from the schema grammar to JSON syntax only, replaying the output so far.
+
+        Why: a schema grammar matches enum/const values, property names and patterns byte for byte,
+        while JSON may spell the same string with escapes (a "\\u00e9" for "é", "\\/" for "/"); an
+        escaped property name even reads as an extra property, which breaks the key order later.
+        Rather than cut an answer that may be valid, check syntax from here on; the final verdict
+        is jsonschema's."""
+        assert self._fallback is not None
+        self._matcher = self._fallback.deep_copy()
+        self._fallback = None
+        self._escape_open = False
+        text = "".join(self._parts)
+        body = text.lstrip(_JSON_WS)
+        return self._consume(body, len(text) - len(body))
 
     def _only_whitespace(self, chunk: str, base: int) -> bool:
         body = chunk.lstrip(_JSON_WS)

@@ -82,9 +82,12 @@ class Constraint:
         if core.schema is None:
             assert core.exact is not None
             return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None)
-        pristine = core.exact if native and core.exact is not None else core.syntax
-        assert pristine is not None
-        return IncrementalChecker(pristine.deep_copy(), json_document=True, final=core.schema.check)
+        assert core.syntax is not None
+        if native and core.exact is not None and core.exact is not core.syntax:
+            return IncrementalChecker(
+                core.exact.deep_copy(), json_document=True, final=core.schema.check, fallback=core.syntax
+            )
+        return IncrementalChecker(core.syntax.deep_copy(), json_document=True, final=core.schema.check)
 
 
 class _LRU:
@@ -181,9 +184,11 @@ def _compile_schema(source: str) -> _Core:
         # llguidance takes object schemas only: `true` is any JSON, `false` leaves only the verdict.
         matcher = _syntax("any") if schema else None
     else:
-        matcher, _ = engine.build_matcher(
-            engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED))
-        )
+        try:
+            grammar = engine.grammar_for_schema(without_keywords(schema, _STREAM_IGNORED))
+        except ValueError:
+            grammar = None
+        matcher = engine.build_matcher(grammar)[0] if grammar is not None else None
     # A schema llguidance cannot turn into a grammar (e.g. look-around in a pattern) is still a valid
     # schema: stream-check its JSON syntax only and leave the rest to jsonschema.
     warnings = (
@@ -251,7 +256,10 @@ def validate_tool_arguments(
         value = arguments
     if parameters is None:
         return _object_check().check_value(value)
-    key = orjson.dumps(parameters, option=orjson.OPT_SORT_KEYS).decode()
+    try:
+        key = orjson.dumps(dict(parameters), option=orjson.OPT_SORT_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise InvalidGrammar(f"tool parameters: not a JSON schema: {exc}") from exc
     check = _tool_check(key)
     if isinstance(check, str):
         raise InvalidGrammar(f"tool parameters: {check}")

@@ -68,7 +68,8 @@ def grammar_for(kind: str, source: str) -> str:
 
 
 def grammar_for_schema(schema: dict[str, object]) -> str:
-    """The llguidance grammar for a JSON schema (dict or bool), with `JSON_OPTIONS`."""
+    """The llguidance grammar for an object JSON schema, with `JSON_OPTIONS` (llguidance takes no
+    boolean schemas). Raises ValueError."""
     return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
 
 
@@ -77,11 +78,11 @@ def build_matcher(grammar: str) -> tuple[llg.LLMatcher | None, str]:
     # The constructor never raises: a bad grammar leaves the matcher in its error state.
     matcher = llg.LLMatcher(tokenizer(), grammar, log_level=0)
     if matcher.is_error():
-        return None, _first_line(matcher.get_error())
+        return None, _reason(matcher.get_error())
     return matcher, ""
 
 
-def _first_line(text: str) -> str:
+def _reason(text: str) -> str:
     """llguidance errors quote the source with carets and a line-numbered excerpt; keep the reason."""
     lines = [line.strip() for line in text.strip().splitlines()]
     kept = [line for line in lines if line and not _NOISE.match(line)]
@@ -101,7 +102,8 @@ def expected_from_mask(mask: bytes) -> str:
     items: list[str]
     if len(ascii_allowed) > 64:
         # Mostly-open sets (a string body, a Lark catch-all) read better as what is excluded.
-        excluded = [b for b in range(0x80) if b not in set(ascii_allowed)]
+        present = set(ascii_allowed)
+        excluded = [b for b in range(0x80) if b not in present]
         items = ["any character" + (" except " + ", ".join(_ranges(excluded)) if excluded else "")]
     else:
         items = _ranges(ascii_allowed)

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Final
 
 import orjson
@@ -38,6 +39,7 @@ SUFFIXES: Final[dict[str, Kind]] = {
     ".gbnf": "gbnf",
     ".choice": "choice",
 }
+_MAX_LISTED: Final[int] = 20
 INLINE_PREFIXES: Final[dict[str, Kind]] = {
     "json_schema": "json_schema",
     "regex": "regex",
@@ -47,7 +49,7 @@ INLINE_PREFIXES: Final[dict[str, Kind]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class GrammarLibrary:
     """An immutable name -> spec table; every spec in it compiles."""
 
@@ -71,7 +73,7 @@ class GrammarLibrary:
                 problems.append((f"grammars.{name}", exc.message))
         if problems:
             raise ConfigError(problems)
-        return cls(dict(sorted(table.items())))
+        return cls(MappingProxyType(dict(sorted(table.items()))))
 
     def names(self) -> tuple[str, ...]:
         """Every grammar name, sorted."""
@@ -81,13 +83,15 @@ class GrammarLibrary:
         """The named grammar. Raises InvalidGrammar when there is none."""
         spec = self.grammars.get(name)
         if spec is None:
-            known = ", ".join(self.grammars) or "none"
-            raise InvalidGrammar(f"unknown grammar {name!r} (known: {known})")
+            names = list(self.grammars)
+            known = ", ".join(names[:_MAX_LISTED]) + (", ..." if len(names) > _MAX_LISTED else "")
+            raise InvalidGrammar(f"unknown grammar {name!r} (known: {known or 'none'})")
         return spec
 
-    def resolve(self, ref: str) -> ConstraintSpec:
-        """A grammar name or an inline constraint (see the module doc), compiled once to check it.
-        Raises InvalidGrammar when the name is unknown or the inline constraint does not compile."""
+    def resolve(self, ref: str, *, check: bool = True) -> ConstraintSpec:
+        """A grammar name or an inline constraint (see the module doc). Raises InvalidGrammar when the
+        name is unknown or, with `check`, when the inline constraint does not compile. On the event
+        loop pass `check=False` and `await compile_async(spec)`: compiling may take milliseconds."""
         prefix, sep, source = ref.partition(":")
         kind = INLINE_PREFIXES.get(prefix) if sep else None
         if kind is not None:
@@ -98,7 +102,8 @@ class GrammarLibrary:
             spec = JSON_OBJECT
         else:
             spec = self.get(ref)
-        compile_constraint(spec)
+        if check:
+            compile_constraint(spec)
         return spec
 
 

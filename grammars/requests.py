@@ -113,9 +113,11 @@ def _guided(field: str, what: str, value: Any) -> ConstraintSpec:
 
 
 def _plain(value: Any) -> Any:
-    """Mappings as dicts (orjson serializes dicts only); booleans and dicts pass through."""
-    if isinstance(value, Mapping) and not isinstance(value, dict):
+    """Any Mapping as a dict and any tuple as a list, recursively (orjson serializes only those)."""
+    if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     return value
 
 

@@ -236,3 +236,87 @@ def test_json_syntax_check_follows_json() -> None:
     assert feed_all(json_schema_spec({}), chunks(deep, 16), native=False) == (None, None)
     big = json.dumps({"n": 10**30, "f": -1.5e-300})
     assert feed_all(JSON_OBJECT, chunks(big, 3), native=False) == (None, None)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    value=st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=5),
+    indent=st.sampled_from([None, 0, 2, "\t"]),
+    ascii_only=st.booleans(),
+    cuts=st.lists(st.integers(1, 400), max_size=8),
+    pad=st.sampled_from(["", " ", "\n", " \r\n\t"]),
+)
+def test_json_syntax_stream_never_cuts_valid_json(
+    value: dict[str, object], indent: int | str | None, ascii_only: bool, cuts: list[int], pad: str
+) -> None:
+    text = pad + json.dumps(value, indent=indent, ensure_ascii=ascii_only) + pad
+    edges = sorted({c for c in cuts if c < len(text)})
+    parts = [text[a:b] for a, b in zip([0, *edges], [*edges, len(text)], strict=True)]
+    constraint = compile_constraint(JSON_OBJECT)
+    assert feed_all(JSON_OBJECT, parts, native=False) == (None, None)
+    assert constraint.validate(text) is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "parts", "verdict"),
+    [
+        # the schema grammar wants the literal bytes; JSON may escape them: no cut, jsonschema decides
+        ({"enum": ["caf\u00e9"]}, ['"caf', '\\u00e9"'], None),
+        ({"const": "a/b"}, ['"a\\/b"'], None),
+        (
+            {"type": "object", "properties": {"\u00e9": {"type": "integer"}}, "additionalProperties": False},
+            ['{"\\u00e9": 1}'],
+            None,
+        ),
+        (
+            {"enum": ["caf\u00e9"]},
+            ['"caf\\u00e8"'],
+            Violation("at <root>: 'caf\u00e8' is not one of ['caf\u00e9']"),
+        ),
+    ],
+)
+def test_native_check_tolerates_escaped_literals(
+    schema: dict[str, object], parts: list[str], verdict: Violation | None
+) -> None:
+    assert feed_all(json_schema_spec(schema), parts, native=True) == (None, verdict)
+
+
+def test_native_check_still_cuts_after_degrading() -> None:
+    spec = json_schema_spec({"enum": ["caf\u00e9"]})
+    assert feed_all(spec, ['"caf\\u00e9"', "x"], native=True) == (
+        1,
+        Violation("at char 11: unexpected 'x'; expected end of output", 11),
+    )
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        ['{"url": "http:\\/\\/example.com\\/a"}'],
+        ['{"url": "http:\\', "/", '\\/x"}'],  # escapes split across chunks
+        ['{"a": "\\\\', '/"}'],  # an escaped backslash, then a plain slash
+        ['{"del": "\x7f"}'],  # raw DEL is valid JSON in a string
+    ],
+)
+def test_json_spellings_llguidance_lacks_do_not_cut(parts: list[str]) -> None:
+    assert feed_all(JSON_OBJECT, parts, native=False) == (None, None)
+
+
+def test_escaped_slash_outside_a_string_still_fails() -> None:
+    first_bad, verdict = feed_all(JSON_OBJECT, ['{"a": 1, \\', "/}"], native=False)
+    assert first_bad == 0
+    assert verdict == Violation(
+        "at char 9: unexpected '\\\\'; expected one of: '\\t'-'\\n', '\\r', ' ', '\"'", 9
+    )
+
+
+def test_escaped_property_name_does_not_break_key_order() -> None:
+    spec = json_schema_spec({"type": "object", "properties": {"\u00e9": {}, "b": {}}})
+    assert feed_all(spec, ['{"\\u00e9": 1, "b": 2}'], native=True) == (None, None)

@@ -183,6 +183,20 @@ def test_resolve(ref: str, expected: ConstraintSpec) -> None:
     assert GrammarLibrary.load(None).resolve(ref) == expected
 
 
+def test_resolve_without_check() -> None:
+    lib = GrammarLibrary.load(None)
+    assert lib.resolve("regex:(", check=False) == ConstraintSpec("regex", "(")
+    with pytest.raises(InvalidGrammar, match="unknown grammar"):
+        lib.resolve("nope", check=False)
+
+
+def test_unknown_name_lists_at_most_20_names(tmp_path: Path) -> None:
+    lib = GrammarLibrary.load(write(tmp_path / "g", {f"g{i:02}.regex": "x" for i in range(30)}))
+    with pytest.raises(InvalidGrammar) as caught:
+        lib.get("nope")
+    assert caught.value.message.endswith("g16, g17, ...)")
+
+
 def test_resolve_prefers_a_grammar_named_json_object(tmp_path: Path) -> None:
     lib = GrammarLibrary.load(write(tmp_path / "g", {"json_object.regex": "x"}))
     assert lib.resolve("json_object") == ConstraintSpec("regex", "x", "json_object")
