@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ConfigError
 
@@ -59,11 +59,13 @@ class Provider(Frozen):
     timeouts: Timeouts = Timeouts()
     max_output_tokens: PosInt = 32768  # output limit used when a model's own limit is unknown
 
-    @model_validator(mode="after")
-    def _check_url(self) -> Provider:
-        if not re.match(r"^https?://[^/\s]+", self.base_url):
-            raise ValueError("base_url must be an absolute http(s) URL")
-        return self
+    @field_validator("base_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        # a field validator, so the error names `providers.<name>.base_url`
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("must be an absolute http(s) URL")
+        return value
 
     @property
     def dialect(self) -> Dialect:

@@ -129,7 +129,7 @@ class UpstreamTimeout(GatewayError):
     status = 504
     code = "upstream_timeout"
     openai_type = "server_error"
-    anthropic_type = "api_error"
+    anthropic_type = "timeout_error"  # Anthropic's own category for its 504s
 
 
 class ShuttingDown(GatewayError):

@@ -1,0 +1,347 @@
+"""`tollgate serve` and `tollgate check-config` as a user runs them (DESIGN section 1).
+
+The real console script runs as a subprocess from a config file against the fake provider on loopback:
+readiness on the admin port, the official SDKs through it, time from process start to the first proxied
+answer, a client disconnect closing the upstream, and SIGTERM draining an in-flight stream before exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+import yaml
+
+from gateway.cli import main as cli_main
+from tests.fakes.upstream import FakeProvider, Reply, anthropic_message, openai_completion, openai_stream
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def tollgate_command() -> list[str]:
+    script = Path(sys.executable).parent / "tollgate"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    """Bounded poll of an (async) condition."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Served:
+    proc: asyncio.subprocess.Process
+    url: str
+    admin_url: str
+    started_at: float
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+async def serve(fake: tuple[FakeProvider, str], tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    procs: list[asyncio.subprocess.Process] = []
+    logs: list[IO[bytes]] = []
+
+    async def start(**overrides: Any) -> Served:
+        _, fake_url = fake
+        config: dict[str, Any] = {
+            "providers": {
+                "openai": {"type": "openai", "base_url": f"{fake_url}/v1", "api_key": "${SERVE_TEST_OPENAI_KEY}"},
+                "anthropic": {"type": "anthropic", "base_url": fake_url, "api_key": "sk-ant-provider"},
+            },
+            "models": {"gpt-*": "openai", "claude-*": "anthropic"},
+            "state": {"backend": "sqlite", "path": "state.db"},
+            "shutdown_grace_s": 10,
+            **overrides,
+        }
+        path = tmp_path / "tollgate.yaml"
+        path.write_text(yaml.safe_dump(config))
+        port, admin_port = free_port(), free_port()
+        log_path = tmp_path / f"serve-{len(procs)}.log"
+        log = log_path.open("wb")
+        logs.append(log)
+        env = {**os.environ, "SERVE_TEST_OPENAI_KEY": "sk-provider-openai", "PYTHONUNBUFFERED": "1"}
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *tollgate_command(), "serve", "--config", str(path), "--port", str(port), "--admin-port", str(admin_port),
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        served = Served(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", started, log_path)
+        async with aiohttp.ClientSession() as session:
+
+            async def ready() -> bool:
+                if proc.returncode is not None:
+                    raise AssertionError(f"tollgate exited with {proc.returncode}: {served.output()}")
+                try:
+                    async with session.get(f"{served.admin_url}/readyz") as resp:
+                        return resp.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+
+            await wait_for(ready, 10.0, "/readyz")
+        return served
+
+    yield start
+    for proc in procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    for log in logs:
+        log.close()
+
+
+# -- serve ---------------------------------------------------------------------------------------------
+
+
+async def test_serve_answers_sdks_and_first_answer_is_fast(serve: Callable[..., Any], fake: tuple[FakeProvider, str]) -> None:
+    provider, _ = fake
+    provider.queue(Reply(body=openai_completion("first answer")))
+    served: Served = await serve()
+    async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="agent-key", max_retries=0) as client:
+        result = await client.chat.completions.create(model="gpt-4o-mini", messages=USER)  # type: ignore[arg-type]
+    elapsed = time.monotonic() - served.started_at
+    print(f"\ntollgate serve: process start to first proxied answer {elapsed:.3f}s")
+    assert result.choices[0].message.content == "first answer"
+    assert elapsed < 5.0
+    assert provider.seen[-1].headers["Authorization"] == "Bearer sk-provider-openai"  # ${VAR} from the env
+
+    provider.queue(Reply(body=anthropic_message("bonjour")))
+    async with anthropic.AsyncAnthropic(base_url=served.url, api_key="agent-key", max_retries=0) as aclient:
+        message = await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=16, messages=USER)  # type: ignore[arg-type]
+    assert message.content[0].text == "bonjour"  # type: ignore[union-attr]
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{served.admin_url}/healthz") as resp:
+            assert resp.status == 200
+        async with session.get(f"{served.admin_url}/metrics") as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain")
+        async with session.get(f"{served.admin_url}/admin/runs/default:default") as resp:
+            assert resp.status == 200
+            assert (await resp.json())["llm_calls"] == 2
+
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(served.proc.wait(), 5.0) == 0
+
+
+async def test_serve_client_disconnect_closes_upstream(serve: Callable[..., Any], fake: tuple[FakeProvider, str]) -> None:
+    """Without handler cancellation (the production server), the relay notices on its next write."""
+    provider, _ = fake
+    served: Served = await serve()
+    provider.queue(Reply(chunks=openai_stream(["p"] * 80), chunk_delay=0.03))
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "gpt-4o-mini", "messages": USER, "stream": True}
+        resp = await session.post(f"{served.url}/v1/chat/completions", json=body)
+        try:
+            assert resp.status == 200
+            assert await resp.content.readany()
+        finally:
+            resp.close()
+    await wait_for(lambda: provider.disconnects == 1 and provider.in_flight == 0, 3.0, "upstream disconnect")
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(served.proc.wait(), 5.0) == 0
+
+
+async def test_sigterm_lets_the_stream_finish_then_exits_0(serve: Callable[..., Any], fake: tuple[FakeProvider, str]) -> None:
+    provider, _ = fake
+    served: Served = await serve()
+    chunks = openai_stream(["one ", "two ", "three"])
+    kept = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+    streaming = aiohttp.ClientSession()
+    try:
+        # a kept-alive connection, idle in the pool when the signal comes
+        async with kept.post(f"{served.url}/v1/chat/completions", json={"model": "gpt-4o-mini", "messages": USER}) as r:
+            assert r.status == 200
+            await r.read()
+        provider.queue(Reply(chunks=chunks, chunk_delay=0.2))
+        body = {"model": "gpt-4o-mini", "messages": USER, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with streaming.post(f"{served.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            received = await resp.content.readany()
+            assert received
+            served.proc.send_signal(signal.SIGTERM)
+
+            async def not_ready() -> bool:
+                async with streaming.get(f"{served.admin_url}/readyz") as ready:
+                    return ready.status == 503
+
+            await wait_for(not_ready, 3.0, "/readyz to report shutting down")
+            # a new request on the kept-alive connection: 503 shutting_down, or the connection is gone
+            try:
+                async with kept.post(f"{served.url}/v1/chat/completions",
+                                     json={"model": "gpt-4o-mini", "messages": USER}) as late:
+                    assert late.status == 503
+                    assert (await late.json())["error"]["code"] == "shutting_down"
+            except aiohttp.ClientConnectionError:
+                pass
+            # a new connection is refused: the listening socket is closed
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with aiohttp.ClientSession() as fresh:
+                    async with fresh.get(f"{served.url}/v1/models"):
+                        pass
+            assert served.proc.returncode is None  # still draining the stream
+            async for chunk in resp.content.iter_any():
+                received += chunk
+        assert received == b"".join(chunks)
+    finally:
+        await kept.close()
+        await streaming.close()
+    assert await asyncio.wait_for(served.proc.wait(), 5.0) == 0
+    assert "draining" in served.output()
+
+
+# -- check-config ---------------------------------------------------------------------------------------
+
+GOOD = """
+listen: {host: 127.0.0.1, port: 8080}
+admin: {host: 127.0.0.1, port: 9464}
+providers:
+  openai:    {type: openai,    base_url: https://api.openai.com/v1, api_key: "${OPENAI_API_KEY}",
+              timeouts: {connect: 10, first_byte: 120, idle: 60}}
+  anthropic: {type: anthropic, base_url: https://api.anthropic.com, api_key: "${ANTHROPIC_API_KEY}"}
+  local:     {type: openai, base_url: "http://127.0.0.1:8000/v1", structured_outputs: vllm}
+models: {"gpt-*": openai, "claude-*": anthropic, "my-local-*": local}
+mcp_servers:
+  files: {url: "http://127.0.0.1:3001/mcp"}
+pricing:
+  "my-local-*": {input_per_mtok: 0.0, output_per_mtok: 0.0}
+state: {backend: sqlite, path: tollgate.db}
+limits: {max_body_bytes: 33554432, max_json_depth: 64}
+grammars: {dir: grammars}
+ledger: {path: tollgate.db}
+otel: {capture_content: false}
+agents:
+  support-bot:
+    keys: ["${SUPPORT_BOT_KEY}"]
+    budget: {usd: 2.00, tokens: 200000}
+    caps: {llm_calls: 40, tool_calls: 60, seconds: 600}
+    loop: {window: 6, max_distinct: 3, stall_steps: 3}
+    tools:
+      allow: [search_kb, fetch_record, "files/read_*", "files/delete_*"]
+      on_violation: reject
+      approval: ["files/delete_*"]
+      tiers: {"files/write_*": write, "files/delete_*": dangerous}
+      approval_timeout_s: 300
+    output: {grammar: ticket, retries: 2}
+    on_stop: error
+"""
+GOOD_ENV = {"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a", "SUPPORT_BOT_KEY": "bot-key"}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_TEST_")}
+    full_env.update(env or {})
+    return subprocess.run([*tollgate_command(), *args], capture_output=True, text=True, env=full_env, timeout=20)
+
+
+def test_check_config_good_subprocess(tmp_path: Path) -> None:
+    path = tmp_path / "tollgate.yaml"
+    path.write_text(GOOD)
+    result = run_cli("check-config", str(path), env=GOOD_ENV)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ok:"), result.stdout
+    assert "3 providers" in lines[0] and "1 agents" in lines[0]
+    assert result.stderr == ""
+
+
+def test_check_config_broken_subprocess_lists_every_error(tmp_path: Path) -> None:
+    path = tmp_path / "tollgate.yaml"
+    path.write_text(
+        "listen: {port: eighty}\n"
+        "providers:\n  openai: {type: openai, base_url: 'http://x/v1', api_kye: k}\n"
+        "agents:\n  bot: {budget: {usd: -1}}\n"
+    )
+    result = run_cli("check-config", str(path))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    paths = {line.split(": ")[1] for line in result.stderr.splitlines()}
+    assert paths == {"listen.port", "providers.openai.api_kye", "agents.bot.budget.usd"}, result.stderr
+
+
+BROKEN: list[tuple[str, str, str]] = [
+    ("unknown top-level key", "listn: {port: 1}\n", "listn"),
+    ("unknown nested key", "providers:\n  openai: {type: openai, base_url: 'http://x/v1', api_kye: k}\n",
+     "providers.openai.api_kye"),
+    ("unknown agent key", "agents:\n  bot: {budgett: {usd: 1}}\n", "agents.bot.budgett"),
+    ("wrong type", "listen: {port: eighty}\n", "listen.port"),
+    ("wrong type deep", "agents:\n  bot: {caps: {llm_calls: many}}\n", "agents.bot.caps.llm_calls"),
+    ("wrong section type", "providers: [openai]\n", "providers"),
+    ("bad enum", "state: {backend: mongo}\n", "state.backend"),
+    ("bad provider type", "providers:\n  p: {type: gemini, base_url: 'http://x'}\n", "providers.p.type"),
+    ("dangling model route", "providers: {}\nmodels: {'gpt-*': nosuch}\n", "models.gpt-*"),
+    ("unset variable", "providers:\n  openai: {type: openai, base_url: 'http://x/v1', api_key: '${TOLLGATE_TEST_UNSET}'}\n",
+     "providers.openai.api_key"),
+    ("negative budget", "agents:\n  bot: {budget: {usd: -1}}\n", "agents.bot.budget.usd"),
+    ("zero token budget", "agents:\n  bot: {budget: {tokens: 0}}\n", "agents.bot.budget.tokens"),
+    ("unknown guard", "agents:\n  x: {guards: [{use: no_such_guard}]}\n", "agents.x.guards.0.use"),
+    ("unimportable guard", "agents:\n  x: {guards: [{use: 'no_such_module:Guard'}]}\n", "agents.x.guards.0.use"),
+    ("duplicate agent key", "agents:\n  a: {keys: [k1]}\n  b: {keys: [k1]}\n", "agents.b.keys.0"),
+    ("approval not allowed", "agents:\n  a: {tools: {allow: [x], approval: [y]}}\n", "agents.a.tools.approval.0"),
+    ("bad base_url", "providers:\n  p: {type: openai, base_url: 'api.openai.com'}\n", "providers.p.base_url"),
+    ("invalid yaml", "providers: {openai: [\n", "<file>"),
+    ("root not a mapping", "- a\n- b\n", "<root>"),
+]
+
+
+@pytest.mark.parametrize(("text", "key_path"), [(t, p) for _, t, p in BROKEN], ids=[n for n, _, _ in BROKEN])
+def test_check_config_broken_names_key_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, text: str, key_path: str
+) -> None:
+    monkeypatch.delenv("TOLLGATE_TEST_UNSET", raising=False)
+    path = tmp_path / "tollgate.yaml"
+    path.write_text(text)
+    assert cli_main(["check-config", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines, "no error printed"
+    assert any(line.startswith(f"error: {key_path}: ") for line in lines), err
+    if key_path == "providers.openai.api_key":
+        assert "TOLLGATE_TEST_UNSET" in err
+
+
+def test_check_config_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["check-config", str(tmp_path / "nope.yaml")]) == 1
+    assert capsys.readouterr().err.startswith("error: <file>: ")
+
+
+def test_serve_refuses_a_broken_config(tmp_path: Path) -> None:
+    path = tmp_path / "tollgate.yaml"
+    path.write_text("listen: {port: eighty}\n")
+    result = run_cli("serve", "--config", str(path))
+    assert result.returncode == 1
+    assert "listen.port" in result.stderr
