@@ -19,7 +19,11 @@ from gateway.proxy import GATEWAY
 
 async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_port: int) -> None:
     proxy, admin = create_apps(config)
-    runner = web.AppRunner(proxy, shutdown_timeout=config.shutdown_grace_s, access_log=None)
+    # handler_cancellation: a client that goes away cancels its handler at once, and with it the
+    # upstream request, even while the relay is holding events and has nothing to write
+    runner = web.AppRunner(
+        proxy, shutdown_timeout=config.shutdown_grace_s, access_log=None, handler_cancellation=True
+    )
     admin_runner = web.AppRunner(admin, shutdown_timeout=1.0, access_log=None)
     await runner.setup()
     await admin_runner.setup()

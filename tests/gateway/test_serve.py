@@ -26,7 +26,14 @@ import pytest
 import yaml
 
 from gateway.cli import main as cli_main
-from tests.fakes.upstream import FakeProvider, Reply, anthropic_message, openai_completion, openai_stream
+from tests.fakes.upstream import (
+    FakeProvider,
+    Reply,
+    anthropic_message,
+    openai_completion,
+    openai_stream,
+    tool_call,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -345,3 +352,38 @@ def test_serve_refuses_a_broken_config(tmp_path: Path) -> None:
     result = run_cli("serve", "--config", str(path))
     assert result.returncode == 1
     assert "listen.port" in result.stderr
+
+
+async def test_serve_client_disconnect_while_events_are_held_closes_upstream(
+    serve: Callable[..., Any], fake: tuple[FakeProvider, str]
+) -> None:
+    """From the first tool-call event on the relay holds events and writes nothing until the answer
+    is judged; a client that leaves meanwhile must still cancel the upstream request."""
+    provider, _ = fake
+    served: Served = await serve()
+    chunks = openai_stream(["thinking"], tool_calls=[tool_call("search", '{"q": "x"}')])
+    chunks = chunks[:3] + [b": keep-alive\n\n"] * 40 + chunks[3:]
+    provider.queue(Reply(chunks=chunks, chunk_delay=0.05))
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "gpt-4o-mini", "messages": USER, "stream": True}
+        resp = await session.post(f"{served.url}/v1/chat/completions", json=body)
+        try:
+            assert resp.status == 200
+            seen = b""
+            while b"thinking" not in seen:
+                chunk = await resp.content.readany()
+                assert chunk, "stream ended early"
+                seen += chunk
+        finally:
+            resp.close()
+    await wait_for(lambda: provider.in_flight == 0, 4.0, "upstream request to end")
+    assert provider.disconnects == 1, "the upstream streamed to the end for a client that had gone"
+    async with aiohttp.ClientSession() as session:
+
+        async def recorded() -> bool:
+            async with session.get(f"{served.admin_url}/admin/runs/default:default") as run:
+                return run.status == 200 and len((await run.json())["steps"]) == 1
+
+        await wait_for(recorded, 3.0, "the abandoned step to be recorded")  # cancellation still records
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(served.proc.wait(), 5.0) == 0
