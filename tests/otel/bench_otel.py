@@ -9,7 +9,10 @@ span end, the GenAI histograms) and the upstream / cost counters. Timed per step
 
 - `disabled`: `OTEL_SDK_DISABLED=true` (Prometheus metrics only);
 - `on`: tracing on, batch export to an exporter that discards (the SDK's work, no I/O);
-- `collector down`: tracing on, OTLP/HTTP to a closed loopback port (export fails in the background);
+- `collector up`: tracing on, OTLP/HTTP protobuf to a receiver in another process (full export cost:
+  encoding and HTTP happen on the SDK's worker thread, competing for the GIL);
+- `collector down`: tracing on, OTLP/HTTP to a closed loopback port (default 10 s export timeout:
+  the worker backs off, the queue fills, ends are dropped and counted);
 - `on + content`: tracing on with content capture and redaction.
 """
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
+import subprocess
+import sys
 import time
 import timeit
 from collections.abc import Sequence
@@ -35,6 +40,29 @@ from tests.otel.samples import OPENAI_ANSWER, PROVIDER_KEY, openai_call
 class DiscardExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         return SpanExportResult.SUCCESS
+
+
+SINK = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def start_sink() -> tuple[subprocess.Popen[str], int]:
+    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None
+    return sink, int(sink.stdout.readline())
 
 
 def closed_port() -> int:
@@ -94,14 +122,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20000)
     steps = parser.parse_args().steps
+    sink, sink_port = start_sink()
     modes = {
         "disabled (OTEL_SDK_DISABLED=true)": lambda: setup_telemetry({"OTEL_SDK_DISABLED": "true"}),
         "on (batch export, discarding exporter)": lambda: setup_telemetry({}, exporter=DiscardExporter()),
+        "on, collector up (OTLP/HTTP, other process)": lambda: setup_telemetry(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"}
+        ),
         "on, collector down (OTLP/HTTP to closed port)": lambda: setup_telemetry(
-            {
-                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
-                "OTEL_EXPORTER_OTLP_TIMEOUT": "500",
-            }
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}"}
         ),
         "on + content capture and redaction": lambda: setup_telemetry(
             {"OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "SPAN_ONLY"}, exporter=DiscardExporter()
@@ -118,6 +147,8 @@ def main() -> None:
         dropped = telemetry.spans_dropped()
         telemetry.shutdown(timeout_s=2)
         print(f"{name:48} {p50:8.1f} {p99:8.1f} {mean:8.1f} {dropped:8d}")
+    sink.terminate()
+    sink.wait()
 
 
 if __name__ == "__main__":
