@@ -2,8 +2,8 @@
 output can no longer become valid.
 
 One llguidance matcher per stream, `deep_copy`-ed from the compiled constraint's pristine matcher.
-Per chunk the cost is one UTF-8 encode plus `try_consume_tokens` over its bytes (see
-tests/grammars/bench_grammars.py). For JSON kinds, whitespace before and after the document is
+Per chunk the cost is one UTF-8 encode plus `validate_tokens` and `consume_tokens` over its bytes
+(see tests/grammars/bench_grammars.py). For JSON kinds, whitespace before and after the document is
 tolerated (llguidance allows none), and `finish()` gives the complete verdict (jsonschema), because
 the streaming grammar may be weaker than the schema (syntax only, or keywords llguidance ignores).
 """
@@ -92,12 +92,11 @@ class IncrementalChecker:
         accepted = engine.advance(self._matcher, list(data))
         if accepted == len(data):
             return True
+        pos = engine.char_offset(data, accepted)
         if self._json and self._matcher.is_accepting() and data[accepted] in _JSON_WS_BYTES:
             # A complete document followed by whitespace: fine, as long as nothing else follows.
             self._trailing = True
-            rest = data[accepted:].decode("utf-8")
-            return self._only_whitespace(rest, base + engine.char_offset(data, accepted))
-        pos = engine.char_offset(data, accepted)
+            return self._only_whitespace(text[pos:], base + pos)
         if self._fallback is not None and self._respelled(base + pos):
             return self._degrade()
         self.violation = engine.failure(self._matcher, text, pos, base)

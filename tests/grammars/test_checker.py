@@ -320,3 +320,12 @@ def test_escaped_slash_outside_a_string_still_fails() -> None:
 def test_escaped_property_name_does_not_break_key_order() -> None:
     spec = json_schema_spec({"type": "object", "properties": {"\u00e9": {}, "b": {}}})
     assert feed_all(spec, ['{"\\u00e9": 1, "b": 2}'], native=True) == (None, None)
+
+
+def test_trailing_garbage_is_quoted_as_written() -> None:
+    assert feed_all(JSON_OBJECT, ["{} \x7f"], native=False) == (
+        0,
+        Violation(
+            "at char 3: unexpected '\\x7f' after the end of the JSON document; expected end of output", 3
+        ),
+    )
