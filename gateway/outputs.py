@@ -17,7 +17,7 @@ from gateway.errors import InvalidGrammar
 from grammars.checker import IncrementalChecker
 from grammars.compile import Constraint, compile_async, validate_tool_arguments
 from grammars.library import GrammarLibrary
-from grammars.native import native_is_exact, native_params
+from grammars.native import native_is_exact, native_params, validation_spec
 from grammars.reask import reask_instruction
 from grammars.requests import request_constraints, strip_guided_fields
 from grammars.spec import ConstraintSpec, Violation
@@ -70,7 +70,6 @@ async def plan_outputs(
     if not specs:
         return None
     unique = list({s.key: s for s in specs}.values())
-    constraints = tuple([await compile_async(s) for s in unique])
     body_has_guided = any(k in call.raw for k in _GUIDED)
     native: Mapping[str, Any] | None = None
     exact = False
@@ -81,6 +80,11 @@ async def plan_outputs(
     if not already_native:
         native = native_params(dialect, first)
     exact = native_is_exact(dialect, first) and (native is not None or already_native)
+    if native is not None or already_native:
+        # OpenAI strict mode turns optional properties into required-but-nullable ones: a valid
+        # answer may carry nulls the original schema would reject
+        unique[0] = validation_spec(dialect, first)
+    constraints = tuple([await compile_async(s) for s in unique])
     return OutputPlan(constraints, retries, stream_check, native, exact,
                       strip_guided=body_has_guided and dialect not in _VLLM)
 

@@ -146,3 +146,16 @@ async def test_invalid_tool_arguments_openai_and_anthropic(gateway_factory: Gate
             await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,
                                      tools=[{"name": "get", "input_schema": SCHEMA}])  # type: ignore[list-item]
     assert info.value.body["error"]["code"] == "output_nonconforming"  # type: ignore[index]
+
+
+async def test_openai_strict_nulls_for_optional_properties_are_accepted(gateway_factory: GatewayFactory) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a"]}
+    h = await gateway_factory(agents={"default": {"output": {"grammar": "json_schema:" + orjson.dumps(schema).decode(),
+                                                             "retries": 0}}})
+    h.fake.queue(Reply(body=openai_completion('{"a": 1, "b": null}')))
+    async with client(h.url, "strict") as c:
+        result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)
+    assert orjson.loads(result.choices[0].message.content or "") == {"a": 1, "b": None}
+    sent = h.fake.seen[-1].json["response_format"]["json_schema"]
+    assert sent["strict"] is True and sorted(sent["schema"]["required"]) == ["a", "b"]
