@@ -83,7 +83,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     """Run the guards, then reserve their claims atomically. Raises Stopped on a stop."""
     ident = step.identity
     now = time.time()
-    snapshot = await gw.store.get(ident.run_id)
+    snapshot = await gw.store.get(ident.run_id, steps=False)
+    step.extra["snapshot"] = snapshot
     step.extra["epoch"] = snapshot.epoch if snapshot is not None else 1
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price)
     verdict = gw.chain(ident.agent, ident.policy).before(ctx)
@@ -124,17 +125,15 @@ async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> None:
 
 
 async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
-    for effect in verdict.effects:
-        if isinstance(effect, Add):
-            denial = await gw.store.add(
-                step.run_id, step.agent, effect.counter, effect.amount,
-                limit=effect.limit, code=effect.code, now=time.time(),
-            )
-            if denial is not None:
-                step.stop_reason, step.stop_detail = denial.reason, denial.detail
-                raise Stopped(denial.reason, denial.detail)
-        elif isinstance(effect, Push):
-            await gw.store.push(step.run_id, step.agent, effect.key, effect.values, effect.keep)
+    """A step's counter additions and history pushes, in one atomic store operation."""
+    if not verdict.effects:
+        return
+    adds = [e for e in verdict.effects if isinstance(e, Add)]
+    pushes = [e for e in verdict.effects if isinstance(e, Push)]
+    denial = await gw.store.apply(step.run_id, step.agent, adds, pushes, time.time())
+    if denial is not None:
+        step.stop_reason, step.stop_detail = denial.reason, denial.detail
+        raise Stopped(denial.reason, denial.detail)
 
 
 # -- shape -------------------------------------------------------------------------------------------
@@ -192,7 +191,9 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
 async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     """Judge the answer before the agent sees it; a stop withholds it. Raises Stopped."""
     ident = step.identity
-    snapshot = await gw.store.get(ident.run_id)
+    # the snapshot taken before the step: histories judged here change only through this run's own
+    # steps, and the limits that must hold under concurrency (tool-call cap) are applied atomically
+    snapshot = step.extra.get("snapshot")
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
                       step.extra)
     verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)

@@ -16,26 +16,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from gateway.call import Answer, Call
 from gateway.config import Agent
 from gateway.pricing import ModelPrice
-from gateway.store.base import Claim, RunState
+from gateway.store.base import Add, Claim, Push, RunState
 
-
-@dataclass(frozen=True, slots=True)
-class Add:
-    """After the step: add `amount` to counter `counter`; exceeding `limit` stops the run with `code`."""
-
-    counter: str
-    amount: float
-    limit: float | None = None
-    code: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Push:
-    """After the step: append `values` to the run's history list `key`, keeping the last `keep`."""
-
-    key: str
-    values: tuple[str, ...]
-    keep: int
+__all__ = ["Add", "BaseGuard", "Decision", "Effect", "Push", "StepContext", "StopCondition"]
 
 
 Effect = Add | Push

@@ -45,6 +45,25 @@ class ReserveRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Add:
+    """Add `amount` to counter `counter`; exceeding `limit` stops the run with `code`."""
+
+    counter: str
+    amount: float
+    limit: float | None = None
+    code: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """Append `values` to the run's history list `key`, keeping the last `keep`."""
+
+    key: str
+    values: tuple[str, ...]
+    keep: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
     id: str
     run_id: str
@@ -105,7 +124,9 @@ class RunState:
 class RunStore(Protocol):
     """Atomic operations on runs. Implementations: memory, sqlite, redis."""
 
-    async def get(self, run_id: str) -> RunState | None: ...
+    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
+        """The run, or None. `steps=False` may leave `steps` empty (the hot path does not need them)."""
+        ...
 
     async def reserve(
         self, run_id: str, agent: str, request: ReserveRequest, now: float
@@ -118,6 +139,13 @@ class RunStore(Protocol):
     ) -> Denial | None: ...
 
     async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]: ...
+
+    async def apply(
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+    ) -> Denial | None:
+        """All of a step's counter additions and history pushes in one atomic operation. The first add
+        that would exceed its limit stops the run and nothing of the operation is applied."""
+        ...
 
     async def take(self, run_id: str, key: str, value: str) -> bool: ...
 

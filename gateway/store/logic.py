@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunState
 
 EPS = 1e-9
 MAX_STEPS = 50
@@ -100,6 +100,23 @@ def add(state: RunState, counter: str, amount: float, limit: float | None, code:
         return Denial(code, detail)
     state.used[counter] = state.used.get(counter, 0.0) + amount
     state.updated_at = now
+    return None
+
+
+def apply(state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: float) -> Denial | None:
+    """All adds and pushes of a step, or nothing: a limit breach stops the run and applies nothing."""
+    if adds and state.stopped:
+        return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+    for a in adds:
+        current = state.used.get(a.counter, 0.0) + state.reserved.get(a.counter, 0.0)
+        if a.limit is not None and current + a.amount > a.limit + EPS:
+            return add(state, a.counter, a.amount, a.limit, a.code, now)  # stops the run, adds nothing
+    for a in adds:
+        add(state, a.counter, a.amount, None, a.code, now)
+    for p in pushes:
+        push(state, p.key, p.values, p.keep)
+    if pushes:
+        state.updated_at = now
     return None
 
 

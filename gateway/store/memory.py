@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.store import logic
-from gateway.store.base import Denial, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
 
 
 class MemoryRunStore:
@@ -23,7 +23,7 @@ class MemoryRunStore:
             state = self._runs[run_id] = RunState(run_id=run_id, agent=agent)
         return state
 
-    async def get(self, run_id: str) -> RunState | None:
+    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
         state = self._runs.get(run_id)
         return None if state is None else logic.from_dict(logic.to_dict(state))
 
@@ -42,6 +42,11 @@ class MemoryRunStore:
 
     async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]:
         return logic.push(self._run(run_id, agent), key, values, keep)
+
+    async def apply(
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+    ) -> Denial | None:
+        return logic.apply(self._run(run_id, agent), adds, pushes, now)
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         state = self._runs.get(run_id)

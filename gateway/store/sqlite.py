@@ -21,7 +21,7 @@ import orjson
 
 from gateway.errors import StateUnavailable
 from gateway.store import logic
-from gateway.store.base import Denial, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
 
 T = TypeVar("T")
 
@@ -33,6 +33,14 @@ CREATE TABLE IF NOT EXISTS runs (
     state BLOB NOT NULL
 )
 """
+# Steps live in their own append-only table, so recording one is an INSERT instead of a rewrite of
+# the run's state (which the hot path reads and writes several times per step).
+_STEPS = (
+    "CREATE TABLE IF NOT EXISTS steps (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
+    "epoch INTEGER NOT NULL, data BLOB NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS steps_run ON steps (run_id, seq)",
+)
+_PRUNE_EVERY = 64
 
 
 class SqliteRunStore:
@@ -40,6 +48,7 @@ class SqliteRunStore:
         self._conn = conn
         self._prefix = uuid.uuid4().hex[:8]
         self._seq = 0
+        self._recorded = 0
 
     @classmethod
     def open(cls, path: str | Path) -> SqliteRunStore:
@@ -49,6 +58,8 @@ class SqliteRunStore:
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=5000")
             conn.execute(_SCHEMA)
+            for statement in _STEPS:
+                conn.execute(statement)
         except sqlite3.Error as exc:
             raise StateUnavailable(f"cannot open state file {path}: {exc}") from None
         store = cls(conn)
@@ -76,6 +87,7 @@ class SqliteRunStore:
                 else:
                     state = logic.from_dict(orjson.loads(row[0]))
                 result = fn(state)
+                state.steps = []  # kept in the steps table
                 if row is not None or create:
                     conn.execute(
                         "INSERT OR REPLACE INTO runs (run_id, agent, updated_at, state) VALUES (?, ?, ?, ?)",
@@ -93,12 +105,24 @@ class SqliteRunStore:
         self._seq += 1
         return f"{self._prefix}-{self._seq}"
 
-    async def get(self, run_id: str) -> RunState | None:
+    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
         try:
             row = self._conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                return None
+            state = logic.from_dict(orjson.loads(row[0]))
+            if steps:
+                state.steps = self._steps(run_id, state.epoch)
         except sqlite3.Error as exc:
             raise StateUnavailable(f"state store error: {exc}") from None
-        return None if row is None else logic.from_dict(orjson.loads(row[0]))
+        return state
+
+    def _steps(self, run_id: str, epoch: int) -> list[dict[str, Any]]:
+        rows = self._conn.execute(
+            "SELECT data FROM steps WHERE run_id = ? AND epoch = ? ORDER BY seq DESC LIMIT ?",
+            (run_id, epoch, logic.MAX_STEPS),
+        ).fetchall()
+        return [orjson.loads(r[0]) for r in reversed(rows)]
 
     async def reserve(self, run_id: str, agent: str, request: ReserveRequest, now: float) -> Reservation | Denial:
         rid = self._next_id()
@@ -115,6 +139,13 @@ class SqliteRunStore:
     async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]:
         return self._tx(run_id, agent, lambda s: logic.push(s, key, values, keep))
 
+    async def apply(
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+    ) -> Denial | None:
+        if not adds and not pushes:
+            return None
+        return self._tx(run_id, agent, lambda s: logic.apply(s, adds, pushes, now))
+
     async def take(self, run_id: str, key: str, value: str) -> bool:
         return self._tx(run_id, "", lambda s: logic.take(s, key, value), create=False)
 
@@ -122,10 +153,34 @@ class SqliteRunStore:
         self._tx(run_id, agent, lambda s: logic.stop(s, reason, detail, now))
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
-        self._tx(run_id, agent, lambda s: logic.record_step(s, step, now))
+        conn = self._conn
+        try:
+            row = conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                self._tx(run_id, agent, lambda s: None)
+                epoch = 1
+            else:
+                epoch = int(orjson.loads(row[0]).get("epoch", 1))
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute("INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)",
+                             (run_id, epoch, orjson.dumps(dict(step))))
+                conn.execute("UPDATE runs SET updated_at = ? WHERE run_id = ?", (now, run_id))
+                self._recorded += 1
+                if self._recorded % _PRUNE_EVERY == 0:
+                    conn.execute(
+                        "DELETE FROM steps WHERE run_id = ? AND seq <= (SELECT seq FROM steps WHERE run_id = ? "
+                        "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (run_id, run_id, logic.MAX_STEPS)
+                    )
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise StateUnavailable(f"state store error: {exc}") from None
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
-        if await self.get(run_id) is None:
+        if await self.get(run_id, steps=False) is None:
             return None
 
         def _reset(state: RunState) -> RunState:
@@ -137,11 +192,17 @@ class SqliteRunStore:
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         try:
             rows = self._conn.execute(
-                "SELECT state FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,)
+                "SELECT state, updated_at FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,)
             ).fetchall()
+            runs = []
+            for blob, updated in rows:
+                state = logic.from_dict(orjson.loads(blob))
+                state.updated_at = updated
+                state.steps = self._steps(state.run_id, state.epoch)
+                runs.append(state)
         except sqlite3.Error as exc:
             raise StateUnavailable(f"state store error: {exc}") from None
-        return [logic.from_dict(orjson.loads(r[0])) for r in rows]
+        return runs
 
     async def close(self) -> None:
         self._conn.close()
