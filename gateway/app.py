@@ -12,6 +12,7 @@ from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
+from gateway.mcp import mcp_handler
 from gateway.observe import end_run, on_step, redactor_for
 from gateway.outputs import resolve_agent_grammars
 from gateway.pricing import Pricer
@@ -43,7 +44,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         upstream=upstream,
     )
     gw.services["grammars"] = library
-    ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)))
+    ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)), linger_s=0.05)
     await ledger.start()
     telemetry = setup_telemetry(os.environ, capture_content=config.otel.capture_content)
     gw.services.update(ledger=ledger, telemetry=telemetry, metrics_render=telemetry.metrics.render,
@@ -83,6 +84,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/v1/messages", chat_handler("anthropic"))
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
+    app.router.add_route("*", "/mcp/{server}", mcp_handler)
     return app
 
 

@@ -72,12 +72,13 @@ class Ledger:
     """Append-only decision log over one SQLite file; the module docstring states the contracts."""
 
     def __init__(self, writer: sqlite3.Connection, reader: sqlite3.Connection, *, max_pending: int,
-                 hard_limit: int, batch_size: int, retry_delay_s: float) -> None:
+                 hard_limit: int, batch_size: int, retry_delay_s: float, linger_s: float = 0.0) -> None:
         self._writer = writer  # used by one worker thread at a time: the writer task serializes
         self._reader = reader  # used by rows() on the caller's thread, never by the worker
         self._pending: deque[tuple[LedgerEntry, float]] = deque()
         self._max_pending, self._hard_limit = max_pending, hard_limit
         self._batch_size, self._retry_delay_s = batch_size, retry_delay_s
+        self._linger_s = linger_s
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._progress: asyncio.Condition | None = None
@@ -86,7 +87,7 @@ class Ledger:
 
     @classmethod
     def open(cls, path: str | Path, *, max_pending: int = 10_000, hard_limit: int = 1_000_000,
-             batch_size: int = 512, retry_delay_s: float = 0.05) -> Ledger:
+             batch_size: int = 512, retry_delay_s: float = 0.05, linger_s: float = 0.0) -> Ledger:
         """Open `path`, creating the ledger table if needed. Sync: call at startup, not per request."""
         writer = connect(path)
         writer.execute("PRAGMA journal_mode = WAL")
@@ -96,7 +97,7 @@ class Ledger:
             writer.execute(statement)
         writer.execute("COMMIT")
         return cls(writer, connect(path), max_pending=max_pending, hard_limit=hard_limit,
-                   batch_size=batch_size, retry_delay_s=retry_delay_s)
+                   batch_size=batch_size, retry_delay_s=retry_delay_s, linger_s=linger_s)
 
     async def start(self) -> None:
         """Start the background writer on the running loop. Idempotent."""
@@ -189,6 +190,10 @@ class Ledger:
                     await self._wake.wait()
                     self._wake.clear()
                     continue
+                if self._linger_s and not self._closing and len(self._pending) < self._batch_size:
+                    # batch rows of the next few ms into one transaction: each write is a thread hop,
+                    # and a woken thread competes with the request path for the GIL
+                    await asyncio.sleep(self._linger_s)
                 try:
                     await asyncio.to_thread(self._write_some)
                     failures = 0

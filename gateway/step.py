@@ -61,7 +61,7 @@ class Step:
         """The step as the admin API lists it under a run."""
         answer = self.answer
         usage = answer.usage if answer is not None else None
-        return {
+        summary = {
             "at": self.started_wall,
             "operation": self.call.operation,
             "model": self.call.model,
@@ -78,3 +78,6 @@ class Step:
             "reasks": self.reasks,
             "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
         }
+        if "epoch" in self.extra:
+            summary["epoch"] = self.extra["epoch"]
+        return summary

@@ -153,29 +153,25 @@ class SqliteRunStore:
         self._tx(run_id, agent, lambda s: logic.stop(s, reason, detail, now))
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
+        """An INSERT and the run's activity time, without rewriting its state. `step["epoch"]`, when given,
+        saves reading the run."""
         conn = self._conn
         try:
-            row = conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
-                self._tx(run_id, agent, lambda s: None)
-                epoch = 1
-            else:
-                epoch = int(orjson.loads(row[0]).get("epoch", 1))
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.execute("INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)",
-                             (run_id, epoch, orjson.dumps(dict(step))))
-                conn.execute("UPDATE runs SET updated_at = ? WHERE run_id = ?", (now, run_id))
-                self._recorded += 1
-                if self._recorded % _PRUNE_EVERY == 0:
-                    conn.execute(
-                        "DELETE FROM steps WHERE run_id = ? AND seq <= (SELECT seq FROM steps WHERE run_id = ? "
-                        "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (run_id, run_id, logic.MAX_STEPS)
-                    )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+            epoch = step.get("epoch")
+            if epoch is None:
+                row = conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                if row is None:
+                    self._tx(run_id, agent, lambda s: None)
+                epoch = 1 if row is None else int(orjson.loads(row[0]).get("epoch", 1))
+            conn.execute("INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)",
+                         (run_id, int(epoch), orjson.dumps(dict(step))))
+            conn.execute("UPDATE runs SET updated_at = ? WHERE run_id = ?", (now, run_id))
+            self._recorded += 1
+            if self._recorded % _PRUNE_EVERY == 0:
+                conn.execute(
+                    "DELETE FROM steps WHERE run_id = ? AND seq <= (SELECT seq FROM steps WHERE run_id = ? "
+                    "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (run_id, run_id, logic.MAX_STEPS)
+                )
         except sqlite3.Error as exc:
             raise StateUnavailable(f"state store error: {exc}") from None
 
