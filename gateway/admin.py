@@ -1,4 +1,4 @@
-"""Admin port: health, readiness, Prometheus metrics, runs (and approvals once tools land)."""
+"""Admin port: health, readiness, Prometheus metrics, runs, approvals of parked tool calls."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from gateway.approvals import routes as approval_routes
 from gateway.proxy import GATEWAY
 from gateway.runtime import Gateway
 
@@ -109,4 +110,5 @@ def create_admin_app(proxy: web.Application) -> web.Application:
     app.router.add_get("/admin/runs/{run_id:.+}/", get_run)
     app.router.add_post("/admin/runs/{run_id:.+}/reset", reset_run)
     app.router.add_get("/admin/runs/{run_id:.+}", get_run)
+    app.router.add_routes(approval_routes(_gateway))
     return app

@@ -12,6 +12,7 @@ from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
+from gateway.mcp import mcp_handler
 from gateway.observe import end_run, on_step, redactor_for
 from gateway.outputs import resolve_agent_grammars
 from gateway.pricing import Pricer
@@ -83,6 +84,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/v1/messages", chat_handler("anthropic"))
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
+    app.router.add_route("*", "/mcp/{server}", mcp_handler)
     return app
 
 

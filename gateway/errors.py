@@ -10,6 +10,9 @@
     + RequestTooLarge          - 413 request_too_large
     + Stopped                  - 403 a guard stopped the run (budget_exhausted, loop_detected, ...)
       - ToolNotAllowed         - 403 tool_not_allowed
+    + ApprovalDenied           - 403 approval_denied (a human denied a parked tool call)
+      - ApprovalTimeout        - 403 approval_timeout (nobody decided within approval_timeout_s)
+    + DuplicateToolCall        - 403 duplicate_tool_call (a side-effecting call already ran; no result to replay)
     + OutputNonconforming      - 422 output_nonconforming
     + UpstreamUnavailable      - 502 upstream_unavailable
     + UpstreamTimeout          - 504 upstream_timeout
@@ -109,6 +112,29 @@ class Stopped(GatewayError):
 class ToolNotAllowed(Stopped):
     def __init__(self, message: str) -> None:
         super().__init__("tool_not_allowed", message)
+
+
+class ApprovalDenied(GatewayError):
+    """A tool call parked for approval was denied. It does not stop the run."""
+
+    status = 403
+    code = "approval_denied"
+    openai_type = "permission_error"
+    anthropic_type = "permission_error"
+
+
+class ApprovalTimeout(ApprovalDenied):
+    code = "approval_timeout"
+
+
+class DuplicateToolCall(GatewayError):
+    """A `write`/`dangerous` tool call that already ran in this run, whose recorded result this
+    process does not hold (restart, another replica): it is refused rather than run twice."""
+
+    status = 403
+    code = "duplicate_tool_call"
+    openai_type = "permission_error"
+    anthropic_type = "permission_error"
 
 
 class OutputNonconforming(GatewayError):

@@ -1,0 +1,99 @@
+"""MCP Streamable HTTP proxy at `/mcp/{server}`: POST JSON-RPC (JSON or SSE answers), GET server
+stream, DELETE session.
+
+Identity and run id resolve exactly as for model calls, so MCP steps belong to the agent's run.
+Every POST must be one well-formed JSON-RPC message; the server receives tollgate's own serialisation
+of it, so what the server parses is exactly what tollgate judged (duplicate keys, escapes and the
+like cannot make the two disagree). `tools/list` answers are filtered to the agent's allowed tools
+(each page; the client follows `nextCursor` itself); `tools/call` goes through `gateway.mcp_calls`.
+Everything else is relayed as is, streaming. `Mcp-Session-Id`, `MCP-Protocol-Version` and the other
+end-to-end headers travel both ways; the agent's tollgate key does not reach the server, the server's
+configured `headers` are added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import GatewayError, ShuttingDown
+from gateway.identity import RUN_ID_HEADER
+from gateway.jsonrpc import (
+    BadMessage,
+    RequestId,
+    check_routing_headers,
+    error_body,
+    filter_tools,
+    gateway_error,
+    parse_message,
+)
+from gateway.mcp_calls import call_tool
+from gateway.mcp_transport import McpRequest, Transform, relay, state_of
+from gateway.pipeline import read_body
+from gateway.proxy import GATEWAY
+from gateway.tools import ToolPolicy
+
+
+async def mcp_handler(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    name = request.match_info["server"]
+    headers: dict[str, str] = {}
+    try:
+        if gw.shutting_down:
+            raise ShuttingDown("tollgate is shutting down")
+        identity = gw.identifier.identify(request.headers)
+        headers[RUN_ID_HEADER] = identity.run_id
+        server = gw.config.mcp_servers.get(name)
+        if server is None:
+            body = error_body(None, -32600, f"mcp_server_not_found: no MCP server named {name!r} is configured",
+                              {"code": "mcp_server_not_found"})
+            return web.Response(status=404, body=body, content_type="application/json", headers=headers)
+        mcp = McpRequest(gw, request, identity, name, server, ToolPolicy(identity.policy.tools), headers)
+        if request.method == "POST":
+            return await _post(mcp)
+        if request.method in ("GET", "DELETE"):
+            upstream = await mcp.open(request.method, None)
+            return await relay(mcp, upstream, None, _list_filter(mcp) if request.method == "GET" else None)
+        headers["Allow"] = "GET, POST, DELETE"
+        return web.Response(status=405, headers=headers)
+    except GatewayError as exc:
+        return _error(exc, None, headers)
+
+
+def _error(exc: GatewayError, rpc_id: RequestId | None, headers: dict[str, str]) -> web.Response:
+    status, body = gateway_error(rpc_id, exc)
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+async def _post(mcp: McpRequest) -> web.StreamResponse:
+    limits = mcp.gw.config.limits
+    raw = await read_body(mcp.request, limits)
+    message = parse_message(raw, limits.max_json_depth)
+    try:
+        check_routing_headers(message, mcp.request.headers.get("Mcp-Method"), mcp.request.headers.get("Mcp-Name"))
+        if message.method == "tools/call":
+            if not message.is_request:
+                raise BadMessage("tools/call must be a request (with an id), not a notification")
+            return await call_tool(mcp, message, len(raw))
+        upstream = await mcp.open("POST", orjson.dumps(message.body))
+        if message.method == "tools/list" and message.is_request:
+            return await relay(mcp, upstream, message.id, _list_filter(mcp))
+        return await relay(mcp, upstream, None, None)
+    except GatewayError as exc:
+        return _error(exc, message.id, mcp.headers)
+
+
+def _list_filter(mcp: McpRequest) -> Transform:
+    """Filters every `tools/list`-shaped result (also on GET streams, which may replay a POST's
+    events on resumption) and remembers the kept tools' input schemas."""
+    state = state_of(mcp.gw)
+
+    def seen(tool: str, schema: Any) -> None:
+        state.remember(mcp.server_name, tool, schema)
+
+    async def transform(message: dict[str, Any]) -> dict[str, Any]:
+        return filter_tools(message, mcp.allowed, seen, private=mcp.policy.restricted) or message
+
+    return transform

@@ -1,0 +1,284 @@
+"""MCP `tools/call`: the decisions tollgate makes before and after a tool runs.
+
+In order, none of which contacts the server until the last:
+1. allow-list on `server/tool` (a refusal with `on_violation: reject` stops the run); a stopped run
+   refuses every call with its stop reason; arguments must be an object that satisfies the tool's
+   `inputSchema` (when a `tools/list` answer through tollgate showed it).
+2. `write` and `dangerous` tools are idempotent within a run: the same tool with the same canonical
+   arguments, or the same `params._meta["tollgate/idempotency_key"]`, gets the recorded result
+   (concurrent duplicates wait for the first, and share its approval); with an explicit key the key
+   alone identifies the call (arguments are not compared), so a new key runs the tool again.
+3. the guard chain: `before`, then, unless the call executes a proposal the model already made
+   (`pending_calls` of the run), the proposal judgement (`after` with `counts_tool_call` and no
+   result): the call counts toward `caps.tool_calls` and feeds loop detection *before* it runs,
+   so a call over the cap or repeating a loop never reaches the server.
+4. approval, when `tools.approval` matches: the call waits for a human or the timeout.
+5. forward; the result goes through `after` again (no-progress guard) before the agent sees it.
+MCP calls cost no tokens: nothing is reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.approvals import queue_of
+from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
+from gateway.errors import (
+    ApprovalDenied,
+    ApprovalTimeout,
+    DuplicateToolCall,
+    GatewayError,
+    InvalidGrammar,
+    Stopped,
+    ToolNotAllowed,
+)
+from gateway.idempotency import WRITES_KEEP, WRITES_LIST, Key, Outcome
+from gateway.jsonrpc import (
+    IDEMPOTENCY_META_KEY,
+    UPSTREAM_FAILED,
+    BadArguments,
+    BadMessage,
+    Message,
+    error_message,
+    gateway_error,
+    is_final_result,
+    replayed,
+    result_content,
+)
+from gateway.mcp_transport import McpRequest, relay, state_of
+from gateway.pipeline import STOP_HEADER
+from gateway.store.base import RunState
+from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
+from grammars.compile import validate_tool_arguments
+from guards.base import Add, Push, StepContext
+from guards.chain import Verdict
+
+PENDING = "pending_calls"
+
+
+@dataclasses.dataclass(slots=True)
+class ToolStep:
+    mcp: McpRequest
+    message: Message
+    call: Call
+    qualified: str
+    arguments: dict[str, Any]
+    ctx: StepContext
+    started: float
+    recorded: bool = False  # the step is in the run's list (before its answer reached the agent)
+    outcome: Outcome | None = None  # the response message the agent got (for duplicates)
+    record: bool = False  # the outcome is a final result worth replaying
+
+
+async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
+    """Answer one `tools/call` request. Every refusal is a JSON-RPC error naming its code; every call
+    that names a tool is recorded as a step of the run."""
+    ident = mcp.identity
+    params = message.params
+    tool = params.get("name")
+    if not isinstance(tool, str) or not tool:
+        raise BadMessage('tools/call needs "params.name", a non-empty string')
+    arguments = params.get("arguments")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise BadArguments('"arguments" must be an object')
+    qualified = mcp_tool_name(mcp.server_name, tool)
+    started = time.monotonic()
+    refused: GatewayError | None = None
+    step: ToolStep | None = None
+    try:
+        if not mcp.policy.allowed(qualified):
+            detail = refusal_detail(qualified)
+            if mcp.policy.on_violation == "reject":
+                await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
+            raise ToolNotAllowed(detail)
+        run = await mcp.gw.store.get(ident.run_id, steps=False)
+        _refuse_if_stopped(run)
+        _check_arguments(mcp, tool, arguments)
+        args_json = canonical_json(arguments).decode()
+        call = Call(protocol="mcp", operation="execute_tool", model=mcp.server_name, input_bytes=size,
+                    tool_call=ToolCall(str(message.id), tool, args_json),
+                    request_hash=digest(qualified.encode(), args_json.encode()), raw=message.body)
+        ctx = StepContext(call, ident.agent, ident.run_id, ident.policy, run, time.time())
+        step = ToolStep(mcp, message, call, qualified, arguments, ctx, started)
+        if mcp.policy.tier(qualified) in SIDE_EFFECT_TIERS:
+            response = await _idempotent(step, run)
+        else:
+            response = await _execute(step)
+    except GatewayError as exc:
+        refused = exc
+        response = _refusal(mcp, message, exc)
+    if step is None or not step.recorded:
+        stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
+        await _record(mcp, qualified, response.status, stop, refused, started)
+    return response
+
+
+async def _record(
+    mcp: McpRequest, tool: str, status: int, stop: str | None, refused: GatewayError | None, started: float
+) -> None:
+    """The step as the admin API lists it under the run (the keys of a model call's step, plus
+    `refusal`: the code of a refusal that did not stop the run, such as `approval_denied`)."""
+    decision = "stop" if stop else "refuse" if refused is not None else "allow"
+    step = {
+        "at": time.time(), "operation": "execute_tool", "model": mcp.server_name, "provider": "mcp",
+        "stream": False, "status": status, "decision": decision, "stop_reason": stop,
+        "refusal": refused.code if refused is not None and not stop else None,
+        "cost_usd": 0.0, "input_tokens": None, "output_tokens": None, "tool_calls": [tool], "attempts": 1,
+        "duration_ms": round((time.monotonic() - started) * 1000, 3),
+    }
+    try:
+        await mcp.gw.store.record_step(mcp.identity.run_id, mcp.identity.agent, step, time.time())
+    except GatewayError:
+        return  # the step list is a convenience view; the decision itself was already made and applied
+
+
+def _refusal(mcp: McpRequest, message: Message, exc: GatewayError) -> web.Response:
+    status, body = gateway_error(message.id, exc)
+    headers = dict(mcp.headers)
+    if exc.stop_reason:
+        headers[STOP_HEADER] = exc.stop_reason
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+def _check_arguments(mcp: McpRequest, tool: str, arguments: dict[str, Any]) -> None:
+    schema = state_of(mcp.gw).schemas.get(mcp.server_name, {}).get(tool)
+    try:
+        violation = validate_tool_arguments(schema, arguments)
+    except InvalidGrammar:
+        return  # the server declared a schema that does not compile: the server validates for itself
+    if violation is not None:
+        raise BadArguments(f"arguments of {tool!r} do not match its inputSchema: {violation.message}")
+
+
+def _refuse_if_stopped(run: RunState | None) -> None:
+    if run is not None and run.stopped:
+        reason = run.stop_reason or "stopped"
+        raise Stopped(reason, f"the run is stopped ({reason}): {run.stop_detail or ''}".rstrip(": "))
+
+
+# -- idempotency -----------------------------------------------------------------------------------------
+
+
+async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamResponse:
+    mcp, message = step.mcp, step.message
+    meta = message.params.get("_meta")
+    explicit = meta.get(IDEMPOTENCY_META_KEY) if isinstance(meta, dict) else None
+    if explicit is not None and (not isinstance(explicit, str) or not 0 < len(explicit) <= 256):
+        raise BadArguments(f'"_meta.{IDEMPOTENCY_META_KEY}" must be a string of 1-256 characters')
+    assert step.call.tool_call is not None
+    fingerprint = digest(b"key", explicit.encode()) if explicit else step.call.tool_call.fingerprint
+    key: Key = (mcp.identity.run_id, run.epoch if run is not None else 1, f"{step.qualified}:{fingerprint}")
+    cache = state_of(mcp.gw).results
+    recorded = cache.recorded(key)
+    if recorded is None and run is not None and key[2] in run.lists.get(WRITES_LIST, ()):
+        raise DuplicateToolCall(f"{step.qualified} already ran in this run with these arguments; its recorded "
+                                "result is not held by this process, so it is not run again")
+    if recorded is not None:
+        return _replay(mcp, message, recorded)
+    leader, future = cache.begin(key)
+    if not leader:
+        return _replay(mcp, message, await asyncio.shield(future))
+    try:
+        response = await _execute(step)
+    except GatewayError as exc:
+        step.outcome = gateway_error(message.id, exc)[1]
+        raise
+    finally:
+        outcome = step.outcome or error_message(
+            message.id, UPSTREAM_FAILED, "upstream_failed: the identical call in flight got no result")
+        cache.finish(key, outcome, record=step.record)
+        if step.record:
+            await mcp.gw.store.push(mcp.identity.run_id, mcp.identity.agent, WRITES_LIST, (key[2],), WRITES_KEEP)
+    return response
+
+
+def _replay(mcp: McpRequest, message: Message, outcome: Outcome) -> web.Response:
+    assert message.id is not None
+    headers = {**mcp.headers, "x-tollgate-idempotent-replay": "true"}
+    body = replayed(outcome, message.id, mcp.request.headers.get("MCP-Protocol-Version"))
+    return web.Response(body=body, content_type="application/json", headers=headers)
+
+
+# -- guards, approval, forward ---------------------------------------------------------------------------
+
+
+async def _execute(step: ToolStep) -> web.StreamResponse:
+    mcp, ctx, message = step.mcp, step.ctx, step.message
+    assert step.call.tool_call is not None
+    chain = mcp.gw.chain(ctx.agent, ctx.policy)
+    await _apply(step, chain.before(ctx))
+    if not await _take_proposal(step, step.call.tool_call):
+        proposal = dataclasses.replace(ctx, extra={"counts_tool_call": True})
+        await _apply(step, chain.after(proposal, Answer()))
+    if mcp.policy.needs_approval(step.qualified):
+        await _approve(step)
+    upstream = await mcp.open("POST", orjson.dumps(message.body))
+
+    async def judge(response: dict[str, Any]) -> dict[str, Any]:
+        step.outcome = response
+        result = response.get("result")
+        if not isinstance(result, dict) or not is_final_result(result):
+            return response  # a JSON-RPC error of the server, or SEP-2322 input_required: nothing ran yet
+        step.record = True
+        content, is_error = result_content(result)
+        answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
+        try:  # judged on the snapshot taken before the step, as model answers are (see guard_after)
+            await _apply(step, chain.after(dataclasses.replace(ctx, now=time.time()), answer))
+        except Stopped as exc:  # e.g. no_progress: the result is withheld
+            mcp.headers[STOP_HEADER] = exc.reason
+            response = step.outcome = gateway_error(message.id, exc)[1]
+        step.recorded = True
+        await _record(mcp, step.qualified, 200, mcp.headers.get(STOP_HEADER), None, step.started)
+        return response
+
+    return await relay(mcp, upstream, message.id, judge, require=True)
+
+
+async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
+    """True when this call executes a tool call the model proposed in this run (already counted)."""
+    pending = step.ctx.history(PENDING)
+    if not pending:
+        return False
+    qualified = dataclasses.replace(call, name=step.qualified)
+    store, run_id = step.mcp.gw.store, step.ctx.run_id
+    for fingerprint in (call.fingerprint, qualified.fingerprint):
+        if fingerprint in pending and await store.take(run_id, PENDING, fingerprint):
+            return True
+    return False
+
+
+async def _apply(step: ToolStep, verdict: Verdict) -> None:
+    """A stop stops the run; effects go to the store in one atomic operation (an `Add` over its
+    limit stops the run there). Raises Stopped."""
+    gw, ctx = step.mcp.gw, step.ctx
+    if verdict.stop is not None:
+        reason = verdict.stop.reason or "stopped"
+        await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
+        raise Stopped(reason, verdict.stop.detail)
+    adds = [e for e in verdict.effects if isinstance(e, Add)]
+    pushes = [e for e in verdict.effects if isinstance(e, Push)]
+    if adds or pushes:
+        denial = await gw.store.apply(ctx.run_id, ctx.agent, adds, pushes, time.time())
+        if denial is not None:
+            raise Stopped(denial.reason, denial.detail)
+
+
+async def _approve(step: ToolStep) -> None:
+    mcp, ctx = step.mcp, step.ctx
+    queue = queue_of(mcp.gw)
+    item = queue.request(ctx.run_id, ctx.agent, step.qualified, step.arguments)
+    timeout = mcp.policy.approval_timeout_s
+    await queue.wait(item, timeout)
+    if item.status == "timed_out":
+        raise ApprovalTimeout(f"nobody decided on {step.qualified} within {timeout:g}s (approval {item.id})")
+    if item.status != "approved":
+        raise ApprovalDenied(f"{step.qualified} was denied by {item.decided_by} (approval {item.id})")
+    _refuse_if_stopped(await mcp.gw.store.get(ctx.run_id, steps=False))  # it may have stopped meanwhile

@@ -1,0 +1,187 @@
+"""The MCP proxy's transport half: per-request context, per-process state, and the relay of a
+server's answer (JSON or SSE) with one JSON-RPC response replaced by a judgement before the client
+sees it. Network I/O goes through `gateway.upstream` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.config import McpServer
+from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.idempotency import ResultCache
+from gateway.identity import Identity
+from gateway.jsonrpc import RequestId, replace_event_data
+from gateway.providers.sse import SseParser
+from gateway.runtime import Gateway
+from gateway.tools import ToolPolicy, mcp_tool_name
+from gateway.upstream import UpstreamResponse, forwardable
+
+SERVICE = "mcp"
+MAX_SCHEMAS = 4096
+Transform = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass(slots=True)
+class McpState:
+    """Per-process MCP state: the `inputSchema` of every tool seen in a `tools/list` answer (per
+    server), and the recorded results of side-effecting calls."""
+
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: ResultCache = field(default_factory=ResultCache)
+
+    def remember(self, server: str, tool: str, schema: Any) -> None:
+        known = self.schemas.setdefault(server, {})
+        if isinstance(schema, dict) and (tool in known or len(known) < MAX_SCHEMAS):
+            known[tool] = schema
+
+
+def state_of(gw: Gateway) -> McpState:
+    state = gw.services.get(SERVICE)
+    if not isinstance(state, McpState):
+        state = gw.services[SERVICE] = McpState()
+    return state
+
+
+@dataclass(slots=True)
+class McpRequest:
+    """One request to `/mcp/{server}` once identified. `headers` go on the response."""
+
+    gw: Gateway
+    request: web.Request
+    identity: Identity
+    server_name: str
+    server: McpServer
+    policy: ToolPolicy
+    headers: dict[str, str]
+
+    def allowed(self, tool: str) -> bool:
+        return self.policy.allowed(mcp_tool_name(self.server_name, tool))
+
+    async def open(self, method: str, body: bytes | None) -> UpstreamResponse:
+        """Send the request on to the MCP server (through `gateway.upstream`, the one network seam)."""
+        drop = frozenset({"authorization", "x-api-key"}) if self.gw.config.keyed else frozenset()
+        headers = dict(forwardable(self.request.headers, drop=drop))
+        headers.update(self.server.headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        return await self.gw.upstream.open(method, self.server.url, headers, body, self.server.timeouts)
+
+
+def _is_response(value: Any, rpc_id: RequestId | None) -> bool:
+    return (isinstance(value, dict) and ("result" in value or "error" in value) and "id" in value
+            and (rpc_id is None or value["id"] == rpc_id))
+
+
+async def relay(
+    mcp: McpRequest, upstream: UpstreamResponse, rpc_id: RequestId | None, transform: Transform | None,
+    *, require: bool = False,
+) -> web.StreamResponse:
+    """Relay the server's answer. With `transform`, the JSON-RPC response to `rpc_id` (every response
+    when None) is replaced by what `transform` returns before the client sees it; other events stream
+    through at once; an SSE answer ends for the client right after that response. `require`: a 2xx
+    JSON answer without that response is an error (fail closed). If the client goes away, an SSE
+    answer is still read to its response, so `transform` sees it."""
+    kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+    judged = transform is not None and upstream.status < 300
+    out: web.StreamResponse | None = None
+    try:
+        if judged and kind == "application/json":
+            data = await _read_limited(upstream, mcp.gw.config.limits.max_body_bytes)
+            try:
+                message = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                message = None
+            if transform is not None and _is_response(message, rpc_id):
+                changed = await transform(message)
+                data = data if changed is message else orjson.dumps(changed)
+            elif require:
+                raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the call")
+            return web.Response(status=upstream.status, body=data, headers={**forwardable(upstream.headers),
+                                                                             **mcp.headers})
+        out = web.StreamResponse(status=upstream.status, headers={**forwardable(upstream.headers), **mcp.headers})
+        await out.prepare(mcp.request)
+        if judged and kind == "text/event-stream":
+            await _relay_events(mcp, upstream, out, rpc_id, transform)
+        else:
+            async for chunk in upstream.chunks():
+                if not await _write(out, chunk):
+                    return out
+            await _end(out)
+        return out
+    except (GatewayError, ValueError) as exc:  # ValueError: an SSE event over the size limit
+        if out is None:
+            raise exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc)) from None
+        return out  # the status line is gone; ending the stream is the only signal left
+    finally:
+        upstream.release()
+
+
+async def _relay_events(
+    mcp: McpRequest, upstream: UpstreamResponse, out: web.StreamResponse, rpc_id: RequestId | None,
+    transform: Transform | None,
+) -> None:
+    parser = SseParser(mcp.gw.config.limits.max_body_bytes)
+    client, answered = True, False
+    async for chunk in upstream.chunks():
+        for event in parser.feed(chunk):
+            part, answered = await _event(event.raw, event.data, rpc_id, transform)
+            client = client and await _write(out, part)  # a client gone: still read to the response
+            if answered:
+                break
+        if answered:
+            break
+    if client:
+        await _end(out)  # the request's stream has done its job: the client needs nothing after it
+    if answered:
+        async for _ in upstream.chunks():
+            pass  # drain what the server still sends, so its connection returns to the pool
+
+
+async def _event(
+    raw: bytes, data: str, rpc_id: RequestId | None, transform: Transform | None
+) -> tuple[bytes, bool]:
+    """The event to relay, and whether it was the response to `rpc_id` (never for a GET stream)."""
+    if transform is None or not data:
+        return raw, False
+    try:
+        message = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return raw, False
+    if not _is_response(message, rpc_id):
+        return raw, False
+    changed = await transform(message)
+    return (raw if changed is message else replace_event_data(raw, orjson.dumps(changed))), rpc_id is not None
+
+
+async def _write(out: web.StreamResponse, data: bytes) -> bool:
+    """False once the client has gone away."""
+    try:
+        if data:
+            await out.write(data)
+    except ConnectionResetError:
+        return False
+    return True
+
+
+async def _end(out: web.StreamResponse) -> None:
+    try:
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # SDK clients close an answer's stream as soon as its response arrived
+
+
+async def _read_limited(upstream: UpstreamResponse, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in upstream.chunks():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamUnavailable(f"the MCP server's answer exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
