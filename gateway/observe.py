@@ -15,7 +15,7 @@ from gateway.ledger import Ledger, LedgerEntry
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import RunState
-from otel.attributes import provider_name_for
+from otel.attributes import TOLLGATE_GUARDS, provider_name_for
 from otel.redact import Redactor
 from otel.runs import RunTotals, context_from_headers, inject_headers, path_fingerprint
 from otel.spans import StepSpan
@@ -68,8 +68,10 @@ def on_step(gw: Gateway, step: Step) -> None:
             metrics.upstream_request(step.route.provider_name, step.status or (step.error_type or "error"))
         span: StepSpan | None = step.extra.get("span")
         if span is not None:
+            # every decision is on the span as one attribute; events (costly in the SDK) mark stops
+            span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in step.decisions))
             for d in step.decisions:
-                if d.stopped or d.effects or d.claims:
+                if d.stopped:
                     span.guard_event(d.guard, d.action, d.reason, d.detail or None)
             for violation in step.violations:
                 span.guard_event("output", "reask", None, violation)
