@@ -90,6 +90,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     verdict = gw.chain(ident.agent, ident.policy).before(ctx)
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None:
+        if verdict.stop.action == "reject":
+            raise InvalidRequest(verdict.stop.detail)
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     await apply_effects(gw, step, verdict)
     call = step.call

@@ -29,7 +29,7 @@ class Decision:
     """What one guard decided about one step."""
 
     guard: str
-    action: Literal["allow", "stop"] = "allow"
+    action: Literal["allow", "stop", "reject"] = "allow"  # reject: refuse this step, the run goes on
     reason: str | None = None  # the stop code when action == "stop"
     detail: str = ""
     claims: tuple[Claim, ...] = ()
@@ -42,6 +42,12 @@ class Decision:
     @classmethod
     def stop(cls, guard: str, reason: str, detail: str) -> Decision:
         return cls(guard, "stop", reason, detail)
+
+    @classmethod
+    def reject(cls, guard: str, reason: str, detail: str) -> Decision:
+        """Refuse this step as a bad request (400) without stopping the run: retrying cannot help,
+        but fixing the request or the config can."""
+        return cls(guard, "reject", reason, detail)
 
     @property
     def stopped(self) -> bool:

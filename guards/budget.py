@@ -30,9 +30,9 @@ class BudgetGuard(BaseGuard):
         price = ctx.price
         if price is None:
             if budget.usd is not None:
-                return Decision.stop(
+                return Decision.reject(
                     self.name,
-                    "budget_exhausted",
+                    "price_unknown",
                     f"model {ctx.call.model!r} has no known price, so a USD budget cannot be enforced; "
                     "add it under `pricing:` in the config",
                 )

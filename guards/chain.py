@@ -61,7 +61,7 @@ class GuardChain:
                     continue
                 decision = Decision.stop(guard.name, GUARD_ERROR, f"guard {guard.name} failed: {type(exc).__name__}: {exc}")
             decisions.append(decision)
-            if decision.stopped:
+            if decision.action != "allow":
                 return Verdict(decision, (), (), tuple(decisions))
             claims.extend(decision.claims)
             effects.extend(decision.effects)

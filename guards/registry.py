@@ -45,10 +45,15 @@ def load_class(ref: str) -> type[Any]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == ref:
             return ep.load()  # type: ignore[no-any-return]
-    raise ValueError(f"unknown guard {ref!r}: not a built-in, not in entry point group {ENTRY_POINT_GROUP!r}")
+    raise ValueError(f"unknown guard {ref!r}: not `module:Class` and not in entry point group {ENTRY_POINT_GROUP!r}")
 
 
 def build_custom(spec: GuardSpec, policy: Agent) -> StopCondition:
+    if spec.use in BUILTIN:
+        raise ValueError(
+            f"{spec.use!r} is a built-in guard and always runs; configure it with the agent's "
+            "budget/caps/loop keys. `guards:` adds custom guards"
+        )
     cls = load_class(spec.use)
     params = inspect.signature(cls).parameters
     guard = cls(policy, **spec.options) if "policy" in params else cls(**spec.options)

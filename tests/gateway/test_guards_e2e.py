@@ -115,9 +115,11 @@ async def test_max_tokens_clamped_and_reported(gateway_factory: GatewayFactory) 
 async def test_unknown_price_with_usd_budget_is_clear(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(models={"mystery-*": "openai"}, agents=agent(budget={"usd": 1.0}))
     status, _, body = await post(h, {"model": "mystery-model", "messages": MSG}, "price")
-    assert status == 403
+    assert status == 400  # a request/config error, not a stop: the run is not stopped
     assert "no known price" in orjson.loads(body)["error"]["message"]
     assert h.fake.seen == []
+    run = await h.run("price")
+    assert run["status"] == "active" and run["reserved_usd"] == 0
 
 
 @pytest.mark.parametrize("usage", [None, (10, 5)])

@@ -52,9 +52,9 @@ def test_before_claims(budget: dict[str, Any], price: ModelPrice | None, claims:
         assert got.fixed == pytest.approx(want.fixed) and got.per_unit == pytest.approx(want.per_unit)
 
 
-def test_unknown_price_with_usd_budget_stops_with_a_clear_detail() -> None:
+def test_unknown_price_with_usd_budget_rejects_with_a_clear_detail() -> None:
     decision = GUARD.before(ctx(call(model="mystery-1"), policy(budget={"usd": 1.0}), price=None))
-    assert decision.stopped and decision.reason == "budget_exhausted"
+    assert decision.action == "reject" and not decision.stopped and decision.reason == "price_unknown"
     assert "mystery-1" in decision.detail and "pricing:" in decision.detail
     assert decision.claims == ()
 

@@ -103,7 +103,7 @@ def test_a_custom_guard_stops_through_the_chain() -> None:
         (
             "no_such_guard",
             {},
-            f"unknown guard 'no_such_guard': not a built-in, not in entry point group '{ENTRY_POINT_GROUP}'",
+            f"unknown guard 'no_such_guard': not `module:Class` and not in entry point group '{ENTRY_POINT_GROUP}'",
         ),
         ("no_such_module_xyz:Guard", {}, "cannot import 'no_such_module_xyz'"),
         (f"{HERE}:Missing", {}, f"'{HERE}' has no attribute 'Missing'"),
