@@ -45,10 +45,9 @@ def _print_problems(exc: ConfigError) -> None:
 def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
-        from guards.registry import build_chain
-
         from gateway.outputs import resolve_agent_grammars
         from grammars.library import GrammarLibrary
+        from guards.registry import build_chain
 
         for name, agent in config.agents.items():
             build_chain(agent, name)

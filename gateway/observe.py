@@ -58,6 +58,12 @@ def on_step(gw: Gateway, step: Step) -> None:
         if step.answer is not None:
             for _ in step.answer.tool_calls:
                 metrics.tool_call("allowed" if not step.stop_reason else "stopped")
+        denied = int(step.extra.get("tools_denied", 0))
+        dropped = int(step.extra.get("tools_dropped", 0))
+        for _ in range(dropped):
+            metrics.tool_call("dropped")
+        for _ in range(denied - dropped):
+            metrics.tool_call("rejected")
         for kind in step.outputs.kinds if step.outputs is not None else ():
             metrics.output_check(kind, "fail" if step.violations and decision != "allow" else "pass")
         for _ in range(step.reasks):

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.call import Answer
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
-    OutputNonconforming,
     ModelNotFound,
+    OutputNonconforming,
     ShuttingDown,
     Stopped,
     UpstreamUnavailable,
 )
 from gateway.identity import Identity
+from gateway.observe import end_run, start_span
+from gateway.outputs import apply_native, judge, plan_outputs
 from gateway.pipeline import (
     JSON,
     base_headers,
@@ -31,14 +33,15 @@ from gateway.pipeline import (
     settle,
     shape,
     stop_response,
+    stop_run,
     upstream_request,
 )
 from gateway.providers.base import Adapter
-from gateway.observe import end_run, start_span
-from gateway.outputs import apply_native, judge, plan_outputs
+from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
+from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
 from gateway.upstream import forwardable
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
@@ -75,10 +78,14 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
     except GatewayError as exc:
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
-    step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body))
+    step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
+                tools=gw.tool_policy(identity.agent, identity.policy))
     if plan is not None:
         step.changed = apply_native(plan, step.body)
     try:
+        if step.tools is not None and shape_tools(step.tools, call, step.body):
+            step.changed = True
+            step.original = dict(step.body)  # re-asks never offer what the agent may not use
         return await run_step(gw, step, request)
     except Stopped as exc:
         step.status = 200 if identity.policy.on_stop == "message" else 403
@@ -124,9 +131,28 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 step.error_type = str(upstream.status)
                 headers_out = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
                 return web.Response(status=upstream.status, body=data, headers=headers_out)
-            answer = _parse_answer(step, data)
+            parsed = _parse_body(data)
+            answer = step.adapter.parse_answer(parsed)
         step.answer = answer
         await settle(gw, step, answer)
+        tools = judge_tools(step.tools, answer) if step.tools is not None else None
+        if tools is not None:
+            step.extra["tools_denied"] = len(tools.denied)
+            if tools.action == "reject" or step.extra.get("tool_reasked"):
+                await stop_run(gw, step, TOOL_NOT_ALLOWED, tools.detail)
+            left = True
+            if step.call.stream:
+                data = drop_stream_calls(step.call.protocol, data, tools.names)
+            else:
+                left = drop_calls(step.call.protocol, parsed, tools.names)
+                data = orjson.dumps(parsed)
+            answer = step.answer = without(answer, tools.names)
+            step.extra["tools_dropped"] = len(tools.denied)
+            if not left and not step.call.stream:
+                step.extra["tool_reasked"] = True
+                step.reasks += 1
+                reask(gw, step, answer.text, tools.instruction)
+                continue
         verdict = judge(plan, step.call, answer)
         if verdict is None:
             break
@@ -145,14 +171,14 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
     return web.Response(status=upstream.status, body=data, headers=response_headers)
 
 
-def _parse_answer(step: Step, data: bytes) -> Answer:
+def _parse_body(data: bytes) -> dict[str, Any]:
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise malformed_upstream(str(exc)) from None
     if not isinstance(parsed, dict):
         raise malformed_upstream("not a JSON object")
-    return step.adapter.parse_answer(parsed)
+    return parsed
 
 
 def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:

@@ -15,10 +15,12 @@ from aiohttp import web
 
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
-from gateway.pipeline import base_headers, guard_after, settle
+from gateway.pipeline import base_headers, guard_after, settle, stop_run
 from gateway.providers.sse import SseParser
+from gateway.providers.tool_wire import drop_stream_calls
 from gateway.runtime import Gateway
 from gateway.step import Step
+from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, without
 from gateway.upstream import UpstreamResponse, forwardable
 from grammars.checker import IncrementalChecker
 
@@ -84,12 +86,22 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
             await out.write(adapter.error_event(failure))
         else:
             try:
+                held_bytes = b"".join(held)
+                tools = judge_tools(step.tools, answer) if step.tools is not None else None
+                if tools is not None:
+                    step.extra["tools_denied"] = len(tools.denied)
+                    if tools.action == "reject":
+                        await stop_run(gw, step, TOOL_NOT_ALLOWED, tools.detail)
+                    # drop: the held events lose the refused calls, whose bytes never reach the agent
+                    held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
+                    answer = step.answer = without(answer, tools.names)
+                    step.extra["tools_dropped"] = len(tools.denied)
                 await guard_after(gw, step, answer)
             except Stopped as stop:
                 await out.write(_stop_tail(step, reader, stop))
             else:
-                if held:
-                    await out.write(b"".join(held))
+                if held_bytes:
+                    await out.write(held_bytes)
         await out.write_eof()
     except ConnectionResetError:
         step.error_type = "client_disconnected"

@@ -12,6 +12,7 @@ from gateway.pricing import Pricer
 from gateway.providers.base import Adapter
 from gateway.routing import Router
 from gateway.store.base import RunStore
+from gateway.tools import ToolPolicy
 from gateway.upstream import Upstream
 from guards.chain import GuardChain
 from guards.registry import build_chain
@@ -38,12 +39,19 @@ class Gateway:
     services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
     shutting_down: bool = False
     _chains: dict[str, GuardChain] = field(default_factory=dict)
+    _tool_policies: dict[str, ToolPolicy] = field(default_factory=dict)
 
     def chain(self, agent: str, policy: Agent) -> GuardChain:
         chain = self._chains.get(agent)
         if chain is None:
             chain = self._chains[agent] = GuardChain(build_chain(policy, agent), self._guard_error)
         return chain
+
+    def tool_policy(self, agent: str, policy: Agent) -> ToolPolicy:
+        tools = self._tool_policies.get(agent)
+        if tools is None:
+            tools = self._tool_policies[agent] = ToolPolicy(policy.tools)
+        return tools
 
     def _guard_error(self, guard: str) -> None:
         for hook in self.hooks.on_guard_error:

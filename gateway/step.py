@@ -13,6 +13,7 @@ from gateway.pricing import ModelPrice
 from gateway.providers.base import Adapter
 from gateway.routing import Route
 from gateway.store.base import Reservation
+from gateway.tools import ToolPolicy
 from guards.base import Decision
 
 
@@ -28,6 +29,7 @@ class Step:
     raw: bytes
     price: ModelPrice | None = None
     outputs: OutputPlan | None = None
+    tools: ToolPolicy | None = None
     original: dict[str, Any] = field(default_factory=dict)  # the agent's body, for re-asks
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)

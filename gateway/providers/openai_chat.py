@@ -11,6 +11,7 @@ import orjson
 from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
 from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, error_code
+from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     check_counts,
     content_text,
@@ -21,7 +22,6 @@ from gateway.providers.common import (
     stop_text,
 )
 from gateway.providers.sse import SseEvent, format_event
-from gateway.providers.base import StreamStep
 
 DONE = b"data: [DONE]\n\n"
 

@@ -1,0 +1,182 @@
+"""Tool allow-list edits on wire bodies, per protocol (pure).
+
+Requests: drop offered tools the agent may not use; find a `tool_choice` that forces one. Answers:
+drop proposed calls of disallowed tools, from a JSON body or from the held events of a stream, keeping
+indices contiguous because the SDKs assemble calls by index. Registries are dicts keyed by protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+
+from gateway.providers.sse import SseParser, format_event
+
+Allowed = Callable[[str], bool]
+
+
+def _openai_tool_name(tool: Any) -> str:
+    fn = tool.get("function") if isinstance(tool, Mapping) else None
+    return str(fn.get("name", "")) if isinstance(fn, Mapping) else ""
+
+
+def _anthropic_tool_name(tool: Any) -> str:
+    return str(tool.get("name", "")) if isinstance(tool, Mapping) else ""
+
+
+def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) -> bool:
+    """Remove offered tools that are not allowed. True when the body changed."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return False
+    name_of = _openai_tool_name if protocol == "openai" else _anthropic_tool_name
+    kept = [t for t in tools if allowed(name_of(t))]
+    if len(kept) == len(tools):
+        return False
+    if kept:
+        body["tools"] = kept
+    else:
+        # an empty tool list (and a tool_choice without tools) is an error for both APIs
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+            body.pop(key, None)
+    return True
+
+
+# -- answers -----------------------------------------------------------------------------------------
+
+
+def _drop_openai(body: dict[str, Any], names: frozenset[str]) -> bool:
+    left = False
+    for choice in body.get("choices") or ():
+        message = choice.get("message") or {}
+        calls = message.get("tool_calls") or []
+        kept = [c for c in calls if (c.get("function") or {}).get("name") not in names]
+        if calls and len(kept) != len(calls):
+            if kept:
+                message["tool_calls"] = kept
+            else:
+                message.pop("tool_calls", None)
+                if choice.get("finish_reason") == "tool_calls":
+                    choice["finish_reason"] = "stop"
+        left = left or bool(kept) or bool(message.get("content"))
+    return left
+
+
+def _drop_anthropic(body: dict[str, Any], names: frozenset[str]) -> bool:
+    blocks = body.get("content") or []
+    kept = [b for b in blocks if not (b.get("type") == "tool_use" and b.get("name") in names)]
+    body["content"] = kept
+    if not any(b.get("type") == "tool_use" for b in kept) and body.get("stop_reason") == "tool_use":
+        body["stop_reason"] = "end_turn"
+    return any(b.get("type") != "text" or b.get("text") for b in kept)
+
+
+DROP_IN_BODY: dict[str, Callable[[dict[str, Any], frozenset[str]], bool]] = {
+    "openai": _drop_openai,
+    "anthropic": _drop_anthropic,
+}
+
+
+def drop_calls(protocol: str, body: dict[str, Any], names: frozenset[str]) -> bool:
+    """Remove proposed calls of `names` from an answer body in place. True when something is left
+    (text or other calls)."""
+    return DROP_IN_BODY[protocol](body, names)
+
+
+def _events(raw: bytes) -> list[tuple[str | None, str, bytes]]:
+    parser = SseParser()
+    return [(e.event, e.data, e.raw) for e in parser.feed(raw)]
+
+
+def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
+    out: list[bytes] = []
+    index_names: dict[tuple[int, int], str] = {}
+    renumber: dict[tuple[int, int], int] = {}
+    for _, data, original in _events(raw):
+        try:
+            chunk = orjson.loads(data) if data and data != "[DONE]" else None
+        except orjson.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            out.append(original)
+            continue
+        changed = False
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            calls = delta.get("tool_calls")
+            if calls:
+                kept = []
+                for tc in calls:
+                    key = (int(choice.get("index") or 0), int(tc.get("index") or 0))
+                    name = (tc.get("function") or {}).get("name")
+                    if name:
+                        index_names[key] = index_names.get(key, "") + name
+                    if index_names.get(key) in names:
+                        continue
+                    if key not in renumber:
+                        renumber[key] = sum(1 for k in renumber if k[0] == key[0])
+                    kept.append({**tc, "index": renumber[key]})
+                changed = True
+                if kept:
+                    delta["tool_calls"] = kept
+                else:
+                    delta.pop("tool_calls")
+            if choice.get("finish_reason") == "tool_calls" and not any(k[0] == int(choice.get("index") or 0) for k in renumber):
+                choice["finish_reason"] = "stop"
+                changed = True
+        if not changed:
+            out.append(original)
+            continue
+        empty = all(not c.get("delta") and not c.get("finish_reason") for c in chunk.get("choices") or ())
+        if empty and chunk.get("usage") is None:
+            continue
+        out.append(format_event(orjson.dumps(chunk)))
+    return b"".join(out)
+
+
+def _drop_anthropic_stream(raw: bytes, names: frozenset[str]) -> bytes:
+    out: list[bytes] = []
+    dropped: set[int] = set()
+    has_tool = False
+    for event, data, original in _events(raw):
+        try:
+            body = orjson.loads(data) if data else None
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict) or "index" not in body:
+            if isinstance(body, dict) and body.get("type") == "message_delta" and not has_tool:
+                delta = body.get("delta") or {}
+                if delta.get("stop_reason") == "tool_use":
+                    delta["stop_reason"] = "end_turn"
+                    out.append(format_event(orjson.dumps(body), event))
+                    continue
+            out.append(original)
+            continue
+        index = int(body["index"])
+        block = body.get("content_block") or {}
+        if body.get("type") == "content_block_start":
+            if block.get("type") == "tool_use" and block.get("name") in names:
+                dropped.add(index)
+                continue
+            has_tool = has_tool or block.get("type") == "tool_use"
+        if index in dropped:
+            continue
+        new_index = index - sum(1 for d in dropped if d < index)
+        if new_index == index:
+            out.append(original)
+        else:
+            out.append(format_event(orjson.dumps({**body, "index": new_index}), event))
+    return b"".join(out)
+
+
+DROP_IN_STREAM: dict[str, Callable[[bytes, frozenset[str]], bytes]] = {
+    "openai": _drop_openai_stream,
+    "anthropic": _drop_anthropic_stream,
+}
+
+
+def drop_stream_calls(protocol: str, raw: bytes, names: frozenset[str]) -> bytes:
+    """Held stream events without the calls of `names` (their bytes never reach the agent)."""
+    return DROP_IN_STREAM[protocol](raw, names)

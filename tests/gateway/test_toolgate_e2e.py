@@ -1,0 +1,156 @@
+"""Tool allow-lists on model calls through a running gateway, with the official SDKs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import openai
+import orjson
+import pytest
+
+from tests.conftest import GatewayFactory
+from tests.fakes.upstream import (
+    Reply,
+    anthropic_message,
+    anthropic_stream,
+    openai_completion,
+    openai_stream,
+    tool_call,
+)
+
+MSG = [{"role": "user", "content": "do it"}]
+OA_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+            for n in ("search_kb", "delete_db", "files/read_x")]
+AN_TOOLS = [{"name": n, "input_schema": {"type": "object"}} for n in ("search_kb", "delete_db")]
+
+
+def policy(on_violation: str = "reject") -> dict[str, Any]:
+    return {"default": {"tools": {"allow": ["search_kb", "files/read_*"], "on_violation": on_violation}}}
+
+
+def oa(url: str, run: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0,
+                              default_headers={"x-tollgate-run-id": run})
+
+
+async def test_disallowed_tools_never_reach_the_upstream(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy())
+    async with oa(h.url, "offer") as c:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS)  # type: ignore[arg-type]
+    sent = [t["function"]["name"] for t in h.fake.seen[-1].json["tools"]]
+    assert sent == ["search_kb", "files/read_x"]
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG, tools=AN_TOOLS)  # type: ignore[arg-type]
+    assert [t["name"] for t in h.fake.seen[-1].json["tools"]] == ["search_kb"]
+
+
+async def test_forced_disallowed_tool_choice_is_403_without_upstream(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy())
+    async with oa(h.url, "force") as c:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS,  # type: ignore[arg-type]
+                                            tool_choice={"type": "function", "function": {"name": "delete_db"}})
+    assert info.value.body["code"] == "tool_not_allowed"  # type: ignore[index]
+    assert h.fake.seen == []
+    assert (await h.run("force"))["status"] == "active"  # the agent asked: not a model violation
+
+
+async def test_reject_stops_the_run(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("reject"))
+    h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("delete_db", "{}")])))
+    async with oa(h.url, "rej") as c:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS)  # type: ignore[arg-type]
+        assert info.value.body["code"] == "tool_not_allowed"  # type: ignore[index]
+        with pytest.raises(openai.PermissionDeniedError):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)
+    run = await h.run("rej")
+    assert (run["status"], run["stop_reason"]) == ("stopped", "tool_not_allowed")
+
+
+async def test_drop_cleans_the_answer_and_keeps_allowed_calls(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("drop"))
+    calls = [tool_call("delete_db", "{}", "a"), tool_call("search_kb", '{"q": 1}', "b")]
+    h.fake.queue(Reply(body=openai_completion("", tool_calls=calls)))
+    async with oa(h.url, "drop") as c:
+        result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS)  # type: ignore[arg-type]
+    names = [tc.function.name for tc in result.choices[0].message.tool_calls or []]  # type: ignore[union-attr]
+    assert names == ["search_kb"]
+    assert (await h.run("drop"))["tool_calls"] == 1
+
+
+async def test_drop_with_nothing_left_reasks_once_then_rejects(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("drop"))
+    bad = Reply(body=openai_completion("", tool_calls=[tool_call("delete_db", "{}")]))
+    h.fake.queue(bad, Reply(body=openai_completion("done without it")))
+    async with oa(h.url, "d1") as c:
+        result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS)  # type: ignore[arg-type]
+    assert result.choices[0].message.content == "done without it"
+    assert "not available" in h.fake.seen[1].json["messages"][-1]["content"]
+    h.fake.queue(bad, bad)
+    async with oa(h.url, "d2") as c:
+        with pytest.raises(openai.PermissionDeniedError):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS)  # type: ignore[arg-type]
+    assert (await h.run("d2"))["stop_reason"] == "tool_not_allowed"
+
+
+@pytest.mark.parametrize("on_violation", ["reject", "drop"])
+async def test_streamed_text_then_disallowed_call_no_byte_leaks(gateway_factory: GatewayFactory,
+                                                                on_violation: str) -> None:
+    h = await gateway_factory(agents=policy(on_violation))
+    h.fake.queue(Reply(chunks=openai_stream(["Let me ", "clean up."],
+                                            tool_calls=[tool_call("delete_db", '{"all": true}', "z")])))
+    async with h.session.post(f"{h.url}/v1/chat/completions", headers={"x-tollgate-run-id": f"s-{on_violation}"},
+                              json={"model": "gpt-4o-mini", "messages": MSG, "tools": OA_TOOLS, "stream": True}) as r:
+        body = await r.read()
+    assert b"Let me " in body and b"clean up." in body
+    assert b'"tool_calls"' not in body and b'"all"' not in body  # no byte of the call itself
+    if on_violation == "reject":
+        assert b"tool_not_allowed" in body
+    else:
+        assert body.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"stop"' in body
+
+
+async def test_openai_sdk_stream_drop_keeps_allowed_call(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("drop"))
+    calls = [tool_call("delete_db", "{}", "a"), tool_call("search_kb", '{"q":1}', "b")]
+    h.fake.queue(Reply(chunks=openai_stream([], tool_calls=calls)))
+    async with oa(h.url, "sdk-s") as c:
+        async with c.chat.completions.stream(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS) as stream:  # type: ignore[arg-type]
+            final = await stream.get_final_completion()
+    assert [t.function.name for t in final.choices[0].message.tool_calls or []] == ["search_kb"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_anthropic_reject_and_drop(gateway_factory: GatewayFactory, stream: bool) -> None:
+    uses = [{"id": "t1", "name": "delete_db", "input": {}}, {"id": "t2", "name": "search_kb", "input": {"q": 1}}]
+    h = await gateway_factory(agents=policy("drop"))
+    reply = Reply(chunks=anthropic_stream(["hi"], tool_uses=uses)) if stream else Reply(body=anthropic_message("hi", tool_uses=uses))
+    h.fake.queue(reply)
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        if stream:
+            async with ac.messages.stream(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,
+                                          tools=AN_TOOLS) as s:  # type: ignore[arg-type]
+                msg = await s.get_final_message()
+        else:
+            msg = await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,
+                                           tools=AN_TOOLS)  # type: ignore[arg-type]
+    names = [b.name for b in msg.content if b.type == "tool_use"]
+    assert names == ["search_kb"]
+    h2 = await gateway_factory(agents=policy("reject"))
+    h2.fake.queue(Reply(body=anthropic_message("", tool_uses=uses[:1])))
+    async with anthropic.AsyncAnthropic(base_url=h2.url, api_key="k", max_retries=0) as ac:
+        with pytest.raises(anthropic.PermissionDeniedError) as info:
+            await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG, tools=AN_TOOLS)  # type: ignore[arg-type]
+    assert info.value.body["error"]["code"] == "tool_not_allowed"  # type: ignore[index]
+
+
+async def test_lookalike_tool_name_is_refused(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("reject"))
+    h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("search_\u043ab", "{}")])))
+    async with oa(h.url, "look") as c:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)
+    assert "U+043A" in info.value.body["message"]  # type: ignore[index]
+    assert orjson.loads(h.fake.seen[0].body)["messages"] == MSG
