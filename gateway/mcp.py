@@ -33,7 +33,6 @@ from gateway.mcp_calls import call_tool
 from gateway.mcp_transport import McpRequest, Transform, relay, state_of
 from gateway.pipeline import read_body
 from gateway.proxy import GATEWAY
-from gateway.tools import ToolPolicy
 
 
 async def mcp_handler(request: web.Request) -> web.StreamResponse:
@@ -50,7 +49,7 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
             body = error_body(None, -32600, f"mcp_server_not_found: no MCP server named {name!r} is configured",
                               {"code": "mcp_server_not_found"})
             return web.Response(status=404, body=body, content_type="application/json", headers=headers)
-        mcp = McpRequest(gw, request, identity, name, server, ToolPolicy(identity.policy.tools), headers)
+        mcp = McpRequest(gw, request, identity, name, server, gw.tool_policy(identity.agent, identity.policy), headers)
         if request.method == "POST":
             return await _post(mcp)
         if request.method in ("GET", "DELETE"):
