@@ -114,7 +114,8 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
             step.extra["trace_headers"] = start_span(gw, step, request.headers)
         headers.update(step.extra["trace_headers"])
         step.attempts += 1
-        upstream = await gw.upstream.open("POST", url, headers, payload, step.route.provider.timeouts)
+        transport = gw.transport(step.route.provider_name)
+        upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts)
         step.extra["sent"] = True
         if step.call.stream and upstream.status < 300 and (plan is None or plan.stream_check != "buffer"):
             return await relay_stream(gw, step, request, upstream)

@@ -13,7 +13,7 @@ from gateway.providers.base import Adapter
 from gateway.routing import Router
 from gateway.store.base import RunStore
 from gateway.tools import ToolPolicy
-from gateway.upstream import Upstream
+from gateway.upstream import Transport, Upstream
 from guards.chain import GuardChain
 from guards.registry import build_chain
 
@@ -36,6 +36,7 @@ class Gateway:
     store: RunStore
     upstream: Upstream
     hooks: StepHooks = field(default_factory=StepHooks)
+    transports: dict[str, Transport] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
     shutting_down: bool = False
     _chains: dict[str, GuardChain] = field(default_factory=dict)
@@ -46,6 +47,11 @@ class Gateway:
         if chain is None:
             chain = self._chains[agent] = GuardChain(build_chain(policy, agent), self._guard_error)
         return chain
+
+    def transport(self, provider_name: str) -> Transport:
+        """The transport of a provider: the pooled HTTP client, unless one is registered for it
+        (in-process local models register theirs)."""
+        return self.transports.get(provider_name, self.upstream)
 
     def tool_policy(self, agent: str, policy: Agent) -> ToolPolicy:
         tools = self._tool_policies.get(agent)

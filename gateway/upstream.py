@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -49,9 +50,25 @@ def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset(
     return out
 
 
-@dataclass(slots=True)
-class UpstreamResponse:
+class UpstreamResponse(Protocol):
     """An open upstream response. Read it with `read()` or `chunks()`; always `release()` it."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    """`UpstreamResponse` over an aiohttp client response."""
 
     status: int
     headers: CIMultiDictProxy[str]
@@ -87,8 +104,14 @@ class UpstreamResponse:
         if not self._resp.closed:
             self._resp.close()
 
-    def finish(self) -> None:
-        self._resp.release()
+
+class Transport(Protocol):
+    """The seam under the pipeline: send a request, get an `UpstreamResponse` once headers are in.
+    `Upstream` is the HTTP implementation; tests and in-process models provide others."""
+
+    async def open(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+    ) -> UpstreamResponse: ...
 
 
 class Upstream:
@@ -127,4 +150,4 @@ class Upstream:
             raise UpstreamTimeout(f"upstream connect timed out after {timeouts.connect:g}s") from None
         except aiohttp.ClientError as exc:
             raise UpstreamUnavailable(f"upstream request failed: {type(exc).__name__}") from None
-        return UpstreamResponse(resp.status, resp.headers, resp, timeouts.idle)
+        return HttpResponse(resp.status, resp.headers, resp, timeouts.idle)
