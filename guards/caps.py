@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from gateway.call import Answer
 from gateway.store.base import Claim
-from guards.base import Add, BaseGuard, Decision, StepContext
+from guards.base import Add, BaseGuard, Decision, Push, StepContext
+
+PENDING_CALLS = "pending_calls"
+PENDING_KEEP = 256
 
 
 class CapsGuard(BaseGuard):
@@ -36,5 +39,10 @@ class CapsGuard(BaseGuard):
         if count == 0:
             return Decision.allow(self.name)
         limit = ctx.policy.caps.tool_calls
-        effect = Add("tool_calls", float(count), None if limit is None else float(limit), "tool_call_cap")
-        return Decision.allow(self.name, effects=(effect,))
+        effects: tuple[Add | Push, ...] = (
+            Add("tool_calls", float(count), None if limit is None else float(limit), "tool_call_cap"),
+        )
+        if ctx.call.operation != "execute_tool":
+            # proposals the agent may execute through the MCP proxy: that execution does not count again
+            effects += (Push(PENDING_CALLS, tuple(c.fingerprint for c in answer.tool_calls), PENDING_KEEP),)
+        return Decision.allow(self.name, effects=effects)

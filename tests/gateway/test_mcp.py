@@ -423,3 +423,23 @@ async def test_an_oversized_server_answer_is_refused_not_relayed(
         assert error["data"] == {"code": "upstream_unavailable"} and "exceeds the limit" in error["message"]
     status, answer = await raw_post(h, call("read_file", {"path": "a"}, _meta=MODERN_META), headers=MODERN)
     assert status == 200 and answer["result"]["content"][0]["text"] == "contents of a", answer
+
+
+async def test_a_proposal_from_a_real_model_answer_is_executed_without_counting_twice(
+    gateway_factory: GatewayFactory, files: mcp_server.RunningServer
+) -> None:
+    from tests.fakes.upstream import Reply, openai_completion, tool_call
+
+    tools = {**TOOLS, "allow": [*TOOLS["allow"], "read_file"]}
+    h = await gateway(gateway_factory, files, caps={"tool_calls": 1}, tools=tools)
+    h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("read_file", '{"path": "a"}', "c1")])))
+    async with h.session.post(f"{h.url}/v1/chat/completions",
+                              json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "read a"}]},
+                              headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "r1"}) as resp:
+        assert resp.status == 200
+    assert (await h.run("r1"))["tool_calls"] == 1
+    async with mcp_client(h, mode="auto") as client:
+        assert text(await client.call_tool("read_file", {"path": "a"})) == "contents of a"
+        error = await refused(client.call_tool("read_file", {"path": "b"}))
+        assert error["data"] == {"code": "tool_call_cap"}
+    assert (await h.run("r1"))["tool_calls"] == 1
