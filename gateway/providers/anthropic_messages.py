@@ -13,12 +13,10 @@ from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, error_code
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
-    check_counts,
     content_text,
     opt_int,
     opt_number,
-    require_list,
-    require_model,
+    request_basics,
     stop_text,
 )
 from gateway.providers.sse import SseEvent, format_event
@@ -82,16 +80,7 @@ class AnthropicMessages:
     operation = "chat"
 
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
-        model = require_model(body)
-        messages = require_list(body, "messages", required=True)
-        raw_tools = require_list(body, "tools", required=False)
-        check_counts(messages, raw_tools, limits)
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
-                raise InvalidRequest(f"messages.{index}.role must be user or assistant", param="messages")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise InvalidRequest("'stream' must be a boolean", param="stream")
+        model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
         stop = body.get("stop_sequences")
         params = RequestParams(
             temperature=opt_number(body, "temperature"),

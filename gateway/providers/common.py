@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.config import Limits
@@ -89,3 +89,20 @@ def content_text(content: Any) -> str:
                 parts.append(part)
         return "\n".join(parts)
     return "" if content is None else str(content)
+
+
+def request_basics(
+    body: Mapping[str, Any], limits: Limits, role_ok: Callable[[Any], bool], role_rule: str
+) -> tuple[str, list[Any], list[Any], bool]:
+    """The fields every chat request has: model, messages (each with a valid role), tools, stream."""
+    model = require_model(body)
+    messages = require_list(body, "messages", required=True)
+    raw_tools = require_list(body, "tools", required=False)
+    check_counts(messages, raw_tools, limits)
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not role_ok(message.get("role")):
+            raise InvalidRequest(f"messages[{index}] {role_rule}", param="messages")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return model, messages, raw_tools, stream
