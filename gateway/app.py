@@ -24,8 +24,11 @@ from gateway.store import open_store
 from gateway.upstream import Upstream
 from grammars.library import GrammarLibrary
 from otel.setup import setup_telemetry
+from otel.telemetry import Telemetry
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
+TELEMETRY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
+"""A `Telemetry` given to `create_app`: used instead of one built from `OTEL_*`, owned by the caller."""
 
 
 async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -46,7 +49,11 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     gw.services["grammars"] = library
     ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)), linger_s=0.05)
     await ledger.start()
-    telemetry = setup_telemetry(os.environ, capture_content=config.otel.capture_content)
+    given = app.get(TELEMETRY)
+    if given is None:
+        telemetry = setup_telemetry(os.environ, capture_content=config.otel.capture_content)
+    else:
+        telemetry = given
     gw.services.update(ledger=ledger, telemetry=telemetry, metrics_render=telemetry.metrics.render,
                        redactor=redactor_for(gw), on_reset=[lambda state: end_run(gw, state)])
     gw.hooks.on_step.append(lambda step: on_step(gw, step))
@@ -61,7 +68,8 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
             await ledger.close()  # raises StateUnavailable if rows could not be written: still close the rest
         finally:
             await store.close()
-            await asyncio.to_thread(telemetry.shutdown, 5.0)
+            if given is None:
+                await asyncio.to_thread(telemetry.shutdown, 5.0)
 
 
 def _ledger_default(config: Config) -> str:
@@ -74,10 +82,16 @@ async def _on_shutdown(app: web.Application) -> None:
         gw.shutting_down = True
 
 
-def create_app(config: Config) -> web.Application:
-    """The proxy app. Its body limit is enforced by the pipeline (clear 413 in the caller's format)."""
+def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.Application:
+    """The proxy app. Its body limit is enforced by the pipeline (clear 413 in the caller's format).
+
+    `telemetry`: use this instead of `setup_telemetry(os.environ, ...)` (e.g. `tollgate demo`, which
+    collects spans in memory). The caller owns it: the app neither flushes nor shuts it down, and
+    `otel.capture_content` is whatever it was built with."""
     app = web.Application(client_max_size=config.limits.max_body_bytes + 1)
     app[CONFIG] = config
+    if telemetry is not None:
+        app[TELEMETRY] = telemetry
     app.cleanup_ctx.append(_gateway_ctx)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", chat_handler("openai"))
@@ -88,6 +102,9 @@ def create_app(config: Config) -> web.Application:
     return app
 
 
-def create_apps(config: Config) -> tuple[web.Application, web.Application]:
-    proxy = create_app(config)
+def create_apps(
+    config: Config, *, telemetry: Telemetry | None = None
+) -> tuple[web.Application, web.Application]:
+    """The proxy app and its admin app (`telemetry`: see `create_app`)."""
+    proxy = create_app(config, telemetry=telemetry)
     return proxy, create_admin_app(proxy)

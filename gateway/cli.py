@@ -1,4 +1,4 @@
-"""Command line: `tollgate serve | check-config | runs | ledger verify` (`demo` lands with issue 6)."""
+"""Command line: `tollgate serve | check-config | demo | runs | ledger verify` (DESIGN section 1)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{len(config.agents)} agents, {len(config.mcp_servers)} MCP servers, state {config.state.backend}"
     )
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return run_demo(args.otlp_json)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -131,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=cmd_check_config)
+    demo = sub.add_parser("demo", help="offline tour: a scripted model, MCP server and agent trip the guards")
+    demo.add_argument("--otlp-json", metavar="FILE",
+                      help="also write the tour's traces as OTLP JSON (loads in Jaeger's UI)")
+    demo.set_defaults(func=cmd_demo)
     runs = sub.add_parser("runs", help="table of runs")
     runs.add_argument("--admin", default="http://127.0.0.1:9464")
     runs.set_defaults(func=cmd_runs)
