@@ -1,10 +1,11 @@
-"""The run store's behaviour through both backends (memory, SQLite), SQLite durability and crash recovery,
-and atomicity under concurrent reserves."""
+"""The run store's behaviour through every backend (memory, SQLite, Redis on a real redis-server),
+SQLite durability and crash recovery, and atomicity under concurrent reserves."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,11 @@ from typing import Any
 import pytest
 
 from gateway.errors import StateUnavailable
-from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunStore
+from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunStore
 from gateway.store.memory import MemoryRunStore
+from gateway.store.redis import RedisRunStore
 from gateway.store.sqlite import SqliteRunStore
+from tests.redis_fixture import RedisServer, redis_server  # noqa: F401  (fixture)
 
 NOW = 1_000.0
 # $0.001 of input bound + 250 output tokens at $4/Mtok = $0.002 per call
@@ -23,11 +26,18 @@ PER_CALL = 0.002
 CALL = ReserveRequest((USD, Claim("llm_calls", 1.0)), 16, 250)
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+def open_backend(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> RunStore:
+    if name == "memory":
+        return MemoryRunStore()
+    if name == "sqlite":
+        return SqliteRunStore.open(tmp_path / f"{uuid.uuid4().hex}.db")
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return RedisRunStore.open(server.url, prefix=f"test-{uuid.uuid4().hex}:")  # a fresh keyspace per store
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
-    s: RunStore = (
-        MemoryRunStore() if request.param == "memory" else SqliteRunStore.open(tmp_path / "state.db")
-    )
+    s = open_backend(request.param, request, tmp_path)
     try:
         yield s
     finally:
@@ -95,6 +105,22 @@ async def test_add_with_limit(store: RunStore) -> None:
     assert isinstance(await store.reserve("run-1", "bot", CALL, NOW), Denial)
 
 
+async def test_apply_is_all_or_nothing(store: RunStore) -> None:
+    adds = [Add("tool_calls", 2.0, 5.0, "tool_call_cap"), Add("usd", 0.1)]
+    assert await store.apply("run-1", "bot", adds, [Push("calls", ("a", "b"), 6)], NOW) is None
+    breach = [Add("usd", 0.5), Add("tool_calls", 4.0, 5.0, "tool_call_cap")]
+    denial = await store.apply("run-1", "bot", breach, [Push("calls", ("c",), 6)], NOW + 1)
+    assert isinstance(denial, Denial) and denial.reason == "tool_call_cap"
+    state = await store.get("run-1", steps=False)
+    assert state is not None and state.stop_reason == "tool_call_cap"
+    assert state.used == {"tool_calls": 2.0, "usd": 0.1} and state.lists == {"calls": ["a", "b"]}  # nothing applied
+    again = await store.apply("run-1", "bot", [Add("usd", 0.1)], [], NOW + 2)
+    assert isinstance(again, Denial) and again.reason == "tool_call_cap"  # sticky
+    assert await store.apply("run-1", "bot", [], [Push("calls", ("d",), 2)], NOW + 3) is None  # history still kept
+    state = await store.get("run-1")
+    assert state is not None and state.lists == {"calls": ["b", "d"]} and state.updated_at == NOW + 3
+
+
 async def test_push_and_take(store: RunStore) -> None:
     assert await store.push("run-1", "bot", "calls", ["a", "b"], 3) == ["a", "b"]
     assert await store.push("run-1", "bot", "calls", ["c", "d"], 3) == ["b", "c", "d"]
@@ -150,8 +176,10 @@ async def test_get_returns_a_snapshot(store: RunStore) -> None:
     assert state.status == "active"
 
 
-async def test_both_backends_agree(tmp_path: Path) -> None:
-    """The same script gives the same run on both backends (the arithmetic lives once, in logic)."""
+@pytest.mark.parametrize("other", ["sqlite", "redis"])
+async def test_backends_agree(other: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The same script gives the same run on every backend (the arithmetic lives once, in logic; Redis
+    runs its Lua twin)."""
 
     async def script(s: RunStore) -> dict[str, Any]:
         reservations = [await grant(s) for _ in range(4)]
@@ -172,8 +200,8 @@ async def test_both_backends_agree(tmp_path: Path) -> None:
         return data
 
     memory = await script(MemoryRunStore())
-    sqlite = await script(SqliteRunStore.open(tmp_path / "agree.db"))
-    assert memory == sqlite
+    theirs = await script(open_backend(other, request, tmp_path))
+    assert memory == theirs
     assert memory["status"] == "stopped" and memory["open"] == 2
 
 

@@ -1,0 +1,284 @@
+"""Redis run store: one run state shared by many gateway processes (one sidecar per agent, one Redis).
+
+Contracts:
+* Every write operation is ONE Lua script (`gateway.store.redis_scripts`), the twin of its function in
+  `gateway.store.logic` (same order of checks, same EPS, the sticky first stop, epochs, idempotent
+  settle), run with EVALSHA (re-registered automatically after a Redis restart). Redis runs a script
+  without interleaving other commands, so N processes hold a limit exactly as one process does.
+* Layout: a hash per run, `<prefix>run:<run_id>` (fields in `redis_scripts`), its steps in a list
+  `<prefix>steps:<run_id>` (so the hot path's `get(steps=False)` reads one small hash); a sorted set
+  `<prefix>runs` of run ids by `updated_at` for `list_runs`, pruned lazily of expired runs.
+* Expiry: a stopped run expires `ttl_s` after its last write (stop, a later step record, ...); an active
+  run expires `idle_ttl_s` after its last write (default: 30 days, never less than `ttl_s`; 0 = never).
+  Every call writes, so a run in use never expires; an abandoned one does not stay forever.
+* Failure: any Redis error (refused, timed out, reset, OOM, ...) raises `StateUnavailable` (503
+  `state_unavailable`), never a silent allow. Connect timeout 1 s; a whole call, queueing for a
+  connection included, gives up after 2 s; no automatic retries (a retried reserve could reserve
+  twice). The pool reconnects on the next call once Redis is back. `open()` does not connect, so a
+  gateway can start while Redis is down.
+* A settle that failed is kept (bounded) and replayed before this store's next call, and a reserve
+  whose answer was lost is released at zero then (the step never went upstream): settle is idempotent,
+  so a replay that already happened is a no-op. Reservations of a process that died are never
+  released: they stay charged against the budget (as SQLite's crash recovery charges them) until the
+  run is reset or expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
+
+import orjson
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.errors import StateUnavailable
+from gateway.store import logic
+from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, scripts
+
+T = TypeVar("T")
+MAX_UNSETTLED = 10_000  # settles kept for replay while Redis is away; beyond, the oldest stay reserved
+_IDLE_DEFAULT_S = 30 * 24 * 3600
+
+
+class RedisRunStore:
+    def __init__(
+        self, client: Redis, ttl_s: int, idle_s: int, prefix: str, where: str, deadline: float, slots: int
+    ) -> None:
+        self._client = client
+        self._deadline = deadline
+        # FIFO admission to the pool's connections: redis-py's own blocking pool costs more per call and
+        # lets a waiter starve past its timeout under a burst
+        self._slots = asyncio.Semaphore(slots)
+        self._ttl = str(int(ttl_s))
+        self._idle = str(int(idle_s))
+        self._prefix = prefix
+        self._index = f"{prefix}runs"
+        self._where = where
+        self._scripts: dict[str, AsyncScript] = {n: client.register_script(s) for n, s in scripts().items()}
+        self._owner = uuid.uuid4().hex[:12]  # reservation ids never collide across processes
+        self._seq = 0
+        # reservation id -> (run_id, settle arguments): settles to replay once Redis answers again
+        self._unsettled: OrderedDict[str, tuple[str, list[Any]]] = OrderedDict()
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        ttl_s: int = 7 * 24 * 3600,
+        idle_ttl_s: int | None = None,
+        prefix: str = "tollgate:",
+        connect_timeout_s: float = 1.0,
+        op_timeout_s: float = 2.0,
+        max_connections: int = 32,
+    ) -> RedisRunStore:
+        """A store on `url` (redis://, rediss://, unix://). Synchronous and lazy: connects on first use.
+
+        At most `max_connections` connections; more concurrent calls queue for one, so a burst of requests
+        does not open a connection each. `op_timeout_s` bounds a whole call, queueing included."""
+        parts = urlsplit(url)
+        where = parts.hostname or parts.path or url.split("@")[-1]  # never echo a password
+        if parts.port:
+            where = f"{where}:{parts.port}"
+        try:
+            pool = ConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                socket_connect_timeout=connect_timeout_s,
+                socket_timeout=op_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as exc:
+            raise StateUnavailable(f"bad redis url for the run store ({where}): {exc}") from None
+        idle = _IDLE_DEFAULT_S if idle_ttl_s is None else idle_ttl_s
+        if idle:
+            idle = max(idle, ttl_s)
+        return cls(Redis.from_pool(pool), ttl_s, idle, prefix, where, op_timeout_s, max_connections)
+
+    # -- plumbing ------------------------------------------------------------------------------------
+
+    def _key(self, run_id: str) -> str:
+        return f"{self._prefix}run:{run_id}"
+
+    def _steps_key(self, run_id: str) -> str:
+        return f"{self._prefix}steps:{run_id}"
+
+    async def _guard(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run `fn` on a connection slot within the deadline; any Redis failure is StateUnavailable.
+        A call cut off by the deadline has its connection dropped by redis-py (no misread replies)."""
+        try:
+            async with asyncio.timeout(self._deadline), self._slots:
+                return await fn()
+        except TimeoutError:  # the builtin one, from asyncio.timeout (redis-py raises its own below)
+            raise StateUnavailable(
+                f"run state store (redis at {self._where}) unavailable: no answer within {self._deadline:g} s"
+            ) from None
+        except (RedisError, OSError) as exc:
+            raise StateUnavailable(
+                f"run state store (redis at {self._where}) unavailable: {type(exc).__name__}: {exc}"
+            ) from None
+
+    async def _eval(self, name: str, run_id: str, agent: str, args: list[Any]) -> Any:
+        script = self._scripts[name]
+        keys = [self._key(run_id), self._index, self._steps_key(run_id)]
+        return await script(keys=keys, args=[run_id, agent, self._ttl, self._idle, orjson.dumps(args)])
+
+    async def _call(self, name: str, run_id: str, agent: str, args: list[Any]) -> Any:
+        """Run one operation's script, after replaying settles an outage left behind."""
+
+        async def run() -> Any:
+            if self._unsettled:
+                await self._replay()
+            return await self._eval(name, run_id, agent, args)
+
+        return await self._guard(run)
+
+    async def _replay(self) -> None:
+        """Settle what failed to settle earlier, oldest first. Connection trouble stops the replay
+        (and the caller's operation); any other error drops that entry, since retrying cannot help."""
+        while self._unsettled:
+            rid, (run_id, args) = next(iter(self._unsettled.items()))
+            try:
+                await self._eval("settle", run_id, "", args)
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                raise
+            except RedisError:
+                pass
+            self._unsettled.pop(rid, None)
+
+    def _keep_unsettled(self, run_id: str, rid: str, args: list[Any]) -> None:
+        self._unsettled[rid] = (run_id, args)
+        while len(self._unsettled) > MAX_UNSETTLED:
+            self._unsettled.popitem(last=False)
+
+    # -- RunStore ------------------------------------------------------------------------------------
+
+    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
+        """The run (one script: run and steps are one snapshot); `steps=False` leaves the steps out."""
+        reply = await self._guard(lambda: self._eval("get", run_id, "", [steps]))
+        return None if reply is None else decode_reply(reply)
+
+    async def reserve(
+        self, run_id: str, agent: str, request: ReserveRequest, now: float
+    ) -> Reservation | Denial:
+        self._seq += 1
+        rid = f"{self._owner}-{self._seq}"
+        claims = [
+            [c.counter, float(c.fixed), float(c.per_unit), opt_float(c.limit), c.code] for c in request.claims
+        ]
+        try:
+            reply = orjson.loads(
+                await self._call(
+                    "reserve",
+                    run_id,
+                    agent,
+                    [float(now), rid, int(request.min_units), int(request.max_units), claims],
+                )
+            )
+        except StateUnavailable:
+            # the grant may have happened with its answer lost: release it at zero once Redis answers
+            self._keep_unsettled(run_id, rid, [None, rid, float(now), []])
+            raise
+        if reply[0] == "deny":
+            return Denial(reply[1], reply[2])
+        amounts = {reply[i]: float(reply[i + 1]) for i in range(3, len(reply), 2)}
+        return Reservation(rid, run_id, int(reply[1]), int(reply[2]), amounts)
+
+    async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
+        args = [reservation.epoch, reservation.id, float(now), [[c, float(a)] for c, a in actual.items()]]
+        try:
+            await self._call("settle", reservation.run_id, "", args)
+        except StateUnavailable:
+            self._keep_unsettled(reservation.run_id, reservation.id, args)
+            raise
+
+    async def add(
+        self,
+        run_id: str,
+        agent: str,
+        counter: str,
+        amount: float,
+        *,
+        limit: float | None,
+        code: str,
+        now: float,
+    ) -> Denial | None:
+        reply = orjson.loads(
+            await self._call(
+                "add", run_id, agent, [counter, float(amount), opt_float(limit), code, float(now)]
+            )
+        )
+        return Denial(reply[1], reply[2]) if reply[0] == "deny" else None
+
+    async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]:
+        items: list[str] = orjson.loads(
+            await self._call("push", run_id, agent, [key, int(keep), list(values)])
+        )
+        return items
+
+    async def apply(
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+    ) -> Denial | None:
+        if not adds and not pushes:
+            return None  # nothing to do: no round trip, and no empty run created (as SQLite)
+        args = [
+            float(now),
+            [[a.counter, float(a.amount), opt_float(a.limit), a.code] for a in adds],
+            [[p.key, int(p.keep), list(p.values)] for p in pushes],
+        ]
+        reply = orjson.loads(await self._call("apply", run_id, agent, args))
+        return Denial(reply[1], reply[2]) if reply[0] == "deny" else None
+
+    async def take(self, run_id: str, key: str, value: str) -> bool:
+        return bool(await self._call("take", run_id, "", [key, value]))
+
+    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None:
+        await self._call("stop", run_id, agent, [reason, detail, float(now)])
+
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
+        encoded = orjson.dumps(dict(step)).decode()
+        await self._call("record_step", run_id, agent, [encoded, float(now), logic.MAX_STEPS])
+
+    async def reset(self, run_id: str, now: float) -> RunState | None:
+        reply = await self._call("reset", run_id, "", [float(now)])
+        return None if reply is None else decode_reply(reply)
+
+    async def list_runs(self, limit: int = 100) -> list[RunState]:
+        """Most recently updated first. Not atomic across runs (each run is read whole); ids of runs that
+        expired are removed from the index on the way."""
+        runs: list[RunState] = []
+        start = 0
+        while len(runs) < limit:
+            last = start + limit - len(runs) - 1
+            ids = cast(
+                list[bytes], await self._guard(partial(self._client.zrevrange, self._index, start, last))
+            )
+            if not ids:
+                break
+            pipe = self._client.pipeline(transaction=False)
+            for run_id in ids:
+                pipe.hgetall(self._key(run_id.decode()))
+                pipe.lrange(self._steps_key(run_id.decode()), 0, -1)
+            replies = await self._guard(pipe.execute)
+            rows = list(zip(replies[::2], replies[1::2], strict=True))
+            gone = [run_id for run_id, (fields, _) in zip(ids, rows, strict=True) if not fields]
+            if gone:
+                await self._guard(partial(self._client.zrem, self._index, *gone))
+            runs.extend(decode_hash(fields, items) for fields, items in rows if fields)
+            start += len(ids) - len(gone)
+        return runs[:limit]
+
+    async def close(self) -> None:
+        await self._client.aclose()

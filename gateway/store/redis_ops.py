@@ -1,0 +1,203 @@
+"""The operations of the Redis run store in Lua, each the twin of its function in `gateway.store.logic`.
+
+Each body runs after the prelude of `gateway.store.redis_scripts` (its helpers, the layout and the
+calling convention it documents): `A` is the decoded JSON array of the operation's arguments.
+"""
+
+from __future__ import annotations
+
+# A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...]].
+# Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail].
+_RESERVE = """
+create()
+local now, rid, min_units, max_units = A[1], A[2], A[3], A[4]
+local denied = stopped_denial()
+if denied then touch(); return cjson.encode(denied) end
+start(now)
+local claims = {}
+for _, c in ipairs(A[5]) do
+  claims[#claims + 1] = {counter = c[1], fixed = c[2], per_unit = c[3], limit = opt(c[4]), code = c[5]}
+end
+local function available(c, limit)
+  return limit - (getnum('u:' .. c.counter) or 0.0) - (getnum('r:' .. c.counter) or 0.0)
+end
+local function deny(c)  -- logic._deny
+  local left = available(c, c.limit or 0.0)
+  local detail = c.counter .. ' limit ' .. fmt(c.limit) .. ' reached: ' .. fmt(math.max(left, 0.0))
+    .. ' left, this step needs at least ' .. fmt(c.fixed + c.per_unit * min_units)
+  local code = c.code
+  if code == '' then code = c.counter .. '_limit' end
+  stop(code, detail, now)
+  touch()
+  return cjson.encode({'deny', code, detail})
+end
+local units, limiting = max_units, nil
+for _, c in ipairs(claims) do
+  if c.limit ~= nil then
+    local left = available(c, c.limit)
+    if c.per_unit > 0 then
+      local fit = math.floor((left - c.fixed + EPS) / c.per_unit)
+      if fit < units then units, limiting = fit, c end
+    elseif c.fixed > left + EPS then
+      return deny(c)
+    end
+  end
+end
+if units < min_units and limiting ~= nil then return deny(limiting) end
+if units < 0 then units = 0 end
+local amounts, order = {}, {}
+for _, c in ipairs(claims) do
+  if amounts[c.counter] == nil then order[#order + 1] = c.counter end
+  amounts[c.counter] = c.fixed + c.per_unit * units
+end
+local out = {'ok', redis.call('HGET', K, 'epoch'), string.format('%d', units)}
+local held = {}
+for _, counter in ipairs(order) do
+  local amount = amounts[counter]
+  redis.call('HSET', K, 'r:' .. counter, num((getnum('r:' .. counter) or 0.0) + amount))
+  held[counter] = num(amount)
+  out[#out + 1] = counter
+  out[#out + 1] = num(amount)
+end
+redis.call('HSET', K, 'o:' .. rid, cjson.encode({amounts = held, at = num(now)}), 'updated_at', num(now))
+touch()
+return cjson.encode(out)
+"""
+
+# A: [epoch|null, reservation id, now, [[counter, amount], ...]]; a null epoch matches any (releasing a
+# reservation whose grant was never seen). Answers 1 when it settled, 0 when there was nothing to settle.
+_SETTLE = """
+if redis.call('EXISTS', K) == 0 then return 0 end
+local epoch, rid, now = opt(A[1]), A[2], A[3]
+if epoch ~= nil and tonumber(redis.call('HGET', K, 'epoch')) ~= epoch then return 0 end
+local held = redis.call('HGET', K, 'o:' .. rid)
+if not held then return 0 end
+redis.call('HDEL', K, 'o:' .. rid)
+for counter, amount in pairs(cjson.decode(held)['amounts']) do
+  local left = (getnum('r:' .. counter) or 0.0) - tonumber(amount)
+  if left < 0.0 then left = 0.0 end
+  redis.call('HSET', K, 'r:' .. counter, num(left))
+end
+for _, pair in ipairs(A[4]) do
+  local field = 'u:' .. pair[1]
+  redis.call('HSET', K, field, num((getnum(field) or 0.0) + pair[2]))
+end
+redis.call('HSET', K, 'updated_at', num(now))
+touch()
+return 1
+"""
+
+# A: [counter, amount, limit|null, code, now]. Answers ["ok"] or ["deny", reason, detail].
+_ADD = """
+create()
+local denied = stopped_denial()
+if not denied then denied = add_one(A[1], A[2], opt(A[3]), A[4], A[5]) end
+touch()
+return cjson.encode(denied or {'ok'})
+"""
+
+# A: [list name, keep, [values...]]. Answers the list after the push.
+_PUSH = """
+create()
+local items = push_list(A[1], A[3], A[2])
+touch()
+return enc_list(items)
+"""
+
+# logic.apply. A: [now, [[counter, amount, limit|null, code], ...], [[list name, keep, [values...]], ...]].
+# Answers ["ok"] or ["deny", reason, detail].
+_APPLY = """
+create()
+local now, adds, pushes = A[1], A[2], A[3]
+if #adds > 0 then
+  local denied = stopped_denial()
+  if denied then touch(); return cjson.encode(denied) end
+end
+-- every add is judged against the run as it was, before any of them applies
+for _, a in ipairs(adds) do
+  local limit = opt(a[3])
+  if limit ~= nil then
+    local current = (getnum('u:' .. a[1]) or 0.0) + (getnum('r:' .. a[1]) or 0.0)
+    if current + a[2] > limit + EPS then
+      local denied = add_one(a[1], a[2], limit, a[4], now)
+      touch()
+      return cjson.encode(denied)
+    end
+  end
+end
+for _, a in ipairs(adds) do add_one(a[1], a[2], nil, a[4], now) end
+for _, p in ipairs(pushes) do push_list(p[1], p[3], p[2]) end
+if #pushes > 0 then redis.call('HSET', K, 'updated_at', num(now)) end
+touch()
+return cjson.encode({'ok'})
+"""
+
+# A: [list name, value]. Removes the first occurrence; answers 1 if there was one.
+_TAKE = """
+if redis.call('EXISTS', K) == 0 then return 0 end
+local field, value = 'l:' .. A[1], A[2]
+local text = redis.call('HGET', K, field)
+if not text then return 0 end
+local items = cjson.decode(text)
+for i, item in ipairs(items) do
+  if item == value then
+    table.remove(items, i)
+    redis.call('HSET', K, field, enc_list(items))
+    touch()
+    return 1
+  end
+end
+return 0
+"""
+
+# A: [reason, detail, now].
+_STOP = """
+create()
+stop(A[1], A[2], A[3])
+touch()
+return 1
+"""
+
+# A: [step JSON, now, max steps kept].
+_RECORD_STEP = """
+create()
+redis.call('RPUSH', STEPS, A[1])
+redis.call('LTRIM', STEPS, -A[3], -1)
+redis.call('HSET', K, 'updated_at', num(A[2]))
+touch()
+return 1
+"""
+
+# A: [now]. Answers the fresh run as {"f": [field, value, ...], "s": []}, or false when there is none.
+_RESET = """
+if redis.call('EXISTS', K) == 0 then return false end
+local st = redis.call('HMGET', K, 'run_id', 'agent', 'epoch')
+redis.call('DEL', K, STEPS)
+redis.call('HSET', K, 'run_id', st[1], 'agent', st[2], 'epoch', num(tonumber(st[3]) + 1), 'status', 'active',
+           'updated_at', num(A[1]))
+touch()
+return '{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":[]}'
+"""
+
+# A: [with steps (bool)]. Read-only. Answers {"f": [field, value, ...], "s": [step, ...]} (the steps are
+# the JSON texts as recorded, spliced in, not re-encoded), or false when there is no such run.
+_GET = """
+local fields = redis.call('HGETALL', K)
+if #fields == 0 then return false end
+local steps = ''
+if A[1] then steps = table.concat(redis.call('LRANGE', STEPS, 0, -1), ',') end
+return '{"f":' .. cjson.encode(fields) .. ',"s":[' .. steps .. ']}'
+"""
+
+BODIES = {
+    "reserve": _RESERVE,
+    "settle": _SETTLE,
+    "add": _ADD,
+    "push": _PUSH,
+    "apply": _APPLY,
+    "take": _TAKE,
+    "stop": _STOP,
+    "record_step": _RECORD_STEP,
+    "reset": _RESET,
+    "get": _GET,
+}
