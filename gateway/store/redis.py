@@ -49,6 +49,7 @@ from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, sc
 
 T = TypeVar("T")
 MAX_UNSETTLED = 10_000  # settles kept for replay while Redis is away; beyond, the oldest stay reserved
+REPLAY_BATCH = 64
 _IDLE_DEFAULT_S = 30 * 24 * 3600
 
 
@@ -146,9 +147,12 @@ class RedisRunStore:
         return await self._guard(run)
 
     async def _replay(self) -> None:
-        """Settle what failed to settle earlier, oldest first. Connection trouble stops the replay
-        (and the caller's operation); any other error drops that entry, since retrying cannot help."""
-        while self._unsettled:
+        """Settle what failed to settle earlier, oldest first, a bounded batch per call (the caller's
+        deadline covers it). Connection trouble stops the replay (and the caller's operation); any other
+        error drops that entry, since retrying cannot help."""
+        for _ in range(REPLAY_BATCH):
+            if not self._unsettled:
+                return
             rid, (run_id, args) = next(iter(self._unsettled.items()))
             try:
                 await self._eval("settle", run_id, "", args)
