@@ -22,6 +22,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     RequestTooLarge,
+    StateUnavailable,
     Stopped,
     UpstreamUnavailable,
     error_code,
@@ -33,7 +34,7 @@ from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import Denial, ReserveRequest
 from gateway.upstream import forwardable
-from guards.base import Add, Push, StepContext
+from guards.base import Add, Decision, Push, StepContext
 from guards.budget import settlement
 from guards.chain import Verdict
 
@@ -83,7 +84,11 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     """Run the guards, then reserve their claims atomically. Raises Stopped on a stop."""
     ident = step.identity
     now = time.time()
-    snapshot = await gw.store.get(ident.run_id, steps=False)
+    try:
+        snapshot = await gw.store.get(ident.run_id, steps=False)
+    except StateUnavailable as exc:
+        await _state_failed(step, exc)
+        return
     step.extra["snapshot"] = snapshot
     step.extra["epoch"] = snapshot.epoch if snapshot is not None else 1
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price)
@@ -99,7 +104,11 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     if step.price is not None and step.price.max_output_tokens:
         max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
     request = ReserveRequest(verdict.claims, min(MIN_OUTPUT_TOKENS, max_units), max_units)
-    grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
+    try:
+        grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
+    except StateUnavailable as exc:
+        await _state_failed(step, exc)
+        return
     if isinstance(grant, Denial):
         step.stop_reason, step.stop_detail = grant.reason, grant.detail
         raise Stopped(grant.reason, grant.detail)
@@ -110,6 +119,15 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=prefer)
         step.max_tokens_set = grant.units
         step.changed = True
+
+
+async def _state_failed(step: Step, error: StateUnavailable) -> None:
+    """The run store is unreachable. Fail closed (re-raise: 503 `state_unavailable`) unless the agent's
+    policy says `state_failure: fail_open`; then the step goes on unguarded and says so."""
+    if step.identity.policy.state_failure != "fail_open":
+        raise error
+    step.extra["state_failed"] = True
+    step.decisions.append(Decision("state", "allow", "state_unavailable", f"fail_open: {error.message}"))
 
 
 def output_limit(step: Step) -> int:
@@ -128,11 +146,15 @@ async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> None:
 
 async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
     """A step's counter additions and history pushes, in one atomic store operation."""
-    if not verdict.effects:
+    if not verdict.effects or step.extra.get("state_failed"):
         return
     adds = [e for e in verdict.effects if isinstance(e, Add)]
     pushes = [e for e in verdict.effects if isinstance(e, Push)]
-    denial = await gw.store.apply(step.run_id, step.agent, adds, pushes, time.time())
+    try:
+        denial = await gw.store.apply(step.run_id, step.agent, adds, pushes, time.time())
+    except StateUnavailable as exc:
+        await _state_failed(step, exc)
+        return
     if denial is not None:
         step.stop_reason, step.stop_detail = denial.reason, denial.detail
         raise Stopped(denial.reason, denial.detail)

@@ -98,7 +98,10 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
     finally:
         if step.reservation is not None:
             # a failure after the reservation: charge it if the upstream may have done the work
-            await settle(gw, step, None, charged=bool(step.extra.get("sent")))
+            try:
+                await settle(gw, step, None, charged=bool(step.extra.get("sent")))
+            except GatewayError:
+                step.extra["settle_failed"] = True  # the store is down; the response is already decided
         await record(gw, step)
 
 

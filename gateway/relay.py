@@ -70,7 +70,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     step.answer = answer
     step.relayed_chars = reader.output_chars
     step.status = 200
-    await settle(gw, step, answer)
+    try:
+        await settle(gw, step, answer)
+    except GatewayError as exc:  # the run store failed after the stream started: end it with the error
+        failure = failure or exc
     if client_gone:
         step.error_type = "client_disconnected"
         return out
@@ -99,6 +102,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 await guard_after(gw, step, answer)
             except Stopped as stop:
                 await out.write(_stop_tail(step, reader, stop))
+            except GatewayError as exc:  # e.g. the run store failed while judging the answer
+                step.error_type = exc.code
+                await out.write(adapter.error_event(exc))
             else:
                 if held_bytes:
                     await out.write(held_bytes)

@@ -235,3 +235,28 @@ async def test_admin_runs_and_cli_table(gateway_factory: GatewayFactory) -> None
     assert runs[0]["steps"][0]["status"] == 200
     table = format_runs(runs)
     assert table.splitlines()[0].split()[:3] == ["RUN", "ID", "AGENT"] and "t1" in table
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "fail_open"])
+async def test_state_store_down_fails_closed_unless_configured(gateway_factory: GatewayFactory, mode: str) -> None:
+    from gateway.errors import StateUnavailable
+
+    h = await gateway_factory(agents=agent(budget={"tokens": 10_000}, state_failure=mode))
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise StateUnavailable("state store error: connection refused")
+
+    store = h.gateway.store
+    for name in ("get", "reserve", "settle", "apply", "record_step"):
+        setattr(store, name, down)
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers={"x-tollgate-agent": "bot"}) as ac:
+        if mode == "fail_closed":
+            with pytest.raises(anthropic.APIStatusError) as info:
+                await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG)
+            assert info.value.status_code == 503
+            assert info.value.body["error"]["code"] == "state_unavailable"  # type: ignore[index]
+            assert h.fake.seen == []
+        else:
+            msg = await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG)
+            assert msg.content[0].text == "Hello!"  # type: ignore[union-attr]

@@ -227,11 +227,6 @@ async def test_redis_killed_mid_run_fails_closed_then_recovers(
         redis.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="relay.py/proxy.py: a StateUnavailable raised by settle after the stream started is answered "
-    "with a second response instead of a final error event, so the stream never ends",
-)
 async def test_redis_killed_while_a_stream_is_in_flight_ends_it_with_an_error_event(
     provider: tuple[FakeProvider, str], session: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
