@@ -260,3 +260,24 @@ async def test_state_store_down_fails_closed_unless_configured(gateway_factory: 
         else:
             msg = await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG)
             assert msg.content[0].text == "Hello!"  # type: ignore[union-attr]
+
+
+async def test_tollgate_runs_prints_the_table(gateway_factory: GatewayFactory) -> None:
+    import sys
+
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "cli-run")
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "cli-run")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "runs", "--admin", h.admin_url,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    header, row = out.decode().splitlines()
+    assert header.split() == ["RUN", "ID", "AGENT", "STATUS", "STOP", "REASON", "SPENT", "USD", "TOKENS", "LLM",
+                              "CALLS", "TOOL", "CALLS"]
+    assert row.split()[:4] == ["cli-run", "bot", "stopped", "llm_call_cap"]
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "runs", "--admin",
+                                                "http://127.0.0.1:9", stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 1 and b"cannot read" in err
