@@ -52,8 +52,27 @@ class OutputVerdict:
     instruction: str
 
 
+class Resolver:
+    """Grammar references (names or inline constraints) resolved once: the agent's `output.grammar`
+    and the `x-tollgate-grammar` values repeat on every step. Bounded: headers come from agents."""
+
+    def __init__(self, library: GrammarLibrary, size: int = 256) -> None:
+        self._library = library
+        self._size = size
+        self._specs: dict[str, ConstraintSpec] = {}
+
+    def resolve(self, ref: str) -> ConstraintSpec:
+        spec = self._specs.get(ref)
+        if spec is None:
+            spec = self._library.resolve(ref)  # InvalidGrammar is not cached: a fixed file may appear
+            if len(self._specs) >= self._size:
+                self._specs.pop(next(iter(self._specs)))
+            self._specs[ref] = spec
+        return spec
+
+
 async def plan_outputs(
-    library: GrammarLibrary, call: Call, headers: Mapping[str, str], grammar_ref: str | None, retries: int,
+    library: Resolver, call: Call, headers: Mapping[str, str], grammar_ref: str | None, retries: int,
     stream_check: str, dialect: str,
 ) -> OutputPlan | None:
     """The constraints of a step, compiled (cached by content). Raises InvalidGrammar (400)."""
