@@ -52,12 +52,14 @@ from gateway.jsonrpc import (
     result_content,
 )
 from gateway.mcp_transport import McpRequest, relay, state_of
+from gateway.observe import end_tool_span, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
 from grammars.compile import validate_tool_arguments
 from guards.base import Add, Push, StepContext
 from guards.chain import Verdict
+from otel.spans import StepSpan
 
 PENDING = "pending_calls"
 
@@ -74,6 +76,8 @@ class ToolStep:
     recorded: bool = False  # the step is in the run's list (before its answer reached the agent)
     outcome: Outcome | None = None  # the response message the agent got (for duplicates)
     record: bool = False  # the outcome is a final result worth replaying
+    span: StepSpan | None = None  # the MCP client span, once the call is forwarded
+    response: dict[str, Any] | None = None  # the server's JSON-RPC response, as it answered
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
@@ -90,9 +94,10 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
     if not isinstance(arguments, dict):
         raise BadArguments('"arguments" must be an object')
     qualified = mcp_tool_name(mcp.server_name, tool)
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     refused: GatewayError | None = None
     step: ToolStep | None = None
+    run: RunState | None = None
     try:
         if not mcp.policy.allowed(qualified):
             detail = refusal_detail(qualified)
@@ -115,9 +120,12 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
     except GatewayError as exc:
         refused = exc
         response = _refusal(mcp, message, exc)
+    stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
     if step is None or not step.recorded:
-        stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
         await _record(mcp, qualified, response.status, stop, refused, started)
+    await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
+                        outcome=step.response if step else None, refused=refused, stop=stop,
+                        started_wall=started_wall)
     return response
 
 
@@ -220,10 +228,11 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         await _apply(step, chain.after(proposal, Answer()))
     if mcp.policy.needs_approval(step.qualified):
         await _approve(step)
-    upstream = await mcp.open("POST", orjson.dumps(message.body))
+    step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run.epoch if ctx.run else 1)
+    upstream = await mcp.open("POST", body)
 
     async def judge(response: dict[str, Any]) -> dict[str, Any]:
-        step.outcome = response
+        step.outcome = step.response = response
         result = response.get("result")
         if not isinstance(result, dict) or not is_final_result(result):
             return response  # a JSON-RPC error of the server, or SEP-2322 input_required: nothing ran yet

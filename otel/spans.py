@@ -21,6 +21,8 @@ A guard stop calls `step.stop(code)`: `error.type` and `tollgate.stop_reason` = 
 status ERROR; then `step.end()` (stopped before upstream: no GenAI client metrics, since no client
 operation happened) or `step.finish(answer)` (stopped after the answer: metrics describe the
 successful upstream operation, the span the stopped step).
+`step.error(code, upstream=...)` marks a refusal that is not a stop, or an upstream failure, without
+ending the span (a partial answer can still be finished); a span keeps the first error code set.
 
 Ending the span also records the semconv histograms in `Metrics` (duration, token usage, time to
 first chunk; MCP duration), with `error.type` of an upstream failure only.
@@ -86,6 +88,7 @@ class StepSpan:
         "_capture",
         "_context",
         "_ended",
+        "_error_set",
         "_errors",
         "_kind",
         "_labels",
@@ -122,6 +125,7 @@ class StepSpan:
         self._start = time.perf_counter()
         self._context: Context | None = None
         self._ended = False
+        self._error_set = False
         self._stopped = False
         self._upstream = False
         self._upstream_error: str | None = None
@@ -197,6 +201,7 @@ class StepSpan:
     def stop(self, code: str, message: str | None = None) -> None:
         """A guard stopped the step (DESIGN section 4 code). Does not end the span."""
         self._stopped = True
+        self._error_set = True
         if self._recording:
             self._span.set_attribute(Error.ERROR_TYPE, code)
             self._span.set_attribute(TOLLGATE_STOP_REASON, code)
@@ -219,7 +224,8 @@ class StepSpan:
 
     def _record_answer(self, answer: Answer) -> None:
         if self._kind == "mcp":
-            if answer.is_error and not self._stopped:
+            if answer.is_error and not self._stopped and not self._error_set:
+                self._error_set = True
                 self._upstream_error = self._upstream_error or TOOL_ERROR
                 self._span.set_attribute(Error.ERROR_TYPE, self._upstream_error)
                 self._span.set_status(Status(StatusCode.ERROR, "tool returned an error"))
@@ -230,17 +236,31 @@ class StepSpan:
     def fail(self, error_type: str, message: str | None = None) -> None:
         """The upstream operation failed (`upstream_timeout`, `upstream_unavailable`, an HTTP status
         such as `429`, a JSON-RPC code such as `-32602`, or `_OTHER`): `error.type`, status ERROR, end."""
-        self._upstream = True
-        self._upstream_error = error_type
         try:
-            if self._recording:
-                if not self._stopped:
-                    self._span.set_attribute(Error.ERROR_TYPE, error_type)
-                    self._span.set_status(Status(StatusCode.ERROR, message or error_type))
-                if self._kind == "mcp" and _is_rpc_code(error_type):
-                    self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
+            self.error(error_type, message, upstream=True)
         finally:
             self.end()
+
+    @guarded("span.error")
+    def error(self, error_type: str, message: str | None = None, *, upstream: bool) -> None:
+        """The step failed; does not end the span. `upstream=True`: the upstream operation failed, as
+        for `fail` (the GenAI metrics carry `error.type`). `upstream=False`: tollgate refused or broke
+        off the step without a stop (`invalid_request`, `output_nonconforming`, `client_disconnected`):
+        `error.type` and status ERROR on the span; an upstream operation that did happen is still
+        measured as a success. The first error code (or a stop's) is never overwritten."""
+        first = not (self._stopped or self._error_set)
+        if upstream:
+            self._upstream = True
+            self._upstream_error = error_type
+        else:
+            self._stopped = True
+        if self._recording:
+            if upstream and self._kind == "mcp" and _is_rpc_code(error_type):
+                self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
+            if first:
+                self._error_set = True
+                self._span.set_attribute(Error.ERROR_TYPE, error_type)
+                self._span.set_status(Status(StatusCode.ERROR, message or error_type))
 
     @guarded("span.end")
     def end(self) -> None:

@@ -55,6 +55,10 @@ __all__ = [
 _ENDED_RUNS_KEPT = 4096  # run epochs remembered to make `end_run` idempotent
 
 
+def _nanos(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1e9)
+
+
 def _bounded(action: Callable[[], object], timeout_s: float) -> threading.Thread:
     """Run `action` on a daemon helper thread and wait at most `timeout_s` for it; the thread is
     returned (still alive if it overran)."""
@@ -139,11 +143,14 @@ class Telemetry:
         attempt: int = 0,
         run_id: str | None = None,
         agent: str | None = None,
+        start_time: float | None = None,
     ) -> StepSpan:
         """Start the CLIENT span `{operation} {model}` of one upstream attempt.
 
         `parent`: `run_parent(...)` or the agent's `context_from_headers(...)`; None starts a new
         trace (the ambient context is never used implicitly). `attempt` counts re-asks of the step.
+        `start_time` (Unix seconds; default now) backdates a span opened late, e.g. for a step a
+        guard stopped before any upstream call.
         """
         labels = StepLabels(
             operation=call.operation,
@@ -160,7 +167,11 @@ class Telemetry:
             attrs[TOLLGATE_ATTEMPT] = attempt
             name = f"{call.operation} {call.model}" if call.model else call.operation
             return tracer.start_span(
-                name, parent or Context(), SpanKind.CLIENT, self._tollgate(attrs, run_id, agent)
+                name,
+                parent or Context(),
+                SpanKind.CLIENT,
+                self._tollgate(attrs, run_id, agent),
+                start_time=_nanos(start_time),
             )
 
         return self._step(start, parent, "inference", labels)
@@ -178,9 +189,11 @@ class Telemetry:
         parent: Context | None = None,
         run_id: str | None = None,
         agent: str | None = None,
+        start_time: float | None = None,
     ) -> StepSpan:
         """Start the MCP CLIENT span `tools/call {tool}` (or `{method}`) of one forwarded request.
-        `parent` usually comes from `extract_meta_context(params._meta)` or `run_parent(...)`."""
+        `parent` usually comes from `extract_meta_context(params._meta)` or `run_parent(...)`;
+        `start_time` as for `start_inference`."""
         labels = StepLabels(
             operation=EXECUTE_TOOL if method == TOOLS_CALL else "",
             method=method,
@@ -204,7 +217,11 @@ class Telemetry:
             )
             name = mcp_span_name(method, tool_name)
             return tracer.start_span(
-                name, parent or Context(), SpanKind.CLIENT, self._tollgate(attrs, run_id, agent)
+                name,
+                parent or Context(),
+                SpanKind.CLIENT,
+                self._tollgate(attrs, run_id, agent),
+                start_time=_nanos(start_time),
             )
 
         return self._step(start, parent, "mcp", labels)

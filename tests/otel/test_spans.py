@@ -131,6 +131,58 @@ def test_stop_after_answer_keeps_usage_and_stop_code(telemetry: Telemetry, spans
     assert 'gen_ai_token_type="output"' in text
 
 
+def test_refusal_without_upstream_has_error_type_and_no_client_metrics(
+    telemetry: Telemetry, spans: Spans
+) -> None:
+    step = telemetry.start_inference(
+        openai_call(),
+        provider_name="openai",
+        server_address="api.openai.com",
+        server_port=443,
+        parent=None,
+        start_time=1_700_000_000.0,  # opened late, backdated to the step's start
+    )
+    step.error("invalid_request", "unpriced model under a USD budget", upstream=False)
+    step.end()
+    (span,) = spans()
+    attrs = dict(span.attributes or {})
+    assert attrs["error.type"] == "invalid_request" and "tollgate.stop_reason" not in attrs
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.start_time == 1_700_000_000 * 10**9
+    assert "gen_ai_client_operation_duration_seconds_count{" not in telemetry.metrics.render()[0].decode()
+
+
+def test_error_after_the_answer_keeps_usage_and_measures_the_upstream_as_successful(
+    telemetry: Telemetry, spans: Spans
+) -> None:
+    step = start_openai(telemetry)
+    step.error("output_nonconforming", None, upstream=False)
+    step.error("upstream_unavailable", None, upstream=False)  # the first error wins
+    step.finish(OPENAI_ANSWER, cost_usd=0.001)
+    attrs = dict(spans()[0].attributes or {})
+    assert attrs["error.type"] == "output_nonconforming" and attrs["gen_ai.usage.output_tokens"] == 30
+    text = telemetry.metrics.render()[0].decode()
+    assert 'gen_ai_client_operation_duration_seconds_count{error_type=""' in text
+
+
+def test_upstream_error_with_a_partial_answer(telemetry: Telemetry, spans: Spans) -> None:
+    step = start_openai(telemetry, stream=True)
+    step.first_chunk()
+    step.error("upstream_unavailable", "stream ended early", upstream=True)
+    step.finish(Answer(text="par"))
+    (span,) = spans()
+    assert dict(span.attributes or {})["error.type"] == "upstream_unavailable"
+    assert 'error_type="upstream_unavailable"' in telemetry.metrics.render()[0].decode()
+
+
+def test_stop_wins_over_a_later_error(telemetry: Telemetry, spans: Spans) -> None:
+    step = start_openai(telemetry)
+    step.stop("tool_not_allowed")
+    step.error("client_disconnected", None, upstream=False)
+    step.end()
+    assert dict(spans()[0].attributes or {})["error.type"] == "tool_not_allowed"
+
+
 def test_mcp_tool_call(telemetry: Telemetry, spans: Spans) -> None:
     step = telemetry.start_mcp(
         "tools/call",
