@@ -48,14 +48,23 @@ JSON = "application/json"
 
 
 async def read_body(request: web.Request, limits: Limits) -> bytes:
-    """Read the body, refusing more than `max_body_bytes` without buffering past the limit."""
+    """Read the body, refusing more than `max_body_bytes` without buffering past the limit.
+
+    The limit applies to the decoded body (after any `Content-Encoding`), read chunk by chunk: a
+    compression bomb stops at the limit. A body that cannot be decoded (bad chunked framing, a
+    `Content-Encoding` it does not have) is a 400 in the caller's format."""
     limit = limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     parts: list[bytes] = []
     size = 0
     while True:
-        chunk = await request.content.readany()
+        try:
+            chunk = await request.content.readany()
+        except web.RequestPayloadError as exc:
+            cause = exc.__cause__ or exc
+            detail = getattr(cause, "message", None) or type(cause).__name__
+            raise InvalidRequest(f"request body cannot be decoded: {detail}") from None
         if not chunk:
             break
         size += len(chunk)
@@ -178,7 +187,9 @@ def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, dict[
     """URL and headers for the upstream: provider credentials replace the agent's own."""
     provider = step.route.provider
     passthrough = provider.passthrough_auth
-    out = forwardable(headers, drop=frozenset() if passthrough else frozenset({"authorization", "x-api-key"}))
+    # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
+    drop = {"baggage", "traceparent", "tracestate"} | (set() if passthrough else {"authorization", "x-api-key"})
+    out = forwardable(headers, drop=frozenset(drop))
     if provider.type == "anthropic":
         url = provider.base_url.rstrip("/") + "/v1/messages"
         if provider.api_key and not passthrough:

@@ -18,7 +18,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.identity import Identity
-from gateway.observe import end_run, start_span
+from gateway.observe import begin_step, end_run, start_span
 from gateway.outputs import Resolver, apply_native, judge, plan_outputs
 from gateway.pipeline import (
     JSON,
@@ -83,6 +83,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
                 tools=gw.tool_policy(identity.agent, identity.policy))
+    begin_step(gw, step, request.headers)
     if plan is not None:
         step.changed = apply_native(plan, step.body)
     try:
@@ -116,9 +117,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         await guard_before(gw, step)
         payload = shape(step)
         url, headers = upstream_request(step, request.headers)
-        if "span" not in step.extra:
-            step.extra["trace_headers"] = start_span(gw, step, request.headers)
-        headers.update(step.extra["trace_headers"])
+        headers.update(start_span(gw, step, request.headers))
         step.attempts += 1
         transport = gw.transport(step.route.provider_name)
         upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts)
