@@ -12,6 +12,7 @@ from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
+from gateway.local import OutlinesTransport
 from gateway.mcp import mcp_handler
 from gateway.observe import end_run, on_step, redactor_for
 from gateway.outputs import resolve_agent_grammars
@@ -21,7 +22,7 @@ from gateway.proxy import GATEWAY, chat_handler, forward_other, list_models
 from gateway.routing import Router
 from gateway.runtime import Gateway
 from gateway.store import open_store
-from gateway.upstream import Upstream
+from gateway.upstream import Transport, Upstream
 from grammars.library import GrammarLibrary
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
@@ -35,6 +36,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     library = GrammarLibrary.load(config.resolve(config.grammars.dir))
     resolve_agent_grammars(library, config.agents)
+    local = await _local_transports(config)
     store = open_store(config)
     upstream = Upstream.create()
     gw = Gateway(
@@ -46,6 +48,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         store=store,
         upstream=upstream,
     )
+    gw.transports.update(local)
     gw.services["grammars"] = library
     ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)), linger_s=0.05)
     await ledger.start()
@@ -70,6 +73,18 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
             await store.close()
             if given is None:
                 await asyncio.to_thread(telemetry.shutdown, 5.0)
+
+
+async def _local_transports(config: Config) -> dict[str, Transport]:
+    """In-process models (`type: outlines`), loaded off the loop. Raises ConfigError when one cannot
+    load (the `local` extra missing, no model directory)."""
+    loaded: dict[str, Transport] = {}
+    for name, provider in config.providers.items():
+        if provider.engine == "outlines" and provider.model is not None:
+            loaded[name] = await asyncio.to_thread(
+                OutlinesTransport.load, provider, name=name, model_dir=config.resolve(provider.model)
+            )
+    return loaded
 
 
 def _ledger_default(config: Config) -> str:

@@ -50,7 +50,15 @@ class Timeouts(Frozen):
     idle: PosFloat = 60
 
 
+LOCAL_URL = "local://outlines"
+"""`base_url` of an in-process provider: not a network address (aiohttp refuses the scheme at once)."""
+
+
 class Provider(Frozen):
+    """An upstream. `type` is the wire protocol tollgate speaks to it. `type: outlines` in YAML is an
+    OpenAI-wire provider served in-process (`engine: outlines`, gateway/local.py): it needs `model`
+    (a saved transformers model directory with its tokenizer) and takes no `base_url`."""
+
     type: Literal["openai", "anthropic"]
     base_url: str
     api_key: str | None = None
@@ -58,12 +66,29 @@ class Provider(Frozen):
     structured_outputs: Dialect | None = None  # default: openai for type openai, none for anthropic
     timeouts: Timeouts = Timeouts()
     max_output_tokens: PosInt = 32768  # output limit used when a model's own limit is unknown
+    engine: Literal["http", "outlines"] = "http"  # set by `type: outlines`, never written by hand
+    model: str | None = None  # outlines: model directory, relative to the config file
+    device: str = "cpu"  # outlines: torch device
+    max_new_tokens: PosInt = 512  # outlines: tokens generated when the request sets no max_tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outlines(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "engine" in data:
+            raise ValueError("engine: unknown key (write type: outlines for a local model)")
+        if data.get("type") != "outlines":
+            return data
+        if "base_url" in data:
+            raise ValueError("base_url: type outlines runs the model in-process and takes no base_url")
+        return {**data, "type": "openai", "engine": "outlines", "base_url": LOCAL_URL}
 
     @field_validator("base_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
         # a field validator, so the error names `providers.<name>.base_url`
-        if not re.match(r"^https?://[^/\s]+", value):
+        if value != LOCAL_URL and not re.match(r"^https?://[^/\s]+", value):
             raise ValueError("must be an absolute http(s) URL")
         return value
 
@@ -71,6 +96,8 @@ class Provider(Frozen):
     def dialect(self) -> Dialect:
         if self.structured_outputs is not None:
             return self.structured_outputs
+        if self.engine == "outlines":
+            return "vllm"
         return "openai" if self.type == "openai" else "none"
 
 
@@ -196,6 +223,14 @@ class Config(Frozen):
 
     @model_validator(mode="after")
     def _references(self) -> Config:
+        for name, prov in self.providers.items():
+            if (prov.engine == "outlines") != (prov.model is not None):
+                message = ("type outlines needs model (a saved transformers model directory)"
+                           if prov.engine == "outlines" else "only type outlines takes model")
+                raise _Dangling(f"providers.{name}.model", message)
+            if prov.engine == "outlines" and prov.dialect not in ("vllm", "vllm-legacy"):
+                # the local transport reads vLLM's fields: another dialect would generate unconstrained
+                raise _Dangling(f"providers.{name}.structured_outputs", "type outlines takes vllm or vllm-legacy")
         for pattern, provider in self.models.items():
             if provider not in self.providers:
                 raise _Dangling(f"models.{pattern}", f"provider {provider!r} is not defined in providers")
@@ -264,10 +299,12 @@ def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str 
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([("<root>", "the config must be a mapping")])
-    data = substitute(data, os.environ if env is None else env)
-    data.setdefault("base_dir", base_dir)
     try:
+        data = substitute(data, os.environ if env is None else env)
+        data.setdefault("base_dir", base_dir)
         return Config.model_validate(data)
+    except RecursionError:
+        raise ConfigError([("<root>", "the config nests too deeply")]) from None
     except ValidationError as exc:
         problems: list[tuple[str, str]] = []
         for err in exc.errors():
@@ -291,10 +328,14 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([("<file>", f"cannot read {p}: {exc.strerror}")]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([("<file>", f"{p} is not UTF-8 text (byte {exc.start})")]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([("<file>", f"invalid YAML: {exc}")]) from None
+    except RecursionError:
+        raise ConfigError([("<file>", "invalid YAML: nested too deeply")]) from None
     return parse_config(data, env, base_dir=str(p.resolve().parent))
 
 

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.app import create_apps
 from gateway.config import Config
+from gateway.errors import ConfigError
 from gateway.proxy import GATEWAY
 
 
@@ -70,5 +71,9 @@ def run(config: Config, *, host: str, port: int, admin_host: str, admin_port: in
         runner(serve(config, host=host, port=port, admin_host=admin_host, admin_port=admin_port))
     except OSError as exc:
         print(f"tollgate: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:  # found while starting, e.g. a local model that cannot load
+        for path, message in exc.problems:
+            print(f"error: {path}: {message}", file=sys.stderr)
         return 1
     return 0
