@@ -29,12 +29,21 @@ def _gateway(request: web.Request) -> Gateway | None:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    if request.path in _OPEN:
+        return await handler(request)
     gw = _gateway(request)
-    token = gw.config.admin.token if gw is not None else None
-    if token and request.path not in _OPEN:
-        presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(presented.encode(), token.encode()):
-            return _json({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
+    if gw is None:
+        return _unavailable()  # the token is not known yet: fail closed
+    token = gw.config.admin.token
+    if token:
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        # header text is decoded with surrogateescape: encode it back the same way, never raise
+        presented_bytes = presented.strip().encode("utf-8", "surrogateescape")
+        good = hmac.compare_digest(presented_bytes, token.encode("utf-8", "surrogateescape"))
+        if not good or scheme.lower() != "bearer":
+            response = _json({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
+            response.headers["WWW-Authenticate"] = 'Bearer realm="tollgate-admin"'
+            return response
     return await handler(request)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from gateway.config import Agent, Config
+from gateway.config import Agent, Config, Limits
 from gateway.errors import InvalidApiKey, InvalidRequest
 
 RUN_ID_HEADER = "x-tollgate-run-id"
@@ -40,10 +40,11 @@ class Identifier:
 
     def __init__(self, config: Config) -> None:
         self._config = config
-        self._keys = [(key.encode(), name) for name, agent in config.agents.items() for key in agent.keys]
+        self._keys = [(key.encode("utf-8", "surrogateescape"), name) for name, agent in config.agents.items() for key in agent.keys]
 
     def agent_for_key(self, token: str | None) -> str | None:
-        presented = (token or "").encode()
+        # header text is decoded with surrogateescape: encode it back the same way, never raise
+        presented = (token or "").encode("utf-8", "surrogateescape")
         found: str | None = None
         for key, name in self._keys:
             # compare every key, always: the time taken does not tell which key matched
@@ -52,6 +53,7 @@ class Identifier:
         return found
 
     def identify(self, headers: Mapping[str, str]) -> Identity:
+        check_headers(headers, self._config.limits)
         if self._keys:
             agent = self.agent_for_key(bearer(headers))
             if agent is None:
@@ -62,6 +64,23 @@ class Identifier:
                 raise InvalidRequest(f"invalid {AGENT_HEADER} header: use 1-64 of A-Z a-z 0-9 . _ -")
         policy = self._config.agents.get(agent, DEFAULT_POLICY)
         return Identity(agent, policy, run_id_from(headers, agent))
+
+
+def check_headers(headers: Mapping[str, str], limits: Limits) -> None:
+    """`limits.max_headers` and `limits.max_header_bytes` (names + values + separators, as on the wire).
+
+    The HTTP server refuses a single field or request line over `max_header_bytes`, and more than
+    `max_headers` fields, before routing (a plain-text 400: see `gateway.server.handler_args`); this
+    catches what the parser lets through, a total over the limit, with a 400 in the caller's format."""
+    count = len(headers)
+    if count > limits.max_headers:
+        raise InvalidRequest(f"{count} request headers exceed the limit of {limits.max_headers}")
+    total = 0
+    for key, value in headers.items():
+        # aiohttp decodes header bytes as UTF-8 (surrogateescape): ASCII strings have one byte a char
+        total += len(key) + 4 + (len(value) if value.isascii() else len(value.encode("utf-8", "surrogateescape")))
+    if total > limits.max_header_bytes:
+        raise InvalidRequest(f"request headers of {total} bytes exceed the limit of {limits.max_header_bytes}")
 
 
 def run_id_from(headers: Mapping[str, str], agent: str) -> str:

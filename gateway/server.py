@@ -7,25 +7,60 @@ On a signal the gateway stops accepting connections, answers new requests on ope
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import sys
+from typing import Any
 
 from aiohttp import web
 
 from gateway.app import create_apps
-from gateway.config import Config
+from gateway.config import Config, Limits
 from gateway.errors import ConfigError
 from gateway.proxy import GATEWAY
 
 
+def handler_args(limits: Limits) -> dict[str, Any]:
+    """HTTP parser limits for `web.AppRunner(..., **handler_args(limits))` (or `TestServer.start_server`).
+
+    aiohttp's parser refuses a request line or a header field (name + value) over `max_header_bytes`
+    and more than `max_headers` fields before any routing, with its own plain-text 400 (not the
+    caller's wire format: no handler has run). Everything that passes the parser meets the same limits
+    again, as a total, in `gateway.identity.check_headers`, which answers 400 in the caller's format."""
+    return {
+        "max_line_size": limits.max_header_bytes,
+        "max_field_size": limits.max_header_bytes,
+        "max_headers": limits.max_headers,
+    }
+
+
+def admin_exposure_warning(config: Config, admin_host: str) -> str | None:
+    """A warning when the admin port listens beyond loopback with no `admin.token`: anyone who can reach
+    it can read every run and reset runs (which clears their budgets)."""
+    if config.admin.token:
+        return None
+    try:
+        if ipaddress.ip_address(admin_host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        if admin_host == "localhost":
+            return None
+    return (f"tollgate: warning: the admin port listens on {admin_host} without admin.token; anyone who can "
+            f"reach it can read runs and reset budgets (set admin.token, or admin.host: 127.0.0.1)")
+
+
 async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_port: int) -> None:
+    warning = admin_exposure_warning(config, admin_host)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     proxy, admin = create_apps(config)
     # handler_cancellation: a client that goes away cancels its handler at once, and with it the
     # upstream request, even while the relay is holding events and has nothing to write
     runner = web.AppRunner(
-        proxy, shutdown_timeout=config.shutdown_grace_s, access_log=None, handler_cancellation=True
+        proxy, shutdown_timeout=config.shutdown_grace_s, access_log=None, handler_cancellation=True,
+        **handler_args(config.limits),
     )
-    admin_runner = web.AppRunner(admin, shutdown_timeout=1.0, access_log=None)
+    admin_runner = web.AppRunner(admin, shutdown_timeout=1.0, access_log=None, **handler_args(config.limits))
     await runner.setup()
     await admin_runner.setup()
     try:

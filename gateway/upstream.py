@@ -11,12 +11,13 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config import Timeouts
-from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
 
 HOP_BY_HOP = frozenset(
     {
@@ -64,6 +65,23 @@ class UpstreamResponse(Protocol):
     def chunks(self) -> AsyncIterator[bytes]: ...
 
     def release(self) -> None: ...
+
+
+def check_target(url: str) -> None:
+    """Refuse a URL whose path has `.` or `..` segments, percent-encoded or not (decoded until stable,
+    `\\` read as `/`). URLs are a configured base plus a path; the client would resolve the dot
+    segments (`/v1/../../admin` is sent as `/admin`), and an upstream that decodes `%2F` or decodes
+    twice would too, so a request could leave the provider's base path with tollgate's provider key."""
+    path = urlsplit(url).path
+    if "." not in path and "%" not in path and "\\" not in path:
+        return
+    for _ in range(4):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    if any(segment in (".", "..") for segment in path.replace("\\", "/").split("/")):
+        raise InvalidRequest("the request path may not contain '.' or '..' segments")
 
 
 @dataclass(slots=True)
@@ -128,10 +146,29 @@ class Upstream:
     async def close(self) -> None:
         await self._session.close()
 
+    def busy_connections(self) -> int:
+        """Pooled connections currently carrying a request or response (0 when nothing is in flight)."""
+        connector = self._session.connector
+        return len(getattr(connector, "_acquired", ())) if connector is not None else 0
+
+    def open_connections(self) -> int:
+        """Open upstream connections: busy ones plus idle keep-alive ones whose socket is still open.
+
+        For health checks and leak tests; aiohttp exposes the pool only through private fields."""
+        connector = self._session.connector
+        if connector is None or connector.closed:
+            return 0
+        idle = 0
+        for pool in getattr(connector, "_conns", {}).values():
+            idle += sum(1 for protocol, _ in pool if protocol.is_connected())
+        return self.busy_connections() + idle
+
     async def open(
         self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
     ) -> UpstreamResponse:
-        """Send the request and wait for the response headers."""
+        """Send the request and wait for the response headers. Raises InvalidRequest for a path that
+        could leave the provider's base path (`check_target`)."""
+        check_target(url)
         try:
             async with asyncio.timeout(timeouts.first_byte):
                 resp = await self._session.request(
