@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from gateway.admin import create_admin_app
 from gateway.config import Config
+from gateway.errors import GatewayError
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
 from gateway.local import OutlinesTransport
 from gateway.mcp import mcp_handler
-from gateway.observe import end_run, on_step, redactor_for
-from gateway.outputs import resolve_agent_grammars
+from gateway.observe import end_idle_runs, end_run, on_step, redactor_for
+from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer
 from gateway.providers import adapters
 from gateway.proxy import GATEWAY, chat_handler, forward_other, list_models
@@ -27,6 +31,7 @@ from grammars.library import GrammarLibrary
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 
+_log = logging.getLogger(__name__)
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 TELEMETRY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 """A `Telemetry` given to `create_app`: used instead of one built from `OTEL_*`, owned by the caller."""
@@ -50,6 +55,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     gw.transports.update(local)
     gw.services["grammars"] = library
+    gw.services["resolver"] = Resolver(library)
     ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)), linger_s=0.05)
     await ledger.start()
     given = app.get(TELEMETRY)
@@ -87,6 +93,29 @@ async def _local_transports(config: Config) -> dict[str, Transport]:
     return loaded
 
 
+async def _idle_runs_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Runs that simply stop calling end too: their `invoke_agent` root span is exported after
+    `otel.run_idle_s` without a step."""
+    gw = app[GATEWAY]
+    idle = gw.config.otel.run_idle_s
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(idle / 4, 30.0))
+            try:
+                await end_idle_runs(gw, idle, time.time())
+            except GatewayError as exc:  # the store is down: the next sweep tries again
+                _log.warning("idle-run sweep skipped: %s", exc.message)
+
+    task = asyncio.get_running_loop().create_task(sweep(), name="tollgate-idle-runs")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def _ledger_default(config: Config) -> str:
     return config.state.path if config.state.backend == "sqlite" else "tollgate-ledger.db"
 
@@ -108,6 +137,7 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     if telemetry is not None:
         app[TELEMETRY] = telemetry
     app.cleanup_ctx.append(_gateway_ctx)
+    app.cleanup_ctx.append(_idle_runs_ctx)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", chat_handler("openai"))
     app.router.add_post("/v1/messages", chat_handler("anthropic"))

@@ -203,6 +203,7 @@ class Ledger(Frozen):
 class Otel(Frozen):
     capture_content: bool = False
     redact: tuple[str, ...] = ()  # extra regexes whose matches are replaced before a span leaves
+    run_idle_s: PosFloat = 300  # a run with no step for this long ends: its root span is exported
 
 
 class Config(Frozen):

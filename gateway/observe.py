@@ -478,3 +478,17 @@ def _tool_decision(outcome: Mapping[str, Any] | None, refused: GatewayError | No
     if refused is not None:
         return {"approval_denied": "denied", "approval_timeout": "denied"}.get(refused.code, "refused")
     return "executed" if outcome is not None else "replayed"
+
+
+async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
+    """End (export the root span of) every active run with no step for `idle_s`. Returns how many.
+    Ending is idempotent per run epoch, so a sweep may see a run again."""
+    telemetry: Telemetry | None = gw.services.get("telemetry")
+    if telemetry is None or not telemetry.tracing:
+        return 0
+    ended = 0
+    for state in await gw.store.list_runs(1000):
+        if state.status == "active" and state.updated_at is not None and now - state.updated_at >= idle_s:
+            end_run(gw, state)
+            ended += 1
+    return ended

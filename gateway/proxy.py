@@ -19,7 +19,7 @@ from gateway.errors import (
 )
 from gateway.identity import Identity
 from gateway.observe import begin_step, end_run, start_span
-from gateway.outputs import Resolver, apply_native, judge, plan_outputs
+from gateway.outputs import apply_native, judge, plan_outputs
 from gateway.pipeline import (
     JSON,
     base_headers,
@@ -73,10 +73,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
                 f"call it through that provider's API"
             )
         output = identity.policy.output
-        resolver = gw.services.get("resolver")
-        if resolver is None:
-            resolver = gw.services["resolver"] = Resolver(gw.services["grammars"])
-        plan = await plan_outputs(resolver, call, request.headers, output.grammar, output.retries,
+        plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)
     except GatewayError as exc:
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))

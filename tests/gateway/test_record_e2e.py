@@ -51,3 +51,44 @@ async def test_metrics_after_steps(gateway_factory: GatewayFactory) -> None:
     assert any(s.labels.get("reason") == "llm_call_cap" and s.value == 1 for s in stopped)
     assert "gen_ai_client_operation_duration_seconds" in families
     assert "run-zq7" not in text  # never a run id in a label
+
+
+async def test_idle_runs_export_their_root_span(fake: tuple[object, str], tmp_path: Path) -> None:
+    import time
+
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway.app import create_apps
+    from gateway.config import parse_config
+    from gateway.observe import end_idle_runs
+    from gateway.proxy import GATEWAY
+    from otel.setup import setup_telemetry
+    from tests.conftest import base_config
+
+    _, url = fake
+    exporter = InMemorySpanExporter()
+    telemetry = setup_telemetry({}, exporter=exporter)
+    config = parse_config(base_config(url, otel={"run_idle_s": 60}), env={}, base_dir=str(tmp_path))
+    proxy, _ = create_apps(config, telemetry=telemetry)
+    server = TestServer(proxy, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with ClientSession() as session:
+            for run in ("idle-a", "busy-b"):
+                async with session.post(str(server.make_url("/v1/chat/completions")),
+                                        json={"model": "gpt-4o-mini", "messages": MSG},
+                                        headers={"x-tollgate-run-id": run}) as resp:
+                    assert resp.status == 200
+        gw = proxy[GATEWAY]
+        assert await end_idle_runs(gw, 60, time.time()) == 0  # nobody idle yet
+        assert await end_idle_runs(gw, 60, time.time() + 61) == 2
+        telemetry.force_flush()
+        roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+        assert sorted(s.attributes["tollgate.run_id"] for s in roots) == ["busy-b", "idle-a"]  # type: ignore[index]
+        chats = [s for s in exporter.get_finished_spans() if s.name.startswith("chat")]
+        assert {c.parent.span_id for c in chats} == {r.context.span_id for r in roots}  # type: ignore[union-attr]
+    finally:
+        await server.close()
+        telemetry.shutdown()
