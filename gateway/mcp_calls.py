@@ -52,7 +52,7 @@ from gateway.jsonrpc import (
     result_content,
 )
 from gateway.mcp_transport import McpRequest, relay, state_of
-from gateway.observe import end_tool_span, start_tool_span
+from gateway.observe_mcp import end_tool_span, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail

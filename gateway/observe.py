@@ -19,40 +19,32 @@ Model calls: one CLIENT span per upstream *attempt* (a re-ask is a new attempt).
   `begin_step` caches the agent's context on the step; without it a step stopped before
   `start_span` lands in the run's trace even when the agent sent a `traceparent`.
 
-MCP `tools/call`: `start_tool_span` opens the MCP CLIENT span before the call is forwarded (parent
-from `params._meta`, else the HTTP `traceparent`, else the run root) and returns the body to forward
-with the span's context in `params._meta`; `end_tool_span` ends it (or opens and ends one for a call
-refused before forwarding) and exports the run's root span when the call stopped the run.
+MCP `tools/call` steps are recorded by `gateway.observe_mcp`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
-import orjson
 from opentelemetry.context import Context
 
-from gateway.call import Answer, Call, ToolCall, ToolResult
-from gateway.errors import GatewayError
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import RunState
 from guards.base import Decision
-from otel.attributes import TOLLGATE_GUARDS, TOOLS_CALL, provider_name_for
+from otel.attributes import TOLLGATE_GUARDS, provider_name_for
 from otel.metrics import Metrics
-from otel.propagation import extract_meta_context, inject_meta_context
 from otel.redact import Redactor
 from otel.runs import RunTotals, context_from_headers, inject_headers, path_fingerprint
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from gateway.jsonrpc import Message
-    from gateway.mcp_transport import McpRequest
+    pass
 
 # step.extra keys ("span" and "trace_headers" are also read by relay.py / proxy.py)
 SPAN: Final = "span"
@@ -66,9 +58,9 @@ _COSTS: Final = "attempt_costs"  # settled cost of the attempts whose spans alre
 _RESERVED: Final = "reserved_usd"  # this step's contribution to the in-flight reserved-USD gauge
 _DROPS: Final = "span_drops"  # the tool-drop event is on a span already
 
-_UPSTREAM_ERRORS: Final = frozenset({"upstream_unavailable", "upstream_timeout"})
+UPSTREAM_ERRORS: Final = frozenset({"upstream_unavailable", "upstream_timeout"})
 # the guard behind a stop that no guard decision names (a store denial of a claim, a tool refusal)
-_STOP_GUARD: Final[Mapping[str, str]] = {
+STOP_GUARD: Final[Mapping[str, str]] = {
     "budget_exhausted": "budget",
     "token_budget_exhausted": "budget",
     "llm_call_cap": "caps",
@@ -81,7 +73,7 @@ _STOP_GUARD: Final[Mapping[str, str]] = {
 _RESERVED_SERVICE: Final = "observe.reserved_usd"
 
 
-def _telemetry(gw: Gateway) -> Telemetry | None:
+def telemetry_of(gw: Gateway) -> Telemetry | None:
     telemetry: Telemetry | None = gw.services.get("telemetry")
     return telemetry
 
@@ -123,7 +115,7 @@ def _open(gw: Gateway, telemetry: Telemetry, step: Step, attempt: int, start_tim
 def start_span(gw: Gateway, step: Step, headers: Mapping[str, str]) -> dict[str, str]:
     """Open the CLIENT span of the attempt about to be forwarded (`step.attempts` not yet counted);
     returns the trace headers to send upstream. See the module docstring for re-asks."""
-    telemetry = _telemetry(gw)
+    telemetry = telemetry_of(gw)
     if telemetry is None:
         return {}
     begin_step(gw, step, headers)
@@ -175,7 +167,7 @@ def _annotate(span: StepSpan, step: Step, *, final: bool) -> None:
         span.guard_event("output", "fail" if failed else "reask", "output_nonconforming", violation)
     if final and step.stop_reason and not any(d.stopped for d in decisions):
         # the stop came from the store (a claim that did not fit) or the tool gate, not a guard decision
-        span.guard_event(_STOP_GUARD.get(step.stop_reason, "tollgate"), "stop", step.stop_reason,
+        span.guard_event(STOP_GUARD.get(step.stop_reason, "tollgate"), "stop", step.stop_reason,
                          step.stop_detail or None)
 
 
@@ -195,7 +187,7 @@ def _upstream_status(step: Step) -> str:
 
 
 def _is_upstream_error(code: str) -> bool:
-    return code in _UPSTREAM_ERRORS or code.isdigit()
+    return code in UPSTREAM_ERRORS or code.isdigit()
 
 
 def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
@@ -249,7 +241,7 @@ def _step_metrics(metrics: Metrics, step: Step, decision: str) -> None:
 
 def on_step(gw: Gateway, step: Step) -> None:
     """The record stage for a finished step (every outcome)."""
-    telemetry = _telemetry(gw)
+    telemetry = telemetry_of(gw)
     ledger: Ledger | None = gw.services.get("ledger")
     decision = "stop" if step.stop_reason else ("error" if step.error_type else "allow")
     if telemetry is not None:
@@ -307,7 +299,7 @@ def _release(gw: Gateway, metrics: Metrics, step: Step) -> None:
 
 def end_run(gw: Gateway, state: RunState) -> None:
     """Export the run's `invoke_agent` root span with its totals (when the run stops or is reset)."""
-    telemetry = _telemetry(gw)
+    telemetry = telemetry_of(gw)
     if telemetry is None:
         return
     decisions = [f"{s.get('operation')}:{s.get('decision')}:{s.get('stop_reason') or ''}" for s in state.steps]
@@ -338,146 +330,6 @@ def redactor_for(gw: Gateway) -> Redactor:
 
 
 # -- MCP tools/call -------------------------------------------------------------------------------
-
-
-def _tool_parent(telemetry: Telemetry, mcp: McpRequest, message: Message, epoch: int) -> Context:
-    meta = message.params.get("_meta")
-    ctx = extract_meta_context(meta if isinstance(meta, Mapping) else None)
-    if ctx is None:
-        ctx = context_from_headers(mcp.request.headers)
-    if ctx is None:
-        ctx = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch)
-    return ctx
-
-
-def _protocol_version(mcp: McpRequest, message: Message) -> str | None:
-    version = mcp.request.headers.get("MCP-Protocol-Version")
-    meta = message.params.get("_meta")
-    if not version and isinstance(meta, Mapping):
-        modern = meta.get("io.modelcontextprotocol/protocolVersion")
-        version = modern if isinstance(modern, str) else None
-    return version or None
-
-
-def _open_tool(
-    telemetry: Telemetry, mcp: McpRequest, message: Message, tool: str, epoch: int, start_time: float | None
-) -> StepSpan:
-    url = urlsplit(mcp.server.url)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    return telemetry.start_mcp(
-        TOOLS_CALL, tool_name=tool, request_id=message.id, session_id=mcp.request.headers.get("Mcp-Session-Id"),
-        protocol_version=_protocol_version(mcp, message), server_address=url.hostname, server_port=port,
-        parent=_tool_parent(telemetry, mcp, message, epoch), run_id=mcp.identity.run_id,
-        agent=mcp.identity.agent, start_time=start_time,
-    )
-
-
-def start_tool_span(mcp: McpRequest, message: Message, tool: str, epoch: int) -> tuple[StepSpan | None, bytes]:
-    """Open the MCP CLIENT span `tools/call {tool}` just before the call is forwarded. Returns it and
-    the body to forward: the request with the span's trace context in `params._meta` (mcp.md)."""
-    telemetry = _telemetry(mcp.gw)
-    if telemetry is None:
-        return None, orjson.dumps(message.body)
-    span = _open_tool(telemetry, mcp, message, tool, epoch, None)
-    if telemetry.capture_content:
-        span.capture_input(_tool_call(message, tool), mcp.gw.services["redactor"])
-    meta = message.params.get("_meta", {})
-    if not isinstance(meta, dict):
-        return span, orjson.dumps(message.body)  # not ours to repair: the server judges it
-    traced: dict[str, Any] = dict(meta)
-    inject_meta_context(traced, span.context)
-    if traced == meta:
-        return span, orjson.dumps(message.body)
-    body = {**message.body, "params": {**message.params, "_meta": traced}}
-    return span, orjson.dumps(body)
-
-
-def _tool_call(message: Message, tool: str) -> Call:
-    arguments = message.params.get("arguments")
-    text = orjson.dumps(arguments if arguments is not None else {}).decode()
-    return Call(protocol="mcp", operation="execute_tool", model="", tool_call=ToolCall(str(message.id), tool, text))
-
-
-def _answer(outcome: Mapping[str, Any] | None, message: Message) -> tuple[Answer | None, str | None]:
-    """The server's response as an `Answer`, or its JSON-RPC error code."""
-    if outcome is None:
-        return None, None
-    error = outcome.get("error")
-    if isinstance(error, Mapping):
-        code = error.get("code")
-        return None, str(code) if isinstance(code, int) else "_OTHER"
-    result = outcome.get("result")
-    if not isinstance(result, Mapping):
-        return None, None
-    is_error = result.get("isError") is True
-    content = result.get("content")
-    text = orjson.dumps(content).decode() if content is not None else ""
-    return Answer(is_error=is_error, tool_result=ToolResult(str(message.id), text, is_error)), None
-
-
-async def end_tool_span(
-    mcp: McpRequest,
-    message: Message,
-    tool: str,
-    span: StepSpan | None,
-    *,
-    run: RunState | None,
-    outcome: Mapping[str, Any] | None,
-    refused: GatewayError | None,
-    stop: str | None,
-    started_wall: float,
-) -> None:
-    """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
-    replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
-    response when it answered; `stop` the stop code the agent was given, if any; `run` the run as
-    read before the call (None when the call was refused before that). A stop exports the run's
-    root span."""
-    gw = mcp.gw
-    telemetry = _telemetry(gw)
-    if telemetry is None:
-        return
-    metrics = telemetry.metrics
-    state: RunState | None = None
-    if stop or run is None:
-        try:
-            state = await gw.store.get(mcp.identity.run_id)
-        except GatewayError:
-            state = None
-    stopped_now = bool(stop and state is not None and state.stopped and state.stop_reason == stop)
-    if span is None:
-        epoch = state.epoch if state is not None else (run.epoch if run is not None else 1)
-        span = _open_tool(telemetry, mcp, message, tool, epoch, started_wall)
-        if telemetry.capture_content:
-            span.capture_input(_tool_call(message, tool), gw.services["redactor"])
-    if stop:
-        reason = refused.message if refused is not None else None
-        span.guard_event(_STOP_GUARD.get(stop, "tollgate"), "stop" if stopped_now else "reject", stop, reason)
-        if stopped_now:
-            span.stop(stop, reason)
-        else:
-            span.error(stop, reason, upstream=False)
-    elif refused is not None:
-        upstream = outcome is None and refused.code in _UPSTREAM_ERRORS
-        span.error(refused.code, refused.message, upstream=upstream)
-    answer, rpc_code = _answer(outcome, message)
-    if rpc_code is not None:
-        span.error(rpc_code, None, upstream=True)
-    if stopped_now and (run is None or not run.stopped):
-        metrics.run_stopped(stop or "stopped")
-    metrics.tool_call(_tool_decision(outcome, refused, stop))
-    if answer is not None and telemetry.capture_content:
-        span.capture_output(answer, gw.services["redactor"])
-    span.finish(answer)
-    if stopped_now and state is not None:
-        end_run(gw, state)
-
-
-def _tool_decision(outcome: Mapping[str, Any] | None, refused: GatewayError | None, stop: str | None) -> str:
-    if stop:
-        return "rejected" if stop == "tool_not_allowed" else "stopped"
-    if refused is not None:
-        return {"approval_denied": "denied", "approval_timeout": "denied"}.get(refused.code, "refused")
-    return "executed" if outcome is not None else "replayed"
 
 
 async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:

@@ -443,3 +443,17 @@ async def test_a_proposal_from_a_real_model_answer_is_executed_without_counting_
         error = await refused(client.call_tool("read_file", {"path": "b"}))
         assert error["data"] == {"code": "tool_call_cap"}
     assert (await h.run("r1"))["tool_calls"] == 1
+
+
+async def test_mcp_calls_are_ledger_rows(gateway_factory: GatewayFactory, files: mcp_server.RunningServer) -> None:
+    h = await gateway(gateway_factory, files)
+    async with mcp_client(h, mode="auto") as client:
+        await client.call_tool("read_file", {"path": "a"})
+        await refused(client.call_tool("secret_tool", {}))
+    ledger = h.gateway.services["ledger"]
+    await ledger.flush()
+    rows = [r for r in ledger.rows("r1") if r["operation"].startswith("tools/call")]
+    assert [(r["operation"], r["decision"], r["reason"]) for r in rows] == [
+        ("tools/call read_file", "executed", None),
+        ("tools/call secret_tool", "rejected", "tool_not_allowed"),
+    ]

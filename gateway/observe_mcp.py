@@ -1,0 +1,181 @@
+"""Stage `record` for MCP `tools/call`: a span, samples and a ledger row per call.
+
+`start_tool_span` opens the MCP CLIENT span before the call is forwarded (parent from
+`params._meta`, else the HTTP `traceparent`, else the run root) and returns the body to forward with
+the span's context in `params._meta`; `end_tool_span` ends it (or opens and ends one for a call
+refused before forwarding), appends the ledger row, and exports the run's root span when the call
+stopped the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+from opentelemetry.context import Context
+
+from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
+from gateway.errors import GatewayError
+from gateway.ledger import Ledger, LedgerEntry
+from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, end_run, telemetry_of
+from gateway.store.base import RunState
+from otel.attributes import TOOLS_CALL
+from otel.propagation import context_from_headers, extract_meta_context, inject_meta_context
+from otel.spans import StepSpan
+from otel.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from gateway.jsonrpc import Message
+    from gateway.mcp_transport import McpRequest
+
+
+def _tool_parent(telemetry: Telemetry, mcp: McpRequest, message: Message, epoch: int) -> Context:
+    meta = message.params.get("_meta")
+    ctx = extract_meta_context(meta if isinstance(meta, Mapping) else None)
+    if ctx is None:
+        ctx = context_from_headers(mcp.request.headers)
+    if ctx is None:
+        ctx = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch)
+    return ctx
+
+
+def _protocol_version(mcp: McpRequest, message: Message) -> str | None:
+    version = mcp.request.headers.get("MCP-Protocol-Version")
+    meta = message.params.get("_meta")
+    if not version and isinstance(meta, Mapping):
+        modern = meta.get("io.modelcontextprotocol/protocolVersion")
+        version = modern if isinstance(modern, str) else None
+    return version or None
+
+
+def _open_tool(
+    telemetry: Telemetry, mcp: McpRequest, message: Message, tool: str, epoch: int, start_time: float | None
+) -> StepSpan:
+    url = urlsplit(mcp.server.url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return telemetry.start_mcp(
+        TOOLS_CALL, tool_name=tool, request_id=message.id, session_id=mcp.request.headers.get("Mcp-Session-Id"),
+        protocol_version=_protocol_version(mcp, message), server_address=url.hostname, server_port=port,
+        parent=_tool_parent(telemetry, mcp, message, epoch), run_id=mcp.identity.run_id,
+        agent=mcp.identity.agent, start_time=start_time,
+    )
+
+
+def start_tool_span(mcp: McpRequest, message: Message, tool: str, epoch: int) -> tuple[StepSpan | None, bytes]:
+    """Open the MCP CLIENT span `tools/call {tool}` just before the call is forwarded. Returns it and
+    the body to forward: the request with the span's trace context in `params._meta` (mcp.md)."""
+    telemetry = telemetry_of(mcp.gw)
+    if telemetry is None:
+        return None, orjson.dumps(message.body)
+    span = _open_tool(telemetry, mcp, message, tool, epoch, None)
+    if telemetry.capture_content:
+        span.capture_input(_tool_call(message, tool), mcp.gw.services["redactor"])
+    meta = message.params.get("_meta", {})
+    if not isinstance(meta, dict):
+        return span, orjson.dumps(message.body)  # not ours to repair: the server judges it
+    traced: dict[str, Any] = dict(meta)
+    inject_meta_context(traced, span.context)
+    if traced == meta:
+        return span, orjson.dumps(message.body)
+    body = {**message.body, "params": {**message.params, "_meta": traced}}
+    return span, orjson.dumps(body)
+
+
+def _tool_call(message: Message, tool: str) -> Call:
+    arguments = message.params.get("arguments")
+    text = orjson.dumps(arguments if arguments is not None else {}).decode()
+    return Call(protocol="mcp", operation="execute_tool", model="", tool_call=ToolCall(str(message.id), tool, text))
+
+
+def _answer(outcome: Mapping[str, Any] | None, message: Message) -> tuple[Answer | None, str | None]:
+    """The server's response as an `Answer`, or its JSON-RPC error code."""
+    if outcome is None:
+        return None, None
+    error = outcome.get("error")
+    if isinstance(error, Mapping):
+        code = error.get("code")
+        return None, str(code) if isinstance(code, int) else "_OTHER"
+    result = outcome.get("result")
+    if not isinstance(result, Mapping):
+        return None, None
+    is_error = result.get("isError") is True
+    content = result.get("content")
+    text = orjson.dumps(content).decode() if content is not None else ""
+    return Answer(is_error=is_error, tool_result=ToolResult(str(message.id), text, is_error)), None
+
+
+async def end_tool_span(
+    mcp: McpRequest,
+    message: Message,
+    tool: str,
+    span: StepSpan | None,
+    *,
+    run: RunState | None,
+    outcome: Mapping[str, Any] | None,
+    refused: GatewayError | None,
+    stop: str | None,
+    started_wall: float,
+) -> None:
+    """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
+    replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
+    response when it answered; `stop` the stop code the agent was given, if any; `run` the run as
+    read before the call (None when the call was refused before that). A stop exports the run's
+    root span."""
+    gw = mcp.gw
+    telemetry = telemetry_of(gw)
+    if telemetry is None:
+        return
+    metrics = telemetry.metrics
+    state: RunState | None = None
+    if stop or run is None:
+        try:
+            state = await gw.store.get(mcp.identity.run_id)
+        except GatewayError:
+            state = None
+    stopped_now = bool(stop and state is not None and state.stopped and state.stop_reason == stop)
+    if span is None:
+        epoch = state.epoch if state is not None else (run.epoch if run is not None else 1)
+        span = _open_tool(telemetry, mcp, message, tool, epoch, started_wall)
+        if telemetry.capture_content:
+            span.capture_input(_tool_call(message, tool), gw.services["redactor"])
+    if stop:
+        reason = refused.message if refused is not None else None
+        span.guard_event(STOP_GUARD.get(stop, "tollgate"), "stop" if stopped_now else "reject", stop, reason)
+        if stopped_now:
+            span.stop(stop, reason)
+        else:
+            span.error(stop, reason, upstream=False)
+    elif refused is not None:
+        upstream = outcome is None and refused.code in UPSTREAM_ERRORS
+        span.error(refused.code, refused.message, upstream=upstream)
+    answer, rpc_code = _answer(outcome, message)
+    if rpc_code is not None:
+        span.error(rpc_code, None, upstream=True)
+    if stopped_now and (run is None or not run.stopped):
+        metrics.run_stopped(stop or "stopped")
+    metrics.tool_call(_tool_decision(outcome, refused, stop))
+    if answer is not None and telemetry.capture_content:
+        span.capture_output(answer, gw.services["redactor"])
+    span.finish(answer)
+    if stopped_now and state is not None:
+        end_run(gw, state)
+    ledger: Ledger | None = gw.services.get("ledger")
+    if ledger is not None:
+        arguments = message.params.get("arguments")
+        ledger.append_nowait(LedgerEntry(
+            agent=mcp.identity.agent, run_id=mcp.identity.run_id, operation=f"{TOOLS_CALL} {tool}",
+            model=mcp.server_name, input_hash=digest(tool.encode(), canonical_json(arguments or {})),
+            decision=_tool_decision(outcome, refused, stop),
+            reason=stop or (refused.code if refused is not None else None),
+            detail=refused.message if refused is not None else "",
+        ))
+
+
+def _tool_decision(outcome: Mapping[str, Any] | None, refused: GatewayError | None, stop: str | None) -> str:
+    if stop:
+        return "rejected" if stop == "tool_not_allowed" else "stopped"
+    if refused is not None:
+        return {"approval_denied": "denied", "approval_timeout": "denied"}.get(refused.code, "refused")
+    return "executed" if outcome is not None else "replayed"
