@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -96,6 +97,9 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         step.status = exc.status
         step.error_type = exc.code
         return error_response(adapter, exc, base_headers(identity, step))
+    except asyncio.CancelledError:  # the client went away (handler_cancellation): the step failed
+        step.error_type = step.error_type or "client_disconnected"
+        raise
     finally:
         if step.reservation is not None:
             # a failure after the reservation: charge it if the upstream may have done the work
@@ -135,7 +139,10 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 headers_out = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
                 return web.Response(status=upstream.status, body=data, headers=headers_out)
             parsed = _parse_body(data)
-            answer = step.adapter.parse_answer(parsed)
+            try:
+                answer = step.adapter.parse_answer(parsed)
+            except (AttributeError, TypeError, KeyError, ValueError) as exc:  # valid JSON, wrong shape
+                raise malformed_upstream(f"unexpected answer shape ({type(exc).__name__})") from None
         step.answer = answer
         await settle(gw, step, answer)
         tools = judge_tools(step.tools, answer) if step.tools is not None else None

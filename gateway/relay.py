@@ -60,8 +60,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 break
     except GatewayError as exc:
         failure = exc
-    except ValueError as exc:  # an event larger than the SSE size limit
-        failure = UpstreamUnavailable(f"upstream stream is malformed: {exc}")
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        # an event larger than the SSE size limit, undecodable JSON, or JSON of the wrong shape
+        failure = UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}")
     except ConnectionResetError:
         client_gone = True
     finally:
@@ -130,8 +131,8 @@ async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes,
         async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
                 parts.append(reader.feed(event).out)
-    except ValueError as exc:
-        raise UpstreamUnavailable(f"upstream stream is malformed: {exc}") from None
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}") from None
     finally:
         upstream.release()
     step.relayed_chars = reader.output_chars

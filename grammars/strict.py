@@ -72,8 +72,8 @@ def openai_strict_schema(schema: Any) -> dict[str, Any] | None:
         return None
     try:
         return _strict(schema)
-    except _InexpressibleError:
-        return None
+    except (_InexpressibleError, AttributeError, TypeError, ValueError):
+        return None  # not a valid schema either: compiling it gives the caller its 400
 
 
 def nullable_optionals(schema: Any) -> Any:

@@ -238,7 +238,7 @@ class AnthropicStreamReader:
         try:
             data = orjson.loads(event.data) if event.data else None
         except orjson.JSONDecodeError:
-            return StreamStep(event.raw)
+            raise ValueError("an event's data is not valid JSON") from None
         if not isinstance(data, dict):
             return StreamStep(event.raw)
         kind = data.get("type")

@@ -239,9 +239,9 @@ class OpenAIStreamReader:
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return StreamStep(event.raw)
+            raise ValueError("an event's data is not valid JSON") from None
         if not isinstance(chunk, dict):
-            return StreamStep(event.raw)
+            raise ValueError("an event's data is not a JSON object")
         self._id = self._id or chunk.get("id")
         self._model = self._model or chunk.get("model")
         choices = chunk.get("choices") or []

@@ -487,25 +487,6 @@ CRASHING_SHAPES = {CHAT: 5, MESSAGES: 2}  # how many of the first shapes make pa
 SHAPE_CASES = [(path, i) for path in (CHAT, MESSAGES) for i in range(len(WRONG_SHAPES[path]))]
 SHAPE_IDS = [f"{'openai' if p == CHAT else 'anthropic'}-{i}" for p, i in SHAPE_CASES]
 
-# Known bugs outside this suite's files (proxy.py, relay.py, providers/): the tests below say what must
-# hold; they are strict xfails until the fix lands, then they pass and the marker must go.
-NEEDS_PARSE_ANSWER_FIX = pytest.mark.xfail(strict=True, reason=(
-    "proxy.run_step calls adapter.parse_answer unguarded: an answer of valid JSON with the wrong shape "
-    "raises AttributeError/TypeError, and aiohttp answers a plain-text 500 (fix: turn those into "
-    "malformed_upstream, a 502 upstream_unavailable in the caller's format)"))
-NEEDS_STREAM_SHAPE_FIX = pytest.mark.xfail(strict=True, reason=(
-    "relay_stream catches only ValueError from the stream reader: an SSE event of valid JSON with the wrong "
-    "shape raises AttributeError, the handler dies mid-stream and the agent gets a cut stream with no error "
-    "event, and the span is not marked (fix: catch TypeError/AttributeError/KeyError there too)"))
-NEEDS_SSE_JSON_FIX = pytest.mark.xfail(strict=True, reason=(
-    "the OpenAI and Anthropic stream readers relay an event whose data is not JSON as it is, unjudged "
-    "(fix: raise ValueError in reader.feed, which relay_stream already turns into an error event)"))
-NEEDS_CANCEL_FIX = pytest.mark.xfail(strict=True, reason=(
-    "with handler_cancellation a client that goes away cancels the handler: handle_chat records the step "
-    "with no error_type, so its span ends OK (fix: except asyncio.CancelledError: step.error_type = "
-    "'client_disconnected'; raise)"))
-
-
 async def hygiene_case(env: Env, path: str, body: dict[str, Any]) -> tuple[int, bytes, str]:
     """After a baseline, make the faulty call and check only what it leaves behind."""
     base = await warm(env)
@@ -531,7 +512,7 @@ async def test_wrong_shaped_json_answer_leaves_nothing(env: Env, path: str, inde
         assert status == 200 and orjson.loads(raw) == WRONG_SHAPES[path][index]
 
 
-@pytest.mark.parametrize(("path", "index"), [pytest.param(p, i, marks=NEEDS_PARSE_ANSWER_FIX)
+@pytest.mark.parametrize(("path", "index"), [(p, i)
                                              for p, i in SHAPE_CASES if i < CRASHING_SHAPES[p]],
                          ids=[n for (p, i), n in zip(SHAPE_CASES, SHAPE_IDS, strict=True) if i < CRASHING_SHAPES[p]])
 async def test_wrong_shaped_json_answer_is_a_502(env: Env, path: str, index: int) -> None:
@@ -569,7 +550,6 @@ async def test_malformed_sse_leaves_nothing(env: Env, path: str, make: Callable[
 
 
 @WIRES
-@NEEDS_SSE_JSON_FIX
 async def test_malformed_sse_json_ends_with_an_error_event(env: Env, path: str) -> None:
     chunks = malformed_sse(path)
     env.fake.queue(Reply(chunks=chunks))
@@ -580,7 +560,6 @@ async def test_malformed_sse_json_ends_with_an_error_event(env: Env, path: str) 
 
 
 @WIRES
-@NEEDS_STREAM_SHAPE_FIX
 async def test_wrong_shaped_sse_event_ends_with_an_error_event(env: Env, path: str) -> None:
     await_chunks = wrong_sse(path)
     env.fake.queue(Reply(chunks=await_chunks))
@@ -698,7 +677,6 @@ async def test_client_disconnect_mid_stream(env: Env, path: str, holding: bool) 
 
 
 @WIRES
-@NEEDS_CANCEL_FIX
 async def test_client_disconnect_marks_the_span(env: Env, path: str) -> None:
     run_id = await disconnect_case(env, path, holding=False)
     assert_span_error(env, run_id, "client_disconnected")

@@ -238,15 +238,9 @@ def quota(n: int, per_example: int = 1) -> Any:
 
 # -- known bugs outside this suite's files -------------------------------------------------------------
 
-# grammars/strict.py: openai_strict_schema assumes a valid JSON Schema. A request whose response_format
-# (or guided_json, structured_outputs.json) schema is malformed where it walks, e.g. `"properties": null`,
-# makes it raise AttributeError/TypeError before the schema is compiled, and the answer is a plain-text
-# 500. Fix: treat such a schema as inexpressible (return None) and let compiling it give the caller its
-# 400. Until then the fuzzers skip exactly the inputs that crash it (asked of the function itself, so
-# the skip disappears with the fix) and `test_malformed_schema_in_response_format` is a strict xfail.
-NEEDS_STRICT_FIX = pytest.mark.xfail(strict=True, reason="grammars.strict.openai_strict_schema raises on a "
-                                     "malformed schema: plain-text 500 (see the comment above)")
-
+# grammars/strict.py once raised on malformed schemas (`"properties": null`) before compiling, a
+# plain-text 500; it now treats them as inexpressible and compiling gives the caller its 400. The
+# fuzzers still skip inputs that make it raise (asked of the function itself), which is now none.
 
 def crashes_strict_conversion(raw: bytes) -> bool:
     """True when the request body, as the gateway parses it, makes openai_strict_schema raise."""
@@ -269,7 +263,6 @@ def crashes_strict_conversion(raw: bytes) -> bool:
     return False
 
 
-@NEEDS_STRICT_FIX
 async def test_malformed_schema_in_response_format(fuzz: Fuzz) -> None:
     for schema in ({"type": "object", "properties": None}, {"type": "object", "properties": {"a": {"items": 3}}},
                    {"properties": {"a": {"anyOf": 5}}}):
