@@ -83,7 +83,7 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def main(requests: int) -> None:
+async def main(requests: int, state: str, tracing: bool) -> None:
     up, bare, tg, admin, tmp = port(), port(), port(), port(), Path(tempfile.mkdtemp())
     py = sys.executable
     procs = [subprocess.Popen([py, "-m", "bench.upstream", str(up)])]
@@ -92,13 +92,15 @@ async def main(requests: int) -> None:
         "providers": {"fake": {"type": "openai", "base_url": f"http://127.0.0.1:{up}/v1", "api_key": "sk-bench"}},
         "models": {"gpt-*": "fake"},
         "pricing": {"gpt-*": {"input_per_mtok": 0.15, "output_per_mtok": 0.6}},
-        "state": {"backend": "sqlite", "path": str(tmp / "state.db")},
+        "state": {"backend": state, "path": str(tmp / "state.db")},
         "agents": {"default": {"budget": {"usd": 1e9, "tokens": 10**15}, "caps": {"llm_calls": 10**9, "seconds": 10**7},
                                "loop": {"window": 6, "max_distinct": 3},
                                "output": {"grammar": "regex:[a-z ]+"}}},
     }
     (tmp / "tollgate.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{up}"}
+    env = {**os.environ}
+    if tracing:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{up}"
     try:
         await wait_ready(f"http://127.0.0.1:{up}/v1/chat/completions", BODY)
         await wait_ready(f"http://127.0.0.1:{bare}/v1/chat/completions", BODY)
@@ -109,6 +111,8 @@ async def main(requests: int) -> None:
         await wait_ready(f"http://127.0.0.1:{tg}/v1/chat/completions", BODY, 30)
         cold = time.perf_counter() - started
         targets = {"direct": up, "bare proxy": bare, "tollgate": tg}
+        print(f"tollgate: state {state}, tracing {'on (local OTLP sink)' if tracing else 'off'}, "
+              "budget + caps + loop guards, an output grammar")
         print(f"cold start to first proxied answer: {cold * 1000:.0f} ms (target <= 1000)")
         results: dict[tuple[str, int], tuple[float, list[float]]] = {}
         for c in (1, 16):
@@ -138,4 +142,7 @@ async def main(requests: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=2000)
-    asyncio.run(main(parser.parse_args().requests))
+    parser.add_argument("--state", choices=("sqlite", "memory"), default="sqlite")
+    parser.add_argument("--no-tracing", action="store_true", help="measure without span export")
+    args = parser.parse_args()
+    asyncio.run(main(args.requests, args.state, not args.no_tracing))
