@@ -163,15 +163,21 @@ class SqliteRunStore:
                 if row is None:
                     self._tx(run_id, agent, lambda s: None)
                 epoch = 1 if row is None else int(orjson.loads(row[0]).get("epoch", 1))
-            conn.execute("INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)",
-                         (run_id, int(epoch), orjson.dumps(dict(step))))
-            conn.execute("UPDATE runs SET updated_at = ? WHERE run_id = ?", (now, run_id))
-            self._recorded += 1
-            if self._recorded % _PRUNE_EVERY == 0:
-                conn.execute(
-                    "DELETE FROM steps WHERE run_id = ? AND seq <= (SELECT seq FROM steps WHERE run_id = ? "
-                    "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (run_id, run_id, logic.MAX_STEPS)
-                )
+            conn.execute("BEGIN")  # one commit for the row and the run's activity time
+            try:
+                conn.execute("INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)",
+                             (run_id, int(epoch), orjson.dumps(dict(step))))
+                conn.execute("UPDATE runs SET updated_at = ? WHERE run_id = ?", (now, run_id))
+                self._recorded += 1
+                if self._recorded % _PRUNE_EVERY == 0:
+                    conn.execute(
+                        "DELETE FROM steps WHERE run_id = ? AND seq <= (SELECT seq FROM steps WHERE run_id = ? "
+                        "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (run_id, run_id, logic.MAX_STEPS)
+                    )
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
         except sqlite3.Error as exc:
             raise StateUnavailable(f"state store error: {exc}") from None
 
