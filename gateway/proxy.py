@@ -292,7 +292,11 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         drop = frozenset() if provider.passthrough_auth else frozenset({"authorization", "x-api-key"})
         headers = dict(forwardable(request.headers, drop=drop))
         if provider.api_key and not provider.passthrough_auth:
-            headers["Authorization"] = f"Bearer {provider.api_key}"
+            if provider.type == "anthropic":
+                headers["x-api-key"] = provider.api_key
+                headers.setdefault("anthropic-version", "2023-06-01")
+            else:
+                headers["Authorization"] = f"Bearer {provider.api_key}"
         upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
     except GatewayError as exc:
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))

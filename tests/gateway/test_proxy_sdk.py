@@ -76,3 +76,13 @@ async def test_upstream_errors_pass_through(gw: Harness, status: int) -> None:
             await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == status
     assert info.value.body["message"] == "upstream says no"  # type: ignore[index]
+
+
+async def test_other_anthropic_paths_get_the_provider_key_as_x_api_key(gw: Harness) -> None:
+    gw.fake.queue(Reply(body={"input_tokens": 3}))
+    async with gw.session.post(f"{gw.url}/v1/messages/count_tokens", headers={"x-api-key": "agent-key"},
+                               json={"model": "claude-3-5-haiku-latest", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 200
+    seen = gw.fake.seen[-1]
+    assert seen.path == "/v1/messages/count_tokens"
+    assert seen.headers["x-api-key"] == "sk-ant-provider" and "Authorization" not in seen.headers
