@@ -440,9 +440,15 @@ async def test_random_objects_of_known_fields(fuzz: Fuzz, body: dict[str, Any], 
 @given(raw=st.binary(max_size=600) | st.binary(max_size=60).map(
     lambda b: b'{"model": "gpt-4o-mini", "messages": [' + b))
 async def test_random_bytes_bodies(fuzz: Fuzz, raw: bytes) -> None:
+    try:
+        # random bytes are sometimes a JSON object (`{"model":" ","messages":[]}`): then any documented
+        # answer of a well-formed request is right, e.g. 404 for a model no provider serves
+        well_formed = isinstance(orjson.loads(raw), dict)
+    except orjson.JSONDecodeError:
+        well_formed = False
     for path in PATHS:
         status, _ = await fuzz.post(path, raw)
-        assert status in (400, 413)
+        assert status in ((200, 400, 403, 404, 413, 422) if well_formed else (400, 413))
 
 
 # -- 2. wrong types in every known field -----------------------------------------------------------------
