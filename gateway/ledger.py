@@ -41,6 +41,7 @@ from gateway.ledger_chain import (
     SELECT,
     VerifyResult,
     connect,
+    enable_wal,
     entry_hash,
     input_hash,
     verify,
@@ -90,7 +91,7 @@ class Ledger:
              batch_size: int = 512, retry_delay_s: float = 0.05, linger_s: float = 0.0) -> Ledger:
         """Open `path`, creating the ledger table if needed. Sync: call at startup, not per request."""
         writer = connect(path)
-        writer.execute("PRAGMA journal_mode = WAL")
+        enable_wal(writer)
         writer.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: no fsync per commit
         writer.execute("BEGIN IMMEDIATE")  # processes creating the table at once must not race
         for statement in SCHEMA:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,19 @@ def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
     conn = sqlite3.connect(target, uri=uri, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA busy_timeout = 10000")
     return conn
+
+
+def enable_wal(conn: sqlite3.Connection, *, attempts: int = 100, pause_s: float = 0.05) -> None:
+    """Switch to WAL. Two processes opening a new file at once can make the switch fail with
+    "database is locked" without SQLite's busy handler being consulted, so retry a bounded time."""
+    for attempt in range(attempts):
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(pause_s)  # startup only, never on the request path
 
 
 def verify(path: str | Path) -> VerifyResult:
