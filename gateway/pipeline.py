@@ -25,7 +25,6 @@ from gateway.errors import (
     StateUnavailable,
     Stopped,
     UpstreamUnavailable,
-    error_code,
 )
 from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity
 from gateway.providers.base import Adapter
@@ -276,7 +275,3 @@ def stop_response(step: Step, error: Stopped) -> web.Response:
 
 def malformed_upstream(detail: str) -> UpstreamUnavailable:
     return UpstreamUnavailable(f"upstream answered malformed JSON: {detail}")
-
-
-def code_of(error: GatewayError) -> str:
-    return error_code(error)
