@@ -41,6 +41,9 @@ MIN_OUTPUT_TOKENS = 16
 STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
 JSON = "application/json"
+# trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
+_DROP_PASSTHROUGH = frozenset({"baggage", "traceparent", "tracestate"})
+_DROP = _DROP_PASSTHROUGH | {"authorization", "x-api-key"}
 
 
 # -- parse -------------------------------------------------------------------------------------------
@@ -186,9 +189,7 @@ def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, dict[
     """URL and headers for the upstream: provider credentials replace the agent's own."""
     provider = step.route.provider
     passthrough = provider.passthrough_auth
-    # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
-    drop = {"baggage", "traceparent", "tracestate"} | (set() if passthrough else {"authorization", "x-api-key"})
-    out = forwardable(headers, drop=frozenset(drop))
+    out = forwardable(headers, drop=_DROP_PASSTHROUGH if passthrough else _DROP)
     if provider.type == "anthropic":
         url = provider.base_url.rstrip("/") + "/v1/messages"
         if provider.api_key and not passthrough:

@@ -40,12 +40,15 @@ HOP_BY_HOP = frozenset(
 
 
 def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()) -> CIMultiDict[str]:
-    """Headers minus hop-by-hop ones, those named in `Connection`, and `drop`."""
-    named = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
+    """Headers minus hop-by-hop ones, those named in `Connection`, and `drop` (lower-case names)."""
+    skip = HOP_BY_HOP | drop if drop else HOP_BY_HOP
+    connection = headers.get("connection")
+    if connection:
+        skip = skip | {h.strip().lower() for h in connection.split(",")}
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
         lower = key.lower()
-        if lower in HOP_BY_HOP or lower in named or lower in drop or lower.startswith("x-tollgate-"):
+        if lower in skip or lower.startswith("x-tollgate-"):
             continue
         out.add(key, value)
     return out
@@ -140,7 +143,9 @@ class Upstream:
     def create(cls, *, limit: int = 256) -> Upstream:
         connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+        # DummyCookieJar: a proxy must not keep cookies one agent's upstream set and replay them for another
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True,
+                                        cookie_jar=aiohttp.DummyCookieJar())
         return cls(session)
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ holds even when concurrent steps race, and the same guard works for every provid
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -37,6 +38,8 @@ class Decision:
 
     @classmethod
     def allow(cls, guard: str, *, claims: tuple[Claim, ...] = (), effects: tuple[Effect, ...] = ()) -> Decision:
+        if not claims and not effects and cls is Decision:
+            return _plain_allow(guard)  # immutable: one shared instance per guard name
         return cls(guard, "allow", claims=claims, effects=effects)
 
     @classmethod
@@ -52,6 +55,12 @@ class Decision:
     @property
     def stopped(self) -> bool:
         return self.action == "stop"
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_allow(guard: str) -> Decision:
+    # guards allow most steps with nothing to claim: building the frozen dataclass each time costs more
+    return Decision(guard, "allow")
 
 
 @dataclass(frozen=True, slots=True)

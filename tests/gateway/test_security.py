@@ -23,7 +23,7 @@ from gateway.identity import Identifier
 from gateway.server import admin_exposure_warning
 from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import FakeProvider, Reply, anthropic_stream, openai_stream
+from tests.fakes.upstream import FakeProvider, Reply, anthropic_stream, openai_completion, openai_stream
 from tests.gateway.test_serve import Served, free_port, serve  # noqa: F401  (the `serve` fixture)
 
 CHAT = "/v1/chat/completions"
@@ -331,6 +331,23 @@ async def test_admin_token_with_undecodable_bytes_is_401(gateway_factory: Gatewa
 async def test_admin_without_token_is_open_on_loopback(gw: Harness) -> None:
     async with gw.session.get(f"{gw.admin_url}/admin/runs") as resp:
         assert resp.status == 200
+
+
+async def test_upstream_cookies_are_never_replayed(gateway_factory: GatewayFactory,
+                                                  fake: tuple[FakeProvider, str]) -> None:
+    """A cookie one call's upstream sets must not ride along on the next call (possibly another agent's)."""
+    provider, url = fake
+    # a host name: aiohttp's default jar ignores cookies from IP addresses, which would hide the bug
+    base = url.replace("127.0.0.1", "localhost")
+    h = await gateway_factory(providers={"openai": {"type": "openai", "base_url": f"{base}/v1", "api_key": "sk-p"}},
+                              models={"gpt-*": "openai"})
+    provider.queue(Reply(body=openai_completion("ok"), headers={"Set-Cookie": "session=agent-a; Path=/"}),
+                   Reply(body=openai_completion("ok")))
+    for run in ("a", "b"):
+        async with h.session.post(f"{h.url}{CHAT}", json={"model": "gpt-4o-mini", "messages": USER},
+                                  headers={"x-tollgate-run-id": run}) as resp:
+            assert resp.status == 200, await resp.text()
+    assert [s.headers.get("Cookie") for s in provider.seen] == [None, None]
 
 
 # -- nothing in a request chooses the upstream (no SSRF) ---------------------------------------------------
