@@ -60,6 +60,12 @@ class Resolver:
         self._library = library
         self._size = size
         self._specs: dict[str, ConstraintSpec] = {}
+        self.plans: dict[tuple[Any, ...], OutputPlan] = {}  # see plan_outputs; bounded like _specs
+
+    def remember(self, key: tuple[Any, ...], plan: OutputPlan) -> None:
+        if len(self.plans) >= self._size:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = plan
 
     def resolve(self, ref: str) -> ConstraintSpec:
         spec = self._specs.get(ref)
@@ -76,20 +82,25 @@ async def plan_outputs(
     stream_check: str, dialect: str,
 ) -> OutputPlan | None:
     """The constraints of a step, compiled (cached by content). Raises InvalidGrammar (400)."""
-    specs: list[ConstraintSpec] = []
-    if grammar_ref:
-        specs.append(library.resolve(grammar_ref))
     header = headers.get(GRAMMAR_HEADER)
-    if header:
-        specs.append(library.resolve(header.strip()))
     from_request: tuple[ConstraintSpec, ...] = ()
     if call.protocol == "openai":
         from_request = request_constraints(call.raw)
-        specs.extend(from_request)
-    if not specs:
+    if not (grammar_ref or header or from_request):
         return None
-    unique = list({s.key: s for s in specs}.values())
     body_has_guided = any(k in call.raw for k in _GUIDED)
+    # without constraints from the body, the plan depends only on these: an agent's steps share one
+    key = (grammar_ref, header, retries, stream_check, dialect, body_has_guided)
+    cached = None if from_request else library.plans.get(key)
+    if cached is not None:
+        return cached
+    specs: list[ConstraintSpec] = []
+    if grammar_ref:
+        specs.append(library.resolve(grammar_ref))
+    if header:
+        specs.append(library.resolve(header.strip()))
+    specs.extend(from_request)
+    unique = list({s.key: s for s in specs}.values())
     native: Mapping[str, Any] | None = None
     exact = False
     first = unique[0]
@@ -104,8 +115,11 @@ async def plan_outputs(
         # answer may carry nulls the original schema would reject
         unique[0] = validation_spec(dialect, first)
     constraints = tuple([await compile_async(s) for s in unique])
-    return OutputPlan(constraints, retries, stream_check, native, exact,
+    plan = OutputPlan(constraints, retries, stream_check, native, exact,
                       strip_guided=body_has_guided and dialect not in _VLLM)
+    if not from_request:
+        library.remember(key, plan)
+    return plan
 
 
 def apply_native(plan: OutputPlan, body: dict[str, Any]) -> bool:

@@ -1,0 +1,64 @@
+"""gateway/outputs.py: which constraints a step carries, and the per-agent plan cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.call import Call
+from gateway.config import Limits
+from gateway.outputs import Resolver, plan_outputs
+from gateway.providers.openai_chat import OpenAIChat
+from grammars.library import GrammarLibrary
+
+MSG = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def call(**extra: Any) -> Call:
+    body = {"model": "gpt-4o-mini", "messages": MSG, **extra}
+    return OpenAIChat().parse_request(body, orjson.dumps(body), Limits())
+
+
+async def plan(resolver: Resolver, c: Call, headers: dict[str, str] | None = None, grammar: str | None = "regex:[a-z]+",
+               dialect: str = "openai") -> Any:
+    return await plan_outputs(resolver, c, headers or {}, grammar, 2, "incremental", dialect)
+
+
+async def test_steps_of_one_agent_share_one_plan() -> None:
+    resolver = Resolver(GrammarLibrary.load())
+    first, second = await plan(resolver, call()), await plan(resolver, call(temperature=0.5))
+    assert first is second and first.kinds == ("regex",)
+
+
+async def test_what_changes_a_plan_gets_its_own() -> None:
+    resolver = Resolver(GrammarLibrary.load())
+    base = await plan(resolver, call())
+    others = [
+        await plan(resolver, call(), headers={"x-tollgate-grammar": "regex:[0-9]+"}),
+        await plan(resolver, call(), dialect="vllm"),
+        await plan(resolver, call(), grammar="regex:[0-9]+"),
+        await plan(resolver, call(guided_regex="[a-z]+")),
+    ]
+    assert all(p is not base for p in others)
+    assert others[0].kinds == ("regex", "regex")
+    assert others[1].native != base.native
+
+
+async def test_constraints_from_the_body_are_planned_per_request() -> None:
+    resolver = Resolver(GrammarLibrary.load())
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    first, second = await plan(resolver, call(response_format=rf)), await plan(resolver, call(response_format=rf))
+    assert first is not second and first.kinds == second.kinds == ("regex", "json_schema")
+
+
+async def test_no_constraint_no_plan() -> None:
+    assert await plan(Resolver(GrammarLibrary.load()), call(), grammar=None) is None
+
+
+async def test_the_plan_cache_is_bounded() -> None:
+    resolver = Resolver(GrammarLibrary.load(), size=4)
+    for i in range(10):
+        await plan(resolver, call(), headers={"x-tollgate-grammar": f"regex:[a-z]{{{i + 1}}}"})
+    assert len(resolver.plans) == 4
