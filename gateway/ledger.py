@@ -29,6 +29,9 @@ import sqlite3
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import cache
+from hashlib import sha256
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +39,10 @@ from gateway.errors import StateUnavailable
 from gateway.ledger_chain import (
     COLUMNS,
     GENESIS,
-    INSERT,
     SCHEMA,
     SELECT,
     VerifyResult,
+    canonical_row,
     connect,
     enable_wal,
     entry_hash,
@@ -51,6 +54,12 @@ __all__ = ["Ledger", "LedgerEntry", "VerifyResult", "entry_hash", "input_hash", 
 
 DETAIL_MAX = 500
 _TEXT = ("agent", "run_id", "operation", "model", "input_hash", "decision", "detail")
+_WIDTH = len(COLUMNS)
+# Rows per INSERT statement at most: 64 x 12 parameters stays under SQLite's historic 999-variable
+# limit (builds before 3.32), and longer statements measured no faster.
+_MAX_ROWS = 64
+_LAST = ("SELECT id, entry_hash, (SELECT seq FROM sqlite_sequence WHERE name = 'ledger')"
+         " FROM ledger ORDER BY id DESC LIMIT 1")
 _log = logging.getLogger(__name__)
 
 
@@ -217,36 +226,68 @@ class Ledger:
     def _write_some(self) -> None:
         """Write up to batch_size queued entries in one transaction, extending the chain. On failure
         they stay at the head of the queue, in order. Runs on one thread at a time."""
-        batch = [self._pending[i] for i in range(min(self._batch_size, len(self._pending)))]
+        count = min(self._batch_size, len(self._pending))
+        batch = list(islice(self._pending, count))
         conn = self._writer
         conn.execute("BEGIN IMMEDIATE")  # the write lock: nobody appends between our read and insert
         try:
-            last = conn.execute("SELECT id, entry_hash FROM ledger ORDER BY id DESC LIMIT 1").fetchone()
-            seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
-            next_id = max(last[0] if last else 0, seq[0] if seq else 0) + 1
-            prev = last[1] if last else GENESIS
-            values = []
-            for offset, (entry, ts) in enumerate(batch):
-                row: dict[str, Any] = {name: _text(getattr(entry, name)) for name in _TEXT}
-                row.update(id=next_id + offset, ts=ts, detail=row["detail"][:DETAIL_MAX],
-                           prev_hash=prev, reason=None if entry.reason is None else _text(entry.reason))
-                prev = row["entry_hash"] = entry_hash(row)
-                values.append(tuple(row[c] for c in COLUMNS))
-            conn.executemany(INSERT, values)
+            # One statement, not two: every statement releases and retakes the GIL, and a busy event
+            # loop thread makes each retake a forced thread switch.
+            last = conn.execute(_LAST).fetchone()
+            if last is None:  # no rows (yet, or all cut): the sequence alone tells the next id
+                seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
+                last = (0, GENESIS, seq[0] if seq else 0)
+            next_id = max(last[0], last[2] or 0) + 1
+            values = _chained(batch, next_id, last[1])
+            # Multi-row INSERTs, not executemany: one GIL release per statement instead of per row,
+            # and AUTOINCREMENT updates sqlite_sequence once per statement.
+            done = 0
+            for rows in _chunks(count):
+                conn.execute(_insert_sql(rows), values[done * _WIDTH:(done + rows) * _WIDTH])
+                done += rows
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        for _ in batch:
+        for _ in range(count):
             self._pending.popleft()
-        self.written += len(batch)
+        self.written += count
 
     def _discard_pending(self) -> None:
         if self._pending:
             self.lost += len(self._pending)
             _log.error("ledger closed with %d unwritten entries", len(self._pending))
             self._pending.clear()
+
+
+def _chained(batch: list[tuple[LedgerEntry, float]], next_id: int, prev: str) -> list[Any]:
+    """The column values (COLUMNS order) of `batch`'s rows, flat, as rows next_id, next_id + 1, ...
+    extending the chain from `prev`. Hashes via canonical_row: no dict, no json.dumps per row."""
+    values: list[Any] = []
+    for entry, ts in batch:
+        row = (next_id, ts, _text(entry.agent), _text(entry.run_id), _text(entry.operation),
+               _text(entry.model), _text(entry.input_hash), _text(entry.decision),
+               None if entry.reason is None else _text(entry.reason), _text(entry.detail)[:DETAIL_MAX],
+               prev)
+        prev = sha256(canonical_row(*row).encode("utf-8")).hexdigest()
+        values += row
+        values.append(prev)
+        next_id += 1
+    return values
+
+
+def _chunks(rows: int) -> list[int]:
+    """Rows per INSERT for a batch of `rows`: full chunks of _MAX_ROWS, then the rest in one. A
+    connection thus compiles at most _MAX_ROWS distinct INSERTs, once each: its statement cache (128)
+    keeps them, and a typical batch is one statement."""
+    return [_MAX_ROWS] * (rows // _MAX_ROWS) + ([rows % _MAX_ROWS] if rows % _MAX_ROWS else [])
+
+
+@cache  # at most _MAX_ROWS entries
+def _insert_sql(rows: int) -> str:
+    one = f"({', '.join('?' * _WIDTH)})"
+    return f"INSERT INTO ledger ({', '.join(COLUMNS)}) VALUES {', '.join([one] * rows)}"
 
 
 def _text(value: str) -> str:

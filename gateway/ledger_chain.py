@@ -4,12 +4,20 @@ Kept apart from the writer (gateway/ledger.py) so that verifying needs nothing b
 `tollgate ledger verify` and tests use this module alone. entry_hash = sha256 of the canonical JSON
 (sorted keys, separators "," and ":", UTF-8, non-ASCII kept) of every column but entry_hash, prev_hash
 included; the first row's prev_hash is GENESIS (64 zeros); ids run 1, 2, 3, ... without gaps.
+
+The canonical JSON is defined as `json.dumps(fields, sort_keys=True, separators=(",", ":"),
+ensure_ascii=False)` (`canonical_json`). `canonical_row` builds the same text without a dict or the
+encoder's machinery (~5x faster) for the types the writer produces: int id, finite float ts, str
+fields, str or None reason. It escapes strings with the very function json.dumps uses
+(`json.encoder.encode_basestring`) and formats numbers with int/float repr, as json.dumps does; a test
+holds it byte-identical over tricky values. Any other value goes through `canonical_json`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -47,11 +55,41 @@ def input_hash(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
+def canonical_json(fields: dict[str, Any]) -> str:
+    """The reference canonical JSON of a row's hashed fields (every column but entry_hash)."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def entry_hash(row: dict[str, Any]) -> str:
-    """sha256 over the canonical JSON of every column but entry_hash (prev_hash included)."""
-    fields = {k: row[k] for k in COLUMNS if k != "entry_hash"}
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """sha256 over the canonical JSON of every column but entry_hash (prev_hash included). Raises
+    TypeError or ValueError for values JSON cannot carry (or UTF-8 cannot encode)."""
+    id_, ts, reason = row["id"], row["ts"], row["reason"]
+    text = (row["agent"], row["run_id"], row["operation"], row["model"], row["input_hash"],
+            row["decision"], row["detail"], row["prev_hash"])
+    if (type(id_) is int and type(ts) is float and math.isfinite(ts)
+            and (reason is None or type(reason) is str) and all(type(v) is str for v in text)):
+        canonical = canonical_row(id_, ts, *text[:6], reason, *text[6:])
+    else:
+        canonical = canonical_json({k: row[k] for k in COLUMNS if k != "entry_hash"})
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def canonical_row(id_: int, ts: float, agent: str, run_id: str, operation: str, model: str,
+                  input_hash: str, decision: str, reason: str | None, detail: str, prev_hash: str) -> str:
+    """`canonical_json` of one row given as values, byte-identical for exactly these types (int id,
+    finite float ts, str fields, str or None reason); the caller guarantees them."""
+    enc = _encode_str
+    return (
+        f'{{"agent":{enc(agent)},"decision":{enc(decision)},"detail":{enc(detail)},"id":{_int_repr(id_)},'
+        f'"input_hash":{enc(input_hash)},"model":{enc(model)},"operation":{enc(operation)},'
+        f'"prev_hash":{enc(prev_hash)},"reason":{"null" if reason is None else enc(reason)},'
+        f'"run_id":{enc(run_id)},"ts":{_float_repr(ts)}}}')
+
+
+# What json.dumps itself calls for a str (ensure_ascii=False), an int and a float: same bytes by
+# construction. Keys above are written in sorted order (a test compares with canonical_json).
+_encode_str = json.encoder.encode_basestring
+_int_repr, _float_repr = int.__repr__, float.__repr__
 
 
 def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:

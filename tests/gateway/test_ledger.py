@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import math
+import os
 import sqlite3
 import struct
 import subprocess
@@ -14,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.errors import StateUnavailable
-from gateway.ledger import Ledger, LedgerEntry, input_hash, verify
-from gateway.ledger_chain import GENESIS, entry_hash
+from gateway.ledger import Ledger, LedgerEntry, _chunks, input_hash, verify
+from gateway.ledger_chain import COLUMNS, GENESIS, SCHEMA, canonical_json, canonical_row, entry_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -326,3 +331,126 @@ def test_input_hash_is_a_digest_not_the_content() -> None:
     digest = input_hash('{"messages": [{"role": "user", "content": "secret"}]}')
     assert len(digest) == 64 and "secret" not in digest
     assert digest == input_hash(b'{"messages": [{"role": "user", "content": "secret"}]}')
+
+
+# -- the fast canonical encoding: byte-identical to the reference json.dumps ---------------------------
+
+TRICKY_TEXT = ["", "plain", 'quo"te', "back\\slash", "\\\"", "/slash", "tab\tnl\ncr\rbs\bff\f",
+               "\x00\x01\x1f\x7f", "ünïcødé 智能体 🚀", "\u2028\u2029", "\ufeff", "é" * 600,
+               "{\"a\":1}", "null", "</script>"]
+TRICKY_FLOATS = [0.0, -0.0, 0.1, 1e-7, 1e22, 1e16, 123456789012345680.0, 5e-324, 1.7976931348623157e308,
+                 1700000000.0, 1764480000.123456, -2.5, 1 / 3]
+
+
+def reference_hash(fields: dict[str, Any]) -> str:
+    """The encoder of the original writer, kept verbatim: what every existing ledger was hashed with."""
+    canonical = json.dumps({k: fields[k] for k in COLUMNS if k != "entry_hash"}, sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def hashed_fields(values: tuple[Any, ...]) -> dict[str, Any]:
+    return dict(zip(COLUMNS[:-1], values, strict=True))
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXT)
+def test_canonical_row_is_byte_identical_to_json_dumps(text: str) -> None:
+    for ts in TRICKY_FLOATS:
+        for reason in (None, "budget_exhausted", text):
+            values = (2**53 + 1, ts, text, "run-" + text, "chat", text[:3], "ab" * 32, "allow", reason,
+                      text, GENESIS)
+            fields = hashed_fields(values)
+            fast = canonical_row(*values)
+            assert fast == canonical_json(fields)
+            assert fast.encode() == json.dumps(fields, sort_keys=True, separators=(",", ":"),
+                                               ensure_ascii=False).encode()
+            assert entry_hash({**fields, "entry_hash": "x"}) == reference_hash(fields)
+
+
+@settings(max_examples=300, deadline=None, derandomize=bool(os.environ.get("CI")))
+@given(st.integers(min_value=0, max_value=2**63 - 1),
+       st.floats(allow_nan=False, allow_infinity=False),
+       st.lists(st.text(), min_size=7, max_size=7),
+       st.none() | st.text())
+def test_canonical_row_matches_json_dumps_for_any_values(
+    id_: int, ts: float, text: list[str], reason: str | None
+) -> None:
+    values: tuple[Any, ...] = (id_, ts, *text[:6], reason, *text[6:], GENESIS)
+    assert canonical_row(*values) == canonical_json(hashed_fields(values))
+
+
+@pytest.mark.parametrize("changes", [
+    {"id": True}, {"ts": 1700000000}, {"ts": math.inf}, {"ts": -math.inf}, {"ts": math.nan},
+    {"ts": "1700000000.0"}, {"reason": 7}, {"detail": 1.5}, {"agent": None},
+])
+def test_entry_hash_of_odd_types_falls_back_to_the_reference(changes: dict[str, Any]) -> None:
+    row = {**hashed_fields((3, 1.5, "a", "r", "chat", "m", "h", "allow", None, "d", GENESIS)), **changes}
+    assert entry_hash(row) == reference_hash(row)
+
+
+def test_entry_hash_refuses_what_json_or_utf8_cannot_carry() -> None:
+    row = hashed_fields((3, 1.5, "a", "r", "chat", "m", "h", "allow", None, "d", GENESIS))
+    with pytest.raises(TypeError):
+        entry_hash({**row, "detail": b"bytes"})
+    with pytest.raises(ValueError):
+        entry_hash({**row, "detail": "lone \udcff surrogate"})
+
+
+def test_a_ledger_written_by_the_old_encoder_verifies_and_grows(tmp_path: Path) -> None:
+    """Rows hashed as the original writer did (a dict + json.dumps per row, one INSERT per row) verify,
+    and the new writer extends that chain."""
+    db = tmp_path / "old.db"
+    with closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        for statement in SCHEMA:
+            conn.execute(statement)
+        prev = GENESIS
+        stamps = [ts for ts in TRICKY_FLOATS if ts]  # SQLite reads -0.0 back as 0.0; ts 0 means "now"
+        for i, text in enumerate(TRICKY_TEXT * 2, start=1):
+            fields = hashed_fields((i, stamps[i % len(stamps)], text, f"run-{i % 3}", "chat",
+                                    "gpt-4o", input_hash(text), "stop", text or None, text[:500], prev))
+            prev = reference_hash(fields)
+            conn.execute(f"INSERT INTO ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * 12)})",
+                         (*fields.values(), prev))
+    assert (verify(db).ok, verify(db).rows) == (True, 2 * len(TRICKY_TEXT))
+    ledger = Ledger.open(db)
+    for i in range(70):
+        ledger.append_nowait(entry(i, detail=TRICKY_TEXT[i % len(TRICKY_TEXT)]))
+    ledger.close_sync()
+    rows = ledger_rows(db)
+    assert all(r["entry_hash"] == reference_hash(r) for r in rows)
+    assert (verify(db).ok, verify(db).rows) == (True, 2 * len(TRICKY_TEXT) + 70)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 63, 64, 65, 127, 128, 129, 512, 1000])
+def test_batches_are_cut_into_few_bounded_inserts(rows: int) -> None:
+    sizes = _chunks(rows)
+    assert sum(sizes) == rows and all(0 < n <= 64 for n in sizes) and len(sizes) == -(-rows // 64)
+
+
+def test_a_batch_costs_a_fixed_handful_of_statements(tmp_path: Path) -> None:
+    """Each statement is a GIL release and retake on the worker thread: per batch, not per row."""
+    ledger = Ledger.open(tmp_path / "t.db", batch_size=100)
+    statements: list[str] = []
+    for i in range(101):
+        ledger.append_nowait(entry(i))
+    ledger._write_some()  # 100 rows into an empty table: one more SELECT (the sequence)
+    ledger._writer.set_trace_callback(statements.append)
+    ledger._write_some()  # 1 row
+    for i in range(100):
+        ledger.append_nowait(entry(i))
+    ledger._write_some()  # 100 rows: 64 + 36
+    ledger._writer.set_trace_callback(None)
+    assert [s.split()[0] for s in statements] == ["BEGIN", "SELECT", "INSERT", "COMMIT",
+                                                  "BEGIN", "SELECT", "INSERT", "INSERT", "COMMIT"]
+    ledger.close_sync()
+    assert verify(tmp_path / "t.db").rows == 201
+
+
+async def test_every_row_cut_leaves_the_next_ids_after_the_cut(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    await filled(db, 5)
+    tamper(db, "DELETE FROM ledger")
+    await filled(db, 2)
+    rows = ledger_rows(db)
+    assert [r["id"] for r in rows] == [6, 7] and rows[0]["prev_hash"] == GENESIS
+    assert (verify(db).ok, verify(db).first_bad_id) == (False, 6)
