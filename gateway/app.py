@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -16,8 +16,6 @@ from gateway.config import Config
 from gateway.errors import GatewayError
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
-from gateway.local import OutlinesTransport
-from gateway.mcp import mcp_handler
 from gateway.observe import end_idle_runs, end_run, on_step, redactor_for
 from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer
@@ -87,6 +85,9 @@ async def _local_transports(config: Config) -> dict[str, Transport]:
     loaded: dict[str, Transport] = {}
     for name, provider in config.providers.items():
         if provider.engine == "outlines" and provider.model is not None:
+            # only a config with a local model loads the in-process engine's modules
+            from gateway.local import OutlinesTransport
+
             loaded[name] = await asyncio.to_thread(
                 OutlinesTransport.load, provider, name=name, model_dir=config.resolve(provider.model)
             )
@@ -143,8 +144,25 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     app.router.add_post("/v1/messages", chat_handler("anthropic"))
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
-    app.router.add_route("*", "/mcp/{server}", mcp_handler)
+    app.router.add_route("*", "/mcp/{server}", _mcp_route(config))
     return app
+
+
+def _mcp_route(config: Config) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The `/mcp/{server}` handler. The MCP proxy's modules (JSON-RPC, tool calls, idempotency,
+    approvals' queue) load now when MCP servers are configured, else on the first `/mcp/` request
+    (which answers 404 `mcp_server_not_found`, in the same format, through the same handler)."""
+    if config.mcp_servers:
+        from gateway.mcp import mcp_handler  # configured: load while starting, not on the first call
+
+        return mcp_handler
+    return _mcp_on_demand
+
+
+async def _mcp_on_demand(request: web.Request) -> web.StreamResponse:
+    from gateway.mcp import mcp_handler  # no MCP server configured: load only if someone asks
+
+    return await mcp_handler(request)
 
 
 def create_apps(

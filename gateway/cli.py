@@ -6,8 +6,6 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +67,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    import urllib.error  # the HTTP client is only for this command, not for `serve` and the rest
+    import urllib.request
+
     url = args.admin.rstrip("/") + "/admin/runs"
     request = urllib.request.Request(url)
     token = os.environ.get("TOLLGATE_ADMIN_TOKEN")

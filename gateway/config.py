@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ConfigError
@@ -331,6 +330,8 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         raise ConfigError([("<file>", f"cannot read {p}: {exc.strerror}")]) from None
     except UnicodeDecodeError as exc:
         raise ConfigError([("<file>", f"{p} is not UTF-8 text (byte {exc.start})")]) from None
+    import yaml  # only reading a file needs the YAML parser (default_config, parse_config do not)
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

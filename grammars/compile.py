@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import llguidance as llg
 import orjson
@@ -23,9 +23,11 @@ import orjson
 from gateway.errors import InvalidGrammar
 from grammars import engine
 from grammars.checker import IncrementalChecker
-from grammars.schema import SchemaCheck, build_check, parse_json
-from grammars.spec import ConstraintSpec, Kind, Violation
+from grammars.spec import ConstraintSpec, Kind, Violation, parse_json
 from grammars.walk import without_keywords
+
+if TYPE_CHECKING:
+    from grammars.schema import SchemaCheck
 
 __all__ = [
     "Constraint",
@@ -176,6 +178,10 @@ def _compile(kind: Kind, source: str) -> _Core:
 
 
 def _compile_schema(source: str) -> _Core:
+    # jsonschema loads with the first JSON constraint, not at import: a gateway whose grammars are all
+    # regex/choice/Lark/GBNF never pays its import time and memory
+    from grammars.schema import build_check
+
     schema, violation = parse_json(source)
     if violation is not None:
         raise InvalidGrammar(f"json_schema: the schema is {violation.message}")
@@ -216,6 +222,8 @@ def _syntax(top: str) -> llg.LLMatcher:
 
 @functools.cache
 def _object_check() -> SchemaCheck:
+    from grammars.schema import build_check  # loaded on first use (see _compile_schema)
+
     return build_check({"type": "object"})
 
 
@@ -229,6 +237,8 @@ def _check_choice(source: str) -> None:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _tool_check(schema_json: str) -> SchemaCheck | str:
+    from grammars.schema import build_check  # loaded on first use (see _compile_schema)
+
     try:
         return build_check(orjson.loads(schema_json))
     except InvalidGrammar as exc:

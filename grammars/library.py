@@ -3,8 +3,10 @@
 A grammar's name is its file stem and its kind comes from the suffix: `.json` (JSON Schema), `.regex`
 (the file's text without its final line break), `.lark`, `.gbnf`, `.choice` (one option per line;
 surrounding whitespace is trimmed and blank lines are skipped). Other files, and names starting with
-a dot, are ignored. A user grammar replaces a shipped one of the same name. Every grammar is compiled
-at load, so a broken file is a config error, not a surprise at request time.
+a dot, are ignored. A user grammar replaces a shipped one of the same name. Every user grammar is
+compiled at load, so a broken file is a config error, not a surprise at request time; the shipped ones
+compile on first use (tests/grammars/test_library.py keeps each of them compiling), so startup pays
+neither their compile time nor jsonschema's import for `ticket.json`.
 
 `resolve(ref)` also accepts inline constraints (for `output.grammar` in config, and the
 `x-tollgate-grammar` header):
@@ -29,8 +31,7 @@ import orjson
 
 from gateway.errors import ConfigError, InvalidGrammar
 from grammars.compile import compile_constraint
-from grammars.schema import parse_json
-from grammars.spec import JSON_OBJECT, ConstraintSpec, Kind
+from grammars.spec import JSON_OBJECT, ConstraintSpec, Kind, parse_json
 
 SUFFIXES: Final[dict[str, Kind]] = {
     ".json": "json_schema",
@@ -51,7 +52,7 @@ INLINE_PREFIXES: Final[dict[str, Kind]] = {
 
 @dataclass(frozen=True, slots=True, eq=False)
 class GrammarLibrary:
-    """An immutable name -> spec table; every spec in it compiles."""
+    """An immutable name -> spec table; every spec in it compiles (see the module doc for when)."""
 
     grammars: Mapping[str, ConstraintSpec]
 
@@ -61,12 +62,14 @@ class GrammarLibrary:
         Raises ConfigError naming each broken grammar as `grammars.<name>`."""
         problems: list[tuple[str, str]] = []
         table = _read_folder(importlib.resources.files("grammars.builtin"), problems)
+        user: dict[str, ConstraintSpec] = {}
         if user_dir is not None:
             if user_dir.exists() and not user_dir.is_dir():
                 raise ConfigError([("grammars.dir", f"{user_dir} is not a folder")])
             if user_dir.is_dir():
-                table.update(_read_folder(user_dir, problems))
-        for name, spec in table.items():
+                user = _read_folder(user_dir, problems)
+                table.update(user)
+        for name, spec in user.items():
             try:
                 compile_constraint(spec)
             except InvalidGrammar as exc:

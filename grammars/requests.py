@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.errors import InvalidGrammar
-from grammars.schema import parse_json
-from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
+from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec, parse_json
 
 VLLM_ONLY_FIELDS: Final[tuple[str, ...]] = (
     "guided_json",

@@ -3,7 +3,9 @@ otherwise) with a format checker. Key order is irrelevant here, unlike in any gr
 
 Messages name the path and the rule, sorted by path: `at address/zip: 'ABCDE' does not match
 '^[0-9]{5}$'`. Parsing tolerates whitespace around the document (JSON allows it) and rejects NaN,
-Infinity and lone surrogates (orjson), as the streaming checker does.
+Infinity and lone surrogates (orjson), as the streaming checker does. `parse_json` lives in
+`grammars.spec`, which needs no jsonschema (importing this module costs tens of milliseconds); it is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import jsonschema
-import orjson
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
@@ -27,7 +28,9 @@ from jsonschema.protocols import Validator
 from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignore[import-untyped]
 
 from gateway.errors import InvalidGrammar
-from grammars.spec import Violation
+from grammars.spec import Violation, parse_json
+
+__all__ = ["SchemaCheck", "build_check", "describe_errors", "format_checker", "parse_json"]
 
 _MAX_ERRORS_SCANNED: Final[int] = 100
 _MAX_ERRORS_SHOWN: Final[int] = 5
@@ -75,14 +78,6 @@ class SchemaCheck:
         if not errors:
             return None
         return Violation(describe_errors(errors))
-
-
-def parse_json(text: str) -> tuple[Any, Violation | None]:
-    """Parse one JSON document (surrounding whitespace allowed); a Violation says why not."""
-    try:
-        return orjson.loads(text), None
-    except orjson.JSONDecodeError as exc:
-        return None, Violation(f"not valid JSON: {exc.msg} at char {exc.pos}", exc.pos)
 
 
 def describe_errors(errors: list[ValidationError]) -> str:

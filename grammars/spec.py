@@ -74,3 +74,12 @@ def choice_spec(options: Sequence[str], name: str | None = None) -> ConstraintSp
 
 
 JSON_OBJECT: Final[ConstraintSpec] = ConstraintSpec("json_object", "")
+
+
+def parse_json(text: str) -> tuple[Any, Violation | None]:
+    """Parse one JSON document (surrounding whitespace allowed); a Violation says why not. NaN,
+    Infinity and lone surrogates are rejected (orjson), as the streaming checker does."""
+    try:
+        return orjson.loads(text), None
+    except orjson.JSONDecodeError as exc:
+        return None, Violation(f"not valid JSON: {exc.msg} at char {exc.pos}", exc.pos)
