@@ -1,9 +1,10 @@
 """The run store: durable per-run state, changed only through atomic operations.
 
 Every backend implements `RunStore`. The arithmetic lives once, in `gateway.store.logic`, as pure
-functions over a `RunState`; the memory and SQLite backends run them inside one lock / one
-`BEGIN IMMEDIATE` transaction, and the Redis backend runs the same steps in Lua scripts, so an
-operation is atomic across every replica that shares the store.
+functions over a `RunState`; the memory and SQLite backends run them on the event loop without
+awaiting (SQLite, which owns its file, writes the run through before the call returns), and the Redis
+backend runs the same steps in Lua scripts, so an operation is atomic across every replica that shares
+the store.
 
 Counters (`usd`, `tokens`, `input_tokens`, `output_tokens`, `llm_calls`, `tool_calls`, ...) each have a
 used and a reserved amount. A reservation holds amounts of several counters at once; settling it

@@ -1,11 +1,24 @@
 """SQLite run store: the embedded default. Durable across restarts and `kill -9`.
 
-Each operation is one `BEGIN IMMEDIATE` transaction (read the run, apply the pure transition, write it
-back), so it is atomic even when several processes share the file. WAL with `synchronous=NORMAL`
-survives a process crash; an operation costs tens of microseconds, so it runs on the event loop
-instead of paying a thread hop. On open, reservations left by a crashed process are settled at their
-reserved amount: the spend of a call whose answer was never seen is never counted as zero.
-One gateway process per state file is the supported setup; several sidecars share Redis instead.
+Contracts:
+* One process owns a state file: `open()` takes an exclusive lock (`gateway.store.sqlite_lock`) and a
+  second store on the same file, in this process or another, fails with `StateUnavailable` naming the
+  file. Several sidecars on one run state share Redis instead. Other connections to the file keep
+  working (the decision ledger's table, `sqlite3` readers, backups); they must not write `runs`/`steps`.
+* Because nothing else writes the runs, the authoritative `RunState` of a run lives in memory (loaded
+  from the file on first use, at most `cache_size` runs, least recently used dropped first). An
+  operation applies the pure transition of `gateway.store.logic` to it and writes it through with one
+  autocommit statement before returning: no read, no JSON parse on the hot path. Operations run on the
+  event loop without awaiting, so each is atomic. A write that fails drops the run from memory (the next
+  use reloads what the file holds) and raises `StateUnavailable`: memory never runs ahead of the file.
+* Durability: spend, counters, reservations, histories and stops are in the file (WAL,
+  `synchronous=NORMAL`) when the call returns, so a crashed process keeps all of it. On open,
+  reservations a crashed process left open are settled at their reserved amount: the spend of a call
+  whose answer was never seen is never counted as zero.
+* Step history is written behind (`gateway.store.sqlite_steps`): `record_step` buffers the row, and
+  one transaction writes the batch within `flush_after_s` (10 ms); reading steps (`get(steps=True)`,
+  `list_runs`) and `close()` write it first. A crash loses at most the step rows of the last few
+  milliseconds (and a run that so far only recorded steps); never spend.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from __future__ import annotations
 import sqlite3
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,176 +36,242 @@ import orjson
 from gateway.errors import StateUnavailable
 from gateway.store import logic
 from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.sqlite_lock import StateFileLock
+from gateway.store.sqlite_steps import SCHEMA as STEPS_SCHEMA
+from gateway.store.sqlite_steps import StepLog
 
 T = TypeVar("T")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY,
-    agent TEXT NOT NULL,
-    updated_at REAL,
-    state BLOB NOT NULL
+CACHE_SIZE = 4096  # runs kept in memory; a run costs a few KB
+STEP_FLUSH_S = 0.01
+STEP_BATCH = 256
+MAX_PENDING_STEPS = 8192
+
+_RUNS = (
+    "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, agent TEXT NOT NULL, updated_at REAL, "
+    "state BLOB NOT NULL)"
 )
-"""
-# Steps live in their own append-only table, so recording one is an INSERT instead of a rewrite of
-# the run's state (which the hot path reads and writes several times per step).
-_STEPS = (
-    "CREATE TABLE IF NOT EXISTS steps (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
-    "epoch INTEGER NOT NULL, data BLOB NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS steps_run ON steps (run_id, seq)",
+# One statement for a new run and a known one (and for a row someone deleted from outside)
+_WRITE = (
+    "INSERT INTO runs (run_id, agent, updated_at, state) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (run_id) DO UPDATE SET updated_at = excluded.updated_at, state = excluded.state"
 )
-_PRUNE_EVERY = 64
 
 
 class SqliteRunStore:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        lock: StateFileLock,
+        path: Path,
+        *,
+        cache_size: int,
+        flush_after_s: float,
+    ) -> None:
         self._conn = conn
-        self._prefix = uuid.uuid4().hex[:8]
+        self._lock = lock
+        self._path = path
+        self._cache_size = cache_size
+        self._runs: OrderedDict[str, RunState] = OrderedDict()  # least recently used first
+        self._steps = StepLog(
+            conn, _WRITE, _row, self._error,
+            flush_after_s=flush_after_s, batch=STEP_BATCH, limit=MAX_PENDING_STEPS,
+        )
+        self._prefix = uuid.uuid4().hex[:8]  # reservation ids never collide with a dead process's
         self._seq = 0
-        self._recorded = 0
+        self._closed = False
 
     @classmethod
-    def open(cls, path: str | Path) -> SqliteRunStore:
+    def open(
+        cls, path: str | Path, *, cache_size: int = CACHE_SIZE, flush_after_s: float = STEP_FLUSH_S
+    ) -> SqliteRunStore:
+        """Lock the file, open it, settle what a crashed owner left reserved. Raises StateUnavailable."""
+        path = Path(path)
+        lock = StateFileLock.acquire(path)
         try:
             conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=5000")
-            conn.execute(_SCHEMA)
-            for statement in _STEPS:
-                conn.execute(statement)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute("PRAGMA busy_timeout=5000")  # the ledger's connections write the same file
+                for statement in (_RUNS, *STEPS_SCHEMA):
+                    conn.execute(statement)
+                store = cls(conn, lock, path, cache_size=max(cache_size, 1), flush_after_s=flush_after_s)
+                store._recover()
+            except BaseException:
+                conn.close()
+                raise
         except sqlite3.Error as exc:
+            lock.release()
             raise StateUnavailable(f"cannot open state file {path}: {exc}") from None
-        store = cls(conn)
-        store._recover()
+        except BaseException:
+            lock.release()
+            raise
         return store
 
     def _recover(self) -> None:
         now = time.time()
         # `state` is a BLOB, and LIKE never matches a BLOB: compare its text.
-        rows = self._conn.execute(
-            "SELECT state FROM runs WHERE CAST(state AS TEXT) LIKE '%\"open\":{\"%'"
-        ).fetchall()
-        for (blob,) in rows:
-            run_id = orjson.loads(blob)["run_id"]
-            self._tx(run_id, "", lambda s: logic.recover(s, now), create=False)
+        rows = self._conn.execute("SELECT run_id FROM runs WHERE CAST(state AS TEXT) LIKE '%\"open\":{\"%'")
+        for (run_id,) in rows.fetchall():
+            state = self._load(run_id)
+            if state is not None and state.open:
+                self._change(state, lambda s: logic.recover(s, now))
 
-    def _tx(self, run_id: str, agent: str, fn: Callable[[RunState], T], *, create: bool = True) -> T:
-        conn = self._conn
+    # -- memory and file -----------------------------------------------------------------------------
+
+    def _load(self, run_id: str) -> RunState | None:
+        """The run's authoritative state, read from the file only when not in memory. Raises
+        sqlite3.Error."""
+        state = self._runs.get(run_id)
+        if state is not None:
+            self._runs.move_to_end(run_id)
+            return state
+        state = self._steps.dirty.get(run_id)  # ahead of the file by step records: newer than its row
+        if state is None:
+            row = self._conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                return None
+            state = logic.from_dict(orjson.loads(row[0]))
+            state.steps = []  # kept in the steps table
+        self._keep(state)
+        return state
+
+    def _keep(self, state: RunState) -> None:
+        self._runs[state.run_id] = state
+        while len(self._runs) > self._cache_size:
+            self._runs.popitem(last=False)  # written through, or held by the step log until flushed
+
+    def _state(self, run_id: str, agent: str) -> RunState:
+        """The run, created in memory when new (written by the caller's `_write`)."""
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-                if row is None:
-                    state = RunState(run_id=run_id, agent=agent)
-                else:
-                    state = logic.from_dict(orjson.loads(row[0]))
-                result = fn(state)
-                state.steps = []  # kept in the steps table
-                if row is not None or create:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO runs (run_id, agent, updated_at, state) VALUES (?, ?, ?, ?)",
-                        (run_id, state.agent, state.updated_at, orjson.dumps(logic.to_dict(state))),
-                    )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+            state = self._load(run_id)
         except sqlite3.Error as exc:
-            raise StateUnavailable(f"state store error: {exc}") from None
+            raise self._error(exc) from None
+        if state is None:
+            state = RunState(run_id=run_id, agent=agent)
+            self._keep(state)
+        return state
+
+    def _existing(self, run_id: str) -> RunState | None:
+        try:
+            return self._load(run_id)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+
+    def _change(self, state: RunState, transition: Callable[[RunState], T]) -> T:
+        """Apply `transition` to the run in memory and write it through; if either fails, memory is
+        dropped (the file still holds the state before the call)."""
+        try:
+            result = transition(state)
+        except BaseException:
+            self._forget(state.run_id)
+            raise
+        self._write(state)
         return result
+
+    def _write(self, state: RunState) -> None:
+        """Write the run through. On failure forget it, so memory goes back to what the file holds."""
+        try:
+            self._conn.execute(_WRITE, _row(state))
+        except sqlite3.Error as exc:
+            self._forget(state.run_id)
+            raise self._error(exc) from None
+        self._steps.dirty.pop(state.run_id, None)  # its activity time is in the file now
+
+    def _forget(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+        self._steps.dirty.pop(run_id, None)  # the failed transition changed that object too
+
+    def _error(self, exc: sqlite3.Error) -> StateUnavailable:
+        return StateUnavailable(f"state store error ({self._path}): {exc}")
 
     def _next_id(self) -> str:
         self._seq += 1
         return f"{self._prefix}-{self._seq}"
 
+    # -- RunStore ------------------------------------------------------------------------------------
+
     async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
-        try:
-            row = self._conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
-                return None
-            state = logic.from_dict(orjson.loads(row[0]))
-            if steps:
-                state.steps = self._steps(run_id, state.epoch)
-        except sqlite3.Error as exc:
-            raise StateUnavailable(f"state store error: {exc}") from None
-        return state
+        """A copy of the run: changing it never changes the store."""
+        state = self._existing(run_id)
+        if state is None:
+            return None
+        snapshot = _copy(state)
+        if steps:
+            self._steps.flush()
+            try:
+                snapshot.steps = self._steps.read(run_id, snapshot.epoch)
+            except sqlite3.Error as exc:
+                raise self._error(exc) from None
+        return snapshot
 
-    def _steps(self, run_id: str, epoch: int) -> list[dict[str, Any]]:
-        rows = self._conn.execute(
-            "SELECT data FROM steps WHERE run_id = ? AND epoch = ? ORDER BY seq DESC LIMIT ?",
-            (run_id, epoch, logic.MAX_STEPS),
-        ).fetchall()
-        return [orjson.loads(r[0]) for r in reversed(rows)]
-
-    async def reserve(self, run_id: str, agent: str, request: ReserveRequest, now: float) -> Reservation | Denial:
+    async def reserve(
+        self, run_id: str, agent: str, request: ReserveRequest, now: float
+    ) -> Reservation | Denial:
         rid = self._next_id()
-        return self._tx(run_id, agent, lambda s: logic.reserve(s, request, now, rid))
+        return self._change(self._state(run_id, agent), lambda s: logic.reserve(s, request, now, rid))
 
     async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
-        self._tx(reservation.run_id, "", lambda s: logic.settle(s, reservation, actual, now), create=False)
+        state = self._existing(reservation.run_id)
+        if state is None or reservation.epoch != state.epoch or reservation.id not in state.open:
+            return  # settled already, or reset since: nothing changes, nothing to write
+        self._change(state, lambda s: logic.settle(s, reservation, actual, now))
 
     async def add(
-        self, run_id: str, agent: str, counter: str, amount: float, *, limit: float | None, code: str, now: float
+        self,
+        run_id: str,
+        agent: str,
+        counter: str,
+        amount: float,
+        *,
+        limit: float | None,
+        code: str,
+        now: float,
     ) -> Denial | None:
-        return self._tx(run_id, agent, lambda s: logic.add(s, counter, amount, limit, code, now))
+        state = self._state(run_id, agent)
+        return self._change(state, lambda s: logic.add(s, counter, amount, limit, code, now))
 
     async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]:
-        return self._tx(run_id, agent, lambda s: logic.push(s, key, values, keep))
+        return self._change(self._state(run_id, agent), lambda s: logic.push(s, key, values, keep))
 
     async def apply(
         self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
     ) -> Denial | None:
         if not adds and not pushes:
             return None
-        return self._tx(run_id, agent, lambda s: logic.apply(s, adds, pushes, now))
+        return self._change(self._state(run_id, agent), lambda s: logic.apply(s, adds, pushes, now))
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
-        return self._tx(run_id, "", lambda s: logic.take(s, key, value), create=False)
+        state = self._existing(run_id)
+        if state is None or value not in state.lists.get(key, ()):
+            return False  # nothing taken, nothing to write
+        return self._change(state, lambda s: logic.take(s, key, value))
 
     async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None:
-        self._tx(run_id, agent, lambda s: logic.stop(s, reason, detail, now))
+        self._change(self._state(run_id, agent), lambda s: logic.stop(s, reason, detail, now))
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
-        """An INSERT and the run's activity time, without rewriting its state. `step["epoch"]`, when given,
-        saves reading the run."""
-        conn = self._conn
-        try:
-            epoch = step.get("epoch")
-            if epoch is None:
-                row = conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-                if row is None:
-                    self._tx(run_id, agent, lambda s: None)
-                epoch = 1 if row is None else int(orjson.loads(row[0]).get("epoch", 1))
-            conn.execute("BEGIN")  # one commit for the row and the run's activity time
-            try:
-                conn.execute("INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)",
-                             (run_id, int(epoch), orjson.dumps(dict(step))))
-                conn.execute("UPDATE runs SET updated_at = ? WHERE run_id = ?", (now, run_id))
-                self._recorded += 1
-                if self._recorded % _PRUNE_EVERY == 0:
-                    conn.execute(
-                        "DELETE FROM steps WHERE run_id = ? AND seq <= (SELECT seq FROM steps WHERE run_id = ? "
-                        "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (run_id, run_id, logic.MAX_STEPS)
-                    )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise StateUnavailable(f"state store error: {exc}") from None
+        """Buffer the step row and the run's activity time; written within `flush_after_s` (module
+        docstring). `step["epoch"]`, when given, is the epoch the step ran under (a reset may have come
+        since); otherwise the run's current one."""
+        given = step.get("epoch")
+        epoch = None if given is None else int(given)
+        data = orjson.dumps(dict(step))
+        self._steps.make_room()  # before a new run exists in memory: raises while the file refuses rows
+        state = self._state(run_id, agent)
+        self._steps.add(state, state.epoch if epoch is None else epoch, data, now)
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
-        if await self.get(run_id, steps=False) is None:
+        state = self._existing(run_id)
+        if state is None:
             return None
-
-        def _reset(state: RunState) -> RunState:
-            logic.reset(state, now)
-            return state
-
-        return self._tx(run_id, "", _reset, create=False)
+        self._change(state, lambda s: logic.reset(s, now))
+        return _copy(state)
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
+        """Most recently updated first, with their steps (buffered steps are written first)."""
+        self._steps.flush()
         try:
             rows = self._conn.execute(
                 "SELECT state, updated_at FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,)
@@ -200,11 +280,47 @@ class SqliteRunStore:
             for blob, updated in rows:
                 state = logic.from_dict(orjson.loads(blob))
                 state.updated_at = updated
-                state.steps = self._steps(state.run_id, state.epoch)
+                state.steps = self._steps.read(state.run_id, state.epoch)
                 runs.append(state)
         except sqlite3.Error as exc:
-            raise StateUnavailable(f"state store error: {exc}") from None
+            raise self._error(exc) from None
         return runs
 
     async def close(self) -> None:
-        self._conn.close()
+        """Write buffered steps, close the file, release the lock. Idempotent. Raises StateUnavailable
+        when the steps could not be written (the file is closed and the lock released all the same)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._steps.close()
+        finally:
+            self._runs.clear()
+            try:
+                self._conn.close()
+            finally:
+                self._lock.release()
+
+
+def _row(state: RunState) -> tuple[str, str, float | None, bytes]:
+    return state.run_id, state.agent, state.updated_at, orjson.dumps(logic.to_dict(state))
+
+
+def _copy(state: RunState) -> RunState:
+    """An independent copy, nested containers included (faster than a JSON round trip)."""
+    return RunState(
+        run_id=state.run_id,
+        agent=state.agent,
+        epoch=state.epoch,
+        status=state.status,
+        stop_reason=state.stop_reason,
+        stop_detail=state.stop_detail,
+        started_at=state.started_at,
+        updated_at=state.updated_at,
+        used=dict(state.used),
+        reserved=dict(state.reserved),
+        lists={k: list(v) for k, v in state.lists.items()},
+        open={rid: {k: dict(v) if isinstance(v, dict) else v for k, v in held.items()}
+              for rid, held in state.open.items()},
+        steps=[],
+    )

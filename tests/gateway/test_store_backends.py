@@ -4,12 +4,15 @@ SQLite durability and crash recovery, and atomicity under concurrent reserves.""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sqlite3
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.errors import StateUnavailable
@@ -295,36 +298,59 @@ async def test_sqlite_spend_and_stops_survive_a_restart(tmp_path: Path) -> None:
         await second.close()
 
 
+# A process that reserves, settles one reservation, leaves the others open and dies by SIGKILL.
+_CRASHING = """
+import asyncio, os, signal, sys
+import orjson
+from gateway.store.base import Claim, ReserveRequest
+from gateway.store.sqlite import SqliteRunStore
+
+async def main() -> None:
+    store = SqliteRunStore.open(sys.argv[1])
+    usd = Claim("usd", 0.001, 4e-6, 0.02, "budget_exhausted")
+    call = ReserveRequest((usd, Claim("llm_calls", 1.0)), 16, 250)
+    settled = await store.reserve("run-1", "bot", call, 1000.0)
+    await store.settle(settled, {"usd": 0.001, "llm_calls": 1.0}, 1000.0)
+    open_1 = await store.reserve("run-1", "bot", call, 1000.0)
+    open_2 = await store.reserve("run-1", "bot", call, 1000.0)
+    await store.reserve("run-2", "bot", call, 1000.0)
+    out = [[r.id, r.epoch, r.amounts] for r in (settled, open_1, open_2)]
+    sys.stdout.buffer.write(orjson.dumps(out))
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # no settle, no close
+
+asyncio.run(main())
+"""
+
+
 async def test_sqlite_recovers_reservations_of_a_crashed_process_as_spend(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
-    crashed = SqliteRunStore.open(path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CRASHING, str(path),
+        stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).parents[2],
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    dead = [Reservation(rid, "run-1", epoch, 250, held) for rid, epoch, held in orjson.loads(out)]
+    settled, open_1, open_2 = dead
+    restarted = SqliteRunStore.open(path)  # the OS released the dead process's lock
     try:
-        settled = await grant(crashed)
-        await crashed.settle(settled, {"usd": 0.001, "llm_calls": 1.0}, NOW)
-        open_1 = await grant(crashed)
-        open_2 = await grant(crashed)
-        await grant(crashed, "run-2")
-        # the process dies here: no settle, no close. A new process opens the same file.
-        restarted = SqliteRunStore.open(path)
-        try:
-            state = await restarted.get("run-1")
-            assert state is not None
-            assert state.open == {} and state.reserved["usd"] == pytest.approx(0.0)
-            assert state.used["usd"] == pytest.approx(0.001 + 2 * PER_CALL)  # never zero for unseen answers
-            assert state.used["llm_calls"] == 3.0
-            other = await restarted.get("run-2")
-            assert other is not None and other.open == {} and other.used["usd"] == pytest.approx(PER_CALL)
-            # a late settle from the dead process cannot count twice
-            await crashed.settle(open_1, {"usd": 0.0}, NOW)
-            await crashed.settle(open_2, {"usd": 0.0}, NOW)
-            again = await restarted.get("run-1")
-            assert again is not None and again.used == state.used
-            # the new process's reservation ids do not collide with the dead one's
-            assert (await grant(restarted)).id not in {open_1.id, open_2.id, settled.id}
-        finally:
-            await restarted.close()
+        state = await restarted.get("run-1")
+        assert state is not None
+        assert state.open == {} and state.reserved["usd"] == pytest.approx(0.0)
+        assert state.used["usd"] == pytest.approx(0.001 + 2 * PER_CALL)  # never zero for unseen answers
+        assert state.used["llm_calls"] == 3.0
+        other = await restarted.get("run-2")
+        assert other is not None and other.open == {} and other.used["usd"] == pytest.approx(PER_CALL)
+        # a late settle of the dead process's reservations cannot count twice
+        await restarted.settle(open_1, {"usd": 0.0}, NOW)
+        await restarted.settle(open_2, {"usd": 0.0}, NOW)
+        again = await restarted.get("run-1")
+        assert again is not None and again.used == state.used
+        # the new process's reservation ids do not collide with the dead one's
+        assert (await grant(restarted)).id not in {open_1.id, open_2.id, settled.id}
     finally:
-        await crashed.close()
+        await restarted.close()
 
 
 async def test_sqlite_uses_wal(tmp_path: Path) -> None:

@@ -1,0 +1,358 @@
+"""The SQLite run store's own contracts (gateway/store/sqlite.py, sqlite_lock.py, sqlite_steps.py): one
+owner per state file, memory that never runs ahead of the file, a bounded cache, step history written
+behind, and what a `kill -9` keeps. Behaviour shared with the other backends: test_store_backends.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sqlite3
+import sys
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.errors import StateUnavailable
+from gateway.ledger import Ledger, LedgerEntry, input_hash, verify
+from gateway.store import sqlite as sqlite_store
+from gateway.store.base import Claim, Denial, Reservation, ReserveRequest
+from gateway.store.sqlite import SqliteRunStore
+from gateway.store.sqlite_lock import lock_path
+
+REPO = Path(__file__).resolve().parents[2]
+NOW = 1_000.0
+CALL = ReserveRequest((Claim("usd", 0.001, 4e-6, 0.02, "budget_exhausted"), Claim("llm_calls", 1.0)), 16, 250)
+PER_CALL = 0.002
+
+
+def query(path: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Another connection to the file, as `sqlite3` or a backup tool would open it."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+@contextmanager
+def refusing(path: Path, table: str, event: str = "UPDATE") -> Iterator[None]:
+    """The file refuses `event` on `table` (a trigger aborts it) for the duration."""
+    query(path, f"CREATE TRIGGER refuse_{table} BEFORE {event} ON {table} "
+                "BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+    try:
+        yield
+    finally:
+        query(path, f"DROP TRIGGER refuse_{table}")
+
+
+async def timer_turn(delay: float) -> None:
+    """Let the loop run the store's flush timer: wait on a later timer of our own (no sleeping)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.call_later(delay, done.set_result, None)
+    await done
+
+
+async def grant(store: SqliteRunStore, run_id: str = "run-1") -> Reservation:
+    result = await store.reserve(run_id, "bot", CALL, NOW)
+    assert isinstance(result, Reservation), result
+    return result
+
+
+# -- one owner per state file ----------------------------------------------------------------------
+
+
+async def test_a_second_store_on_the_same_file_fails_until_the_first_closes(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    first = SqliteRunStore.open(path)
+    with pytest.raises(StateUnavailable) as caught:
+        SqliteRunStore.open(path)
+    message = caught.value.message
+    assert str(path) in message and "already in use" in message and "Redis" in message
+    with pytest.raises(StateUnavailable, match="already in use"):
+        SqliteRunStore.open(tmp_path / "." / "state.db")  # another spelling of the same file
+    link = tmp_path / "link.db"
+    link.symlink_to(path)
+    with pytest.raises(StateUnavailable, match="already in use"):
+        SqliteRunStore.open(link)
+    await grant(first)
+    await first.close()
+    await first.close()  # idempotent: never closes a descriptor twice
+    second = SqliteRunStore.open(path)
+    try:
+        state = await second.get("run-1")
+        assert state is not None and state.reserved["usd"] == 0.0  # recovered at open: charged in full
+        assert state.used["usd"] == pytest.approx(PER_CALL)
+    finally:
+        await second.close()
+
+
+_HOLDER = """
+import asyncio, sys
+from gateway.store.sqlite import SqliteRunStore
+
+async def main() -> None:
+    store = SqliteRunStore.open(sys.argv[1])
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # held until killed
+
+asyncio.run(main())
+"""
+
+
+async def test_another_process_is_refused_and_kill9_releases_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLDER, str(path), cwd=REPO,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        assert await holder.stdout.readline() == b"ready\n"
+        expected = rf"already in use by another run store \(pid {holder.pid}\)"
+        with pytest.raises(StateUnavailable, match=expected):
+            SqliteRunStore.open(path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        await holder.wait()
+    store = SqliteRunStore.open(path)  # the OS dropped the dead process's lock
+    await store.close()
+    assert lock_path(path).exists()  # the lock file stays; only the lock on it comes and goes
+
+
+async def test_the_ledger_and_plain_readers_share_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path)
+    ledger = Ledger.open(path)  # the default setup: the decision ledger in the state file
+    try:
+        await ledger.start()
+        await grant(store)
+        ledger.append_nowait(LedgerEntry("bot", "run-1", "chat", "m", input_hash("x"), "allow"))
+        await ledger.flush()
+        assert verify(path).rows == 1
+        assert [r[0] for r in query(path, "SELECT run_id FROM runs")] == ["run-1"]
+    finally:
+        await ledger.close()
+        await store.close()
+
+
+def test_a_missing_directory_names_the_state_file(tmp_path: Path) -> None:
+    with pytest.raises(StateUnavailable, match=r"cannot open state file .*missing-dir/state\.db"):
+        SqliteRunStore.open(tmp_path / "missing-dir" / "state.db")
+
+
+# -- memory and file ---------------------------------------------------------------------------------
+
+
+async def test_a_failed_write_leaves_memory_as_the_file_has_it(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path)
+    try:
+        first = await grant(store)
+        await store.push("run-1", "bot", "calls", ["a"], 6)
+        with refusing(path, "runs"):
+            with pytest.raises(StateUnavailable, match="disk says no"):
+                await store.reserve("run-1", "bot", CALL, NOW)
+            with pytest.raises(StateUnavailable, match="disk says no"):
+                await store.settle(first, {"usd": 0.001, "llm_calls": 1.0}, NOW)
+            with pytest.raises(StateUnavailable, match="disk says no"):
+                await store.stop("run-1", "bot", "loop_detected", "x", NOW)
+            with pytest.raises(StateUnavailable, match="disk says no"):
+                await store.push("run-1", "bot", "calls", ["b"], 6)
+            state = await store.get("run-1", steps=False)  # reads still work, and show the file's state
+            assert state is not None and list(state.open) == [first.id] and state.status == "active"
+            assert state.lists == {"calls": ["a"]}
+        with refusing(path, "runs", "INSERT"):  # a new run that cannot be written does not exist
+            with pytest.raises(StateUnavailable):
+                await store.reserve("run-new", "bot", CALL, NOW)
+            assert await store.get("run-new") is None
+        # the refused reservation never happened: the budget holds exactly 10 calls
+        await store.settle(first, first.amounts, NOW)
+        grants = 1
+        while isinstance(await store.reserve("run-1", "bot", CALL, NOW), Reservation):
+            grants += 1
+        assert grants == 10
+    finally:
+        await store.close()
+
+
+async def test_get_returns_a_deep_copy(tmp_path: Path) -> None:
+    store = SqliteRunStore.open(tmp_path / "state.db")
+    try:
+        res = await grant(store)
+        snap = await store.get("run-1", steps=False)
+        assert snap is not None
+        snap.open[res.id]["amounts"]["usd"] = 99.0
+        snap.reserved["usd"] = 99.0
+        await store.settle(res, res.amounts, NOW)
+        state = await store.get("run-1")
+        assert state is not None and state.used["usd"] == pytest.approx(PER_CALL)
+    finally:
+        await store.close()
+
+
+async def test_the_cache_is_bounded_and_reloads_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, cache_size=2)
+    try:
+        for run_id in ("a", "b", "c"):
+            await grant(store, run_id)
+        assert len(store._runs) == 2  # noqa: SLF001  (the bound itself is the contract under test)
+        # "a" was dropped from memory: its next use reads the file (where an operator edited it)
+        blob = orjson.loads(query(path, "SELECT state FROM runs WHERE run_id = 'a'")[0][0])
+        blob["used"]["tool_calls"] = 7.0
+        query(path, "UPDATE runs SET state = ? WHERE run_id = 'a'", orjson.dumps(blob))
+        state = await store.get("a", steps=False)
+        assert state is not None and state.used["tool_calls"] == 7.0 and len(state.open) == 1
+        # ...and every run evicted and reloaded keeps exact accounting
+        for run_id in ("a", "b", "c", "a", "c", "b"):
+            await grant(store, run_id)
+        for run_id in ("a", "b", "c"):
+            state = await store.get(run_id, steps=False)
+            assert state is not None and state.reserved["usd"] == pytest.approx(3 * PER_CALL)
+    finally:
+        await store.close()
+
+
+# -- step history, written behind ------------------------------------------------------------------
+
+
+async def test_steps_are_written_by_the_timer_in_one_batch(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=0.0)
+    try:
+        await grant(store)
+        for n in range(3):
+            await store.record_step("run-1", "bot", {"n": n}, NOW + n)
+        assert query(path, "SELECT count(*) FROM steps") == [(0,)]  # buffered: the loop has not turned yet
+        await timer_turn(0.001)
+        rows = query(path, "SELECT data FROM steps ORDER BY seq")
+        assert rows == [(b'{"n":0}',), (b'{"n":1}',), (b'{"n":2}',)]
+        assert query(path, "SELECT updated_at FROM runs") == [(NOW + 2,)]
+    finally:
+        await store.close()
+
+
+async def test_steps_are_written_before_they_are_read_and_on_close(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    await store.record_step("only-steps", "bot", {"n": 1}, NOW + 5)  # a run that exists by its steps alone
+    state = await store.get("only-steps")
+    assert state is not None and state.steps == [{"n": 1}] and state.updated_at == NOW + 5
+    await store.record_step("only-steps", "bot", {"n": 2}, NOW + 6)
+    await store.record_step("other", "bot", {"n": 3}, NOW + 7)
+    assert [r.run_id for r in await store.list_runs()] == ["other", "only-steps"]
+    await store.record_step("other", "bot", {"n": 4}, NOW + 8)
+    await store.close()
+    assert query(path, "SELECT run_id, data FROM steps ORDER BY seq")[-1] == ("other", b'{"n":4}')
+    assert query(path, "SELECT run_id, updated_at FROM runs ORDER BY run_id") == [
+        ("only-steps", NOW + 6), ("other", NOW + 8)]
+
+
+async def test_a_full_batch_is_written_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_store, "STEP_BATCH", 4)
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        for n in range(5):
+            await store.record_step("run-1", "bot", {"n": n}, NOW)
+        assert query(path, "SELECT count(*) FROM steps") == [(4,)]
+    finally:
+        await store.close()
+
+
+async def test_a_run_with_unwritten_steps_survives_eviction(tmp_path: Path) -> None:
+    store = SqliteRunStore.open(tmp_path / "state.db", cache_size=1, flush_after_s=3600.0)
+    try:
+        await grant(store, "a")
+        await store.record_step("a", "bot", {"n": 1}, NOW + 10)
+        await grant(store, "b")  # drops "a" from the cache before its activity time was written
+        state = await store.get("a", steps=False)
+        assert state is not None and state.updated_at == NOW + 10 and len(state.open) == 1
+        await grant(store, "a")  # written through from the newest state, not the file's older row
+        state = await store.get("a")
+        assert state is not None and len(state.open) == 2 and state.steps == [{"n": 1}]
+    finally:
+        await store.close()
+
+
+async def test_refused_steps_wait_then_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sqlite_store, "MAX_PENDING_STEPS", 3)
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=0.0)
+    try:
+        await grant(store)
+        with refusing(path, "steps", "INSERT"):
+            for n in range(3):
+                await store.record_step("run-1", "bot", {"n": n}, NOW)
+            with caplog.at_level(logging.WARNING, "gateway.store.sqlite_steps"):
+                await timer_turn(0.001)
+            assert "step history not written yet" in caplog.text
+            with pytest.raises(StateUnavailable, match="disk says no"):
+                await store.record_step("run-1", "bot", {"n": 3}, NOW)  # full: refused, not silently dropped
+            await grant(store)  # spend does not depend on step history being written
+        await timer_turn(0.001)
+        assert [orjson.loads(d) for (d,) in query(path, "SELECT data FROM steps ORDER BY seq")] == [
+            {"n": 0}, {"n": 1}, {"n": 2}]
+    finally:
+        await store.close()
+
+
+async def test_close_raises_when_steps_cannot_be_written_and_still_releases(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    await store.record_step("run-1", "bot", {"n": 1}, NOW)
+    with refusing(path, "steps", "INSERT"):
+        with pytest.raises(StateUnavailable, match="disk says no"):
+            await store.close()
+    again = SqliteRunStore.open(path)
+    await again.close()
+
+
+# -- kill -9 -----------------------------------------------------------------------------------------
+
+_KILLED = """
+import asyncio, os, signal, sys
+from gateway.store.base import Claim, ReserveRequest
+from gateway.store.sqlite import SqliteRunStore
+
+async def main() -> None:
+    store = SqliteRunStore.open(sys.argv[1], flush_after_s=3600.0)
+    usd = Claim("usd", 0.001, 4e-6, 0.02, "budget_exhausted")
+    call = ReserveRequest((usd, Claim("llm_calls", 1.0)), 16, 250)
+    for n in range(3):
+        grant = await store.reserve("run-1", "bot", call, 1000.0)
+        await store.settle(grant, {"usd": 0.001, "llm_calls": 1.0}, 1000.0)
+        await store.record_step("run-1", "bot", {"n": n}, 1000.0)
+    await store.list_runs()  # steps so far are written
+    await store.record_step("run-1", "bot", {"n": 3}, 1000.0)  # buffered: may be lost
+    await store.add("run-1", "bot", "tool_calls", 2.0, limit=None, code="", now=1000.0)
+    await store.reserve("run-1", "bot", call, 1000.0)
+    await store.stop("run-2", "bot", "loop_detected", "repeating", 1000.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_kill9_keeps_every_operation_that_returned(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _KILLED, str(path), cwd=REPO)
+    assert await proc.wait() == -signal.SIGKILL
+    store = SqliteRunStore.open(path)
+    try:
+        state = await store.get("run-1")
+        assert state is not None
+        # 3 settled calls, the open reservation charged in full, the tool calls added
+        assert state.used == {"usd": pytest.approx(0.003 + PER_CALL), "llm_calls": 4.0, "tool_calls": 2.0}
+        assert state.open == {} and state.reserved["usd"] == 0.0
+        assert state.steps[:3] == [{"n": 0}, {"n": 1}, {"n": 2}]  # the last one may or may not be there
+        stopped = await store.get("run-2")
+        assert stopped is not None and stopped.stop_reason == "loop_detected"
+        assert isinstance(await store.reserve("run-2", "bot", CALL, NOW), Denial)
+    finally:
+        await store.close()
