@@ -24,6 +24,7 @@ MCP `tools/call` steps are recorded by `gateway.observe_mcp`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
@@ -39,7 +40,7 @@ from guards.base import Decision
 from otel.attributes import TOLLGATE_GUARDS, provider_name_for
 from otel.metrics import Metrics
 from otel.redact import Redactor
-from otel.runs import RunTotals, context_from_headers, inject_headers, path_fingerprint
+from otel.runs import RunTotals, context_from_headers, path_fingerprint
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
 
@@ -94,14 +95,22 @@ def _parent(telemetry: Telemetry, step: Step) -> Context:
     return telemetry.run_parent(step.run_id, step.agent, epoch=step.extra.get("epoch", 1))
 
 
+@functools.lru_cache(maxsize=256)
+def _upstream(provider_type: str, base_url: str, custom: str) -> tuple[str, str, int]:
+    """(`gen_ai.provider.name`, server address, server port) of a configured provider; constant per
+    provider, so computed once (parsing the URL and matching hosts on every step cost microseconds)."""
+    url = urlsplit(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return provider_name_for(provider_type, base_url, custom=custom), url.hostname or "", port
+
+
 def _open(gw: Gateway, telemetry: Telemetry, step: Step, attempt: int, start_time: float | None) -> StepSpan:
     provider = step.route.provider
-    url = urlsplit(provider.base_url)
-    port = url.port or (443 if url.scheme == "https" else 80)
+    provider_name, address, port = _upstream(provider.type, provider.base_url, step.route.provider_name)
     span = telemetry.start_inference(
         step.call,
-        provider_name=provider_name_for(provider.type, provider.base_url, custom=step.route.provider_name),
-        server_address=url.hostname or "", server_port=port, parent=_parent(telemetry, step), attempt=attempt,
+        provider_name=provider_name,
+        server_address=address, server_port=port, parent=_parent(telemetry, step), attempt=attempt,
         run_id=step.run_id, agent=step.agent, start_time=start_time,
     )
     step.extra[SPAN] = span
@@ -127,7 +136,7 @@ def start_span(gw: Gateway, step: Step, headers: Mapping[str, str]) -> dict[str,
         _end_reasked(gw, telemetry, step, span)
     span = _open(gw, telemetry, step, step.attempts, None)
     _reserve(gw, telemetry.metrics, step)
-    out = inject_headers(span.context)
+    out = span.trace_headers()
     step.extra[HEADERS] = out
     return out
 
@@ -152,7 +161,8 @@ def _annotate(span: StepSpan, step: Step, *, final: bool) -> None:
     end = len(step.decisions) if final else step.extra.get(_OPENED, len(step.decisions))
     decisions: list[Decision] = step.decisions[step.extra.get(_DECISIONS, 0):end]
     step.extra[_DECISIONS] = end
-    span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in decisions))
+    if span.is_recording:  # the joined string is only ever an attribute
+        span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in decisions))
     for d in decisions:
         if d.action != "allow":
             span.guard_event(d.guard, d.action, d.reason, d.detail or None)
@@ -219,8 +229,8 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
 
 
 def _step_metrics(metrics: Metrics, step: Step, decision: str) -> None:
-    for d in step.decisions:
-        metrics.guard_decision(d.guard, d.action, d.reason)
+    if step.decisions:
+        metrics.guard_decisions([(d.guard, d.action, d.reason) for d in step.decisions])
     snapshot: RunState | None = step.extra.get("snapshot")
     if step.stop_reason and not (snapshot is not None and snapshot.stopped):
         metrics.run_stopped(step.stop_reason)  # this step stopped the run (not a refusal of a stopped run)

@@ -13,7 +13,7 @@ call them directly only for operations that have no `StepSpan`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
@@ -115,6 +115,7 @@ class Metrics:
             MCP_BUCKETS,
         )
         self._guard = counter("tollgate_guard_decisions", "Guard decisions.", ("guard", "decision", "reason"))
+        self._guard_plans: dict[tuple[tuple[str, str, str | None], ...], tuple[tuple[Counter, int], ...]] = {}
         self._guard_errors = counter("tollgate_guard_errors", "Guards that raised.", ("guard",))
         self._stopped = counter("tollgate_runs_stopped", "Runs stopped, by stop code.", ("reason",))
         self._tools = counter("tollgate_tool_calls", "Tool calls, by decision.", ("decision",))
@@ -239,6 +240,24 @@ class Metrics:
     @guarded("metrics.guard_decision")
     def guard_decision(self, guard: str, decision: str, reason: str | None = None) -> None:
         self._guard(guard, decision, reason or "").inc()
+
+    @guarded("metrics.guard_decision")
+    def guard_decisions(self, decisions: Iterable[tuple[str, str, str | None]]) -> None:
+        """Several `guard_decision`s at once (a step's whole list): one increment per label set.
+        Steps mostly repeat the same few lists, so each list's children and counts are memoised."""
+        key = tuple(decisions)
+        plan = self._guard_plans.get(key)
+        if plan is None:
+            counts: dict[tuple[str, str, str], int] = {}
+            for guard, decision, reason in key:
+                labels = (guard, decision, reason or "")
+                counts[labels] = counts.get(labels, 0) + 1
+            plan = tuple((self._guard(*labels), count) for labels, count in counts.items())
+            if len(self._guard_plans) >= 1024:
+                self._guard_plans.clear()
+            self._guard_plans[key] = plan
+        for child, count in plan:
+            child.inc(count)
 
     @guarded("metrics.guard_error")
     def guard_error(self, guard: str) -> None:

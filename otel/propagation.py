@@ -12,10 +12,12 @@ from typing import Any, Final
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.trace import get_current_span
+from opentelemetry.trace import SpanContext, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["context_from_headers", "extract_meta_context", "inject_headers", "inject_meta_context"]
+__all__ = [
+    "context_from_headers", "extract_meta_context", "headers_for", "inject_headers", "inject_meta_context"
+]
 
 _META_KEYS: Final = frozenset(("traceparent", "tracestate", "baggage"))
 
@@ -45,10 +47,19 @@ def inject_headers(ctx: Context | None) -> dict[str, str]:
     """`traceparent` (and `tracestate`) headers to send upstream for `ctx` (a step span's context);
     empty when there is nothing valid to propagate. Baggage is deliberately not forwarded to model
     providers (it may carry the agent's run ids and other internals)."""
-    carrier: dict[str, str] = {}
-    if ctx is not None and get_current_span(ctx).get_span_context().is_valid:
-        TraceContextTextMapPropagator().inject(carrier, context=ctx)
-    return carrier
+    return headers_for(get_current_span(ctx).get_span_context()) if ctx is not None else {}
+
+
+def headers_for(span_context: SpanContext) -> dict[str, str]:
+    """`inject_headers` for a span context itself (no `Context` to build): the W3C headers exactly
+    as `TraceContextTextMapPropagator.inject` writes them; empty for an invalid context."""
+    if not span_context.is_valid:
+        return {}
+    flags = span_context.trace_flags
+    headers = {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{flags:02x}"}
+    if span_context.trace_state:
+        headers["tracestate"] = span_context.trace_state.to_header()
+    return headers
 
 
 def extract_meta_context(meta: Mapping[str, Any] | None) -> Context | None:

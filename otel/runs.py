@@ -22,9 +22,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
 from opentelemetry.semconv.attributes import error_attributes as Error
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, set_span_in_context
 
 from gateway.call import digest
 from otel.attributes import (
@@ -43,7 +46,7 @@ from otel.propagation import context_from_headers, inject_headers
 
 # fmt: off
 __all__ = [
-    "GATEWAY_PROVIDER", "INVOKE_AGENT", "RunIdGenerator", "RunTotals", "context_from_headers",
+    "GATEWAY_PROVIDER", "INVOKE_AGENT", "RunIdGenerator", "RunParents", "RunTotals", "context_from_headers",
     "inject_headers", "path_fingerprint", "run_ids", "run_root_attributes"
 ]
 # fmt: on
@@ -131,3 +134,40 @@ class RunIdGenerator(RandomIdGenerator):
     def generate_span_id(self) -> int:
         chosen = self._override.get()
         return chosen[1] if chosen is not None else super().generate_span_id()
+
+
+class RunParents:
+    """Parent contexts of runs' steps: the (future) root span `invoke_agent {agent}` of a run epoch,
+    with the `run_ids` ids and the sampler's root decision in its flags.
+
+    Memoised per (run, agent, epoch), at most `kept` entries (cleared when full: runs come and go).
+    That is exact because the ids are derived and the root decision of every sampler
+    `sampler_from_env` builds depends on the trace id only; contexts are immutable, so sharing one
+    between steps is safe."""
+
+    __slots__ = ("_cache", "_kept", "_sampler")
+
+    def __init__(self, sampler: Sampler, kept: int = 4096) -> None:
+        self._sampler = sampler
+        self._kept = kept
+        self._cache: dict[tuple[str, str, int | str], Context] = {}
+
+    def get(self, run_id: str, agent: str, epoch: int | str) -> Context:
+        key = (run_id, agent, epoch)
+        parent = self._cache.get(key)
+        if parent is not None:
+            return parent
+        trace_id, span_id = run_ids(run_id, epoch)
+        name = f"{INVOKE_AGENT} {agent}"
+        decision = self._sampler.should_sample(Context(), trace_id, name, SpanKind.INTERNAL)
+        sampled = decision.decision.is_sampled()  # type: ignore[no-untyped-call]  # unannotated in SDK
+        flags = TraceFlags.RANDOM_TRACE_ID | (TraceFlags.SAMPLED if sampled else 0)
+        root = SpanContext(
+            trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags),
+            trace_state=decision.trace_state,
+        )
+        parent = set_span_in_context(NonRecordingSpan(root), Context())
+        if len(self._cache) >= self._kept:
+            self._cache.clear()
+        self._cache[key] = parent
+        return parent

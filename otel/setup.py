@@ -181,7 +181,7 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
     if protocol not in ("", "http/protobuf"):
         _log.warning("OTLP protocol %r is not supported; using http/protobuf", protocol)
     from opentelemetry.exporter.otlp.proto.http import Compression
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    from otel._otlp_http import OTLPSpanExporter as HttpExporter
 
     return HttpExporter(
         endpoint=traces or f"{(base or 'http://localhost:4318').rstrip('/')}/v1/traces",

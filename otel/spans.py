@@ -31,7 +31,6 @@ first chunk; MCP duration), with `error.type` of an upstream failure only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Literal
 
 from opentelemetry.context import Context
@@ -43,6 +42,7 @@ from opentelemetry.util.types import AttributeValue
 
 from gateway.call import Answer, Call
 from otel import content
+from otel._labels import StepLabels, is_rpc_code
 from otel._safe import ErrorCounter, guarded
 from otel.attributes import (
     TOLLGATE_COST_USD,
@@ -53,30 +53,12 @@ from otel.attributes import (
     inference_end_attributes,
 )
 from otel.metrics import Metrics
-from otel.propagation import extract_meta_context, inject_meta_context
+from otel.propagation import extract_meta_context, headers_for, inject_meta_context
 from otel.redact import Redactor
 
 __all__ = ["StepKind", "StepLabels", "StepSpan", "extract_meta_context", "inject_meta_context"]
 
 StepKind = Literal["inference", "mcp"]
-
-
-@dataclass(frozen=True, slots=True)
-class StepLabels:
-    """What a step's metrics are labelled with, known at start (computed even when not recording)."""
-
-    operation: str
-    provider: str = ""
-    request_model: str | None = None
-    server_address: str | None = None
-    server_port: int | None = None
-    method: str = ""  # MCP only
-    tool_name: str | None = None
-    protocol_version: str | None = None
-
-
-def _is_rpc_code(error_type: str | None) -> bool:
-    return error_type is not None and error_type.lstrip("-").isdigit()
 
 
 class StepSpan:
@@ -147,6 +129,10 @@ class StepSpan:
         if self._context is None:
             self._context = set_span_in_context(self._span, self._parent or Context())
         return self._context
+
+    def trace_headers(self) -> dict[str, str]:
+        """W3C trace headers for the upstream: `inject_headers(self.context)` without the context."""
+        return headers_for(self._span.get_span_context())
 
     @guarded("span.set")
     def set(self, key: str, value: AttributeValue) -> None:
@@ -255,7 +241,7 @@ class StepSpan:
         else:
             self._stopped = True
         if self._recording:
-            if upstream and self._kind == "mcp" and _is_rpc_code(error_type):
+            if upstream and self._kind == "mcp" and is_rpc_code(error_type):
                 self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
             if first:
                 self._error_set = True
@@ -288,7 +274,7 @@ class StepSpan:
                 protocol_version=labels.protocol_version,
                 server_address=labels.server_address,
                 server_port=labels.server_port,
-                rpc_status_code=error if _is_rpc_code(error) else None,
+                rpc_status_code=error if is_rpc_code(error) else None,
                 error_type=error,
                 duration_s=duration,
             )

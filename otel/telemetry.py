@@ -20,14 +20,11 @@ from opentelemetry.trace import (
     INVALID_SPAN,
     NonRecordingSpan,
     Span,
-    SpanContext,
     SpanKind,
     Status,
     StatusCode,
-    TraceFlags,
     Tracer,
     get_current_span,
-    set_span_in_context,
 )
 
 from gateway.call import Call
@@ -45,7 +42,7 @@ from otel.attributes import (
 )
 from otel.export import CountingSpanProcessor
 from otel.metrics import Metrics
-from otel.runs import INVOKE_AGENT, RunIdGenerator, RunTotals, run_ids, run_root_attributes
+from otel.runs import INVOKE_AGENT, RunIdGenerator, RunParents, RunTotals, run_ids, run_root_attributes
 from otel.spans import StepKind, StepLabels, StepSpan
 
 __all__ = [
@@ -90,6 +87,7 @@ class Telemetry:
         self._ids = ids
         self._errors = errors
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._parents = RunParents(sampler) if tracer is not None and sampler is not None else None
         self._lock = threading.Lock()
         self._closed = False
         self.metrics = metrics
@@ -228,24 +226,12 @@ class Telemetry:
 
     def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0) -> Context:
         """Parent context for the steps of a run without agent trace context: the (future) root span
-        `invoke_agent {agent}` with ids derived from `(run_id, epoch)`. Empty when tracing is off."""
-        if self._tracer is None or self._sampler is None:
+        `invoke_agent {agent}` with ids derived from `(run_id, epoch)` (see `RunParents`). Empty when
+        tracing is off."""
+        if self._parents is None:
             return Context()
         try:
-            trace_id, span_id = run_ids(run_id, epoch)
-            decision = self._sampler.should_sample(
-                Context(), trace_id, f"{INVOKE_AGENT} {agent}", SpanKind.INTERNAL
-            )
-            sampled = decision.decision.is_sampled()  # type: ignore[no-untyped-call]  # unannotated in the SDK
-            flags = TraceFlags.RANDOM_TRACE_ID | (TraceFlags.SAMPLED if sampled else 0)
-            root = SpanContext(
-                trace_id,
-                span_id,
-                is_remote=False,
-                trace_flags=TraceFlags(flags),
-                trace_state=decision.trace_state,
-            )
-            return set_span_in_context(NonRecordingSpan(root), Context())
+            return self._parents.get(run_id, agent, epoch)
         except Exception:  # noqa: BLE001 - counted; steps then start their own traces
             self._errors.record("run_parent")
             return Context()
