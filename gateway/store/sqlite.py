@@ -7,18 +7,22 @@ Contracts:
   working (the decision ledger's table, `sqlite3` readers, backups); they must not write `runs`/`steps`.
 * Because nothing else writes the runs, the authoritative `RunState` of a run lives in memory (loaded
   from the file on first use, at most `cache_size` runs, least recently used dropped first). An
-  operation applies the pure transition of `gateway.store.logic` to it and writes it through with one
-  autocommit statement before returning: no read, no JSON parse on the hot path. Operations run on the
-  event loop without awaiting, so each is atomic. A write that fails drops the run from memory (the next
-  use reloads what the file holds) and raises `StateUnavailable`: memory never runs ahead of the file.
-* Durability: spend, counters, reservations, histories and stops are in the file (WAL,
-  `synchronous=NORMAL`) when the call returns, so a crashed process keeps all of it. On open,
-  reservations a crashed process left open are settled at their reserved amount: the spend of a call
-  whose answer was never seen is never counted as zero.
-* Step history is written behind (`gateway.store.sqlite_steps`): `record_step` buffers the row, and
-  one transaction writes the batch within `flush_after_s` (10 ms); reading steps (`get(steps=True)`,
-  `list_runs`) and `close()` write it first. A crash loses at most the step rows of the last few
-  milliseconds (and a run that so far only recorded steps); never spend.
+  operation applies the pure transition of `gateway.store.logic` to it; operations run on the event
+  loop without awaiting, so each is atomic. No read, no JSON parse on the hot path.
+* Written through before the call returns, with one autocommit statement: what must survive a crash
+  because it allows or stops work: reservations, stops (including an `apply`/`add` that stopped the
+  run), resets, takes, crash recovery. A write-through writes the run's whole state, so it also
+  carries every change written behind before it.
+* Written behind (`gateway.store.sqlite_steps`, within `flush_after_s`, 10 ms, in one transaction with
+  the step history): settlements and guard counters / histories that did not stop the run. A crash
+  in that window loses them, safely for spend: a lost settlement leaves its reservation open in the
+  file, and on open, reservations a crashed process left open are settled at their reserved amount
+  (the spend of a call is never counted below what was reserved for it). What else can be lost is the
+  last 10 ms of counters that did not stop anything (tool calls counted, loop histories) and of step
+  history.
+* A write-through that fails puts memory back as it was before the call (the file may be behind it by
+  writes still to come) and raises `StateUnavailable`; a batch that fails stays buffered and is
+  retried by the timer. A failed transition or write never leaves memory half changed.
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ class SqliteRunStore:
             self._runs.popitem(last=False)  # written through, or held by the step log until flushed
 
     def _state(self, run_id: str, agent: str) -> RunState:
-        """The run, created in memory when new (written by the caller's `_write`)."""
+        """The run, created in memory when new (written by the caller's `_change`)."""
         try:
             state = self._load(run_id)
         except sqlite3.Error as exc:
@@ -159,25 +163,29 @@ class SqliteRunStore:
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
-    def _change(self, state: RunState, transition: Callable[[RunState], T]) -> T:
-        """Apply `transition` to the run in memory and write it through; if either fails, memory is
-        dropped (the file still holds the state before the call)."""
+    def _change(self, state: RunState, transition: Callable[[RunState], T], *, behind: bool = False) -> T:
+        """Apply `transition` to the run in memory, then write it through, or with `behind` mark it for
+        the next batch unless the result stops the run (module docstring). If the transition or the
+        write fails, memory goes back to what it was before the call."""
+        run_id = state.run_id
+        ahead = run_id in self._steps.dirty
+        saved = _copy(state) if ahead else None  # memory holds changes the file has not seen yet
         try:
             result = transition(state)
-        except BaseException:
-            self._forget(state.run_id)
-            raise
-        self._write(state)
-        return result
-
-    def _write(self, state: RunState) -> None:
-        """Write the run through. On failure forget it, so memory goes back to what the file holds."""
-        try:
+            if behind and not isinstance(result, Denial):
+                self._steps.mark(state)
+                return result
             self._conn.execute(_WRITE, _row(state))
-        except sqlite3.Error as exc:
-            self._forget(state.run_id)
-            raise self._error(exc) from None
-        self._steps.dirty.pop(state.run_id, None)  # its activity time is in the file now
+        except BaseException as exc:
+            if saved is None:
+                self._forget(run_id)  # the file holds the state before the call
+            else:
+                self._runs[run_id] = self._steps.dirty[run_id] = saved
+            if isinstance(exc, sqlite3.Error):
+                raise self._error(exc) from None
+            raise
+        self._steps.dirty.pop(run_id, None)  # everything it had in memory is in the file now
+        return result
 
     def _forget(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
@@ -216,7 +224,7 @@ class SqliteRunStore:
         state = self._existing(reservation.run_id)
         if state is None or reservation.epoch != state.epoch or reservation.id not in state.open:
             return  # settled already, or reset since: nothing changes, nothing to write
-        self._change(state, lambda s: logic.settle(s, reservation, actual, now))
+        self._change(state, lambda s: logic.settle(s, reservation, actual, now), behind=True)
 
     async def add(
         self,
@@ -230,17 +238,17 @@ class SqliteRunStore:
         now: float,
     ) -> Denial | None:
         state = self._state(run_id, agent)
-        return self._change(state, lambda s: logic.add(s, counter, amount, limit, code, now))
+        return self._change(state, lambda s: logic.add(s, counter, amount, limit, code, now), behind=True)
 
     async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]:
-        return self._change(self._state(run_id, agent), lambda s: logic.push(s, key, values, keep))
+        return self._change(self._state(run_id, agent), lambda s: logic.push(s, key, values, keep), behind=True)
 
     async def apply(
         self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
     ) -> Denial | None:
         if not adds and not pushes:
             return None
-        return self._change(self._state(run_id, agent), lambda s: logic.apply(s, adds, pushes, now))
+        return self._change(self._state(run_id, agent), lambda s: logic.apply(s, adds, pushes, now), behind=True)
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         state = self._existing(run_id)

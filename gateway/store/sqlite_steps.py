@@ -7,10 +7,12 @@ the batch `flush_after_s` later (one timer per batch), or at once when `batch` r
 
 Contracts:
 * The runs a batch touched are written with it (`dirty`): their memory is ahead of the file by step
-  records only (activity time, or a run that so far only recorded steps). They stay here, even when
-  the store's cache dropped them, until written, so the store never reloads an older version.
-* A crash loses the rows of at most the last `flush_after_s` (and such runs); never spend, which the
-  store writes through per operation. `flush()` is also called before steps are read and on close.
+  records, or by the changes the store writes behind (`mark`: settlements, guard counters and
+  histories). They stay here, even when the store's cache dropped them, until written, so the store
+  never reloads an older version.
+* A crash loses the rows and run changes of at most the last `flush_after_s`; what that means for
+  spend is the store's contract (gateway/store/sqlite.py). `flush()` is also called before steps are
+  read and on close.
 * When the file refuses a batch, everything stays buffered and is retried by the timer (logged once
   per outage); past `limit` rows, `add` raises StateUnavailable instead of growing.
 """
@@ -90,6 +92,11 @@ class StepLog:
             self._flush_quietly()
         else:
             self._arm()
+
+    def mark(self, state: RunState) -> None:
+        """`state` changed in memory only (a deferred write of the store): write it with the next batch."""
+        self.dirty[state.run_id] = state
+        self._arm()
 
     def _arm(self) -> None:
         if self._timer is None and not self._closed:

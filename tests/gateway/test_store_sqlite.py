@@ -1,6 +1,6 @@
 """The SQLite run store's own contracts (gateway/store/sqlite.py, sqlite_lock.py, sqlite_steps.py): one
-owner per state file, memory that never runs ahead of the file, a bounded cache, step history written
-behind, and what a `kill -9` keeps. Behaviour shared with the other backends: test_store_backends.py."""
+owner per state file, what is written through and what behind, memory after a failed write, a bounded
+cache, step history written behind, and what a `kill -9` keeps. Behaviour shared with the other backends: test_store_backends.py."""
 
 from __future__ import annotations
 
@@ -146,24 +146,23 @@ def test_a_missing_directory_names_the_state_file(tmp_path: Path) -> None:
 # -- memory and file ---------------------------------------------------------------------------------
 
 
-async def test_a_failed_write_leaves_memory_as_the_file_has_it(tmp_path: Path) -> None:
+def file_state(path: Path, run_id: str) -> dict[str, Any]:
+    [(blob,)] = query(path, "SELECT state FROM runs WHERE run_id = ?", run_id)
+    return dict(orjson.loads(blob))
+
+
+async def test_a_failed_write_through_leaves_memory_as_it_was(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
-    store = SqliteRunStore.open(path)
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
     try:
         first = await grant(store)
-        await store.push("run-1", "bot", "calls", ["a"], 6)
         with refusing(path, "runs"):
             with pytest.raises(StateUnavailable, match="disk says no"):
                 await store.reserve("run-1", "bot", CALL, NOW)
             with pytest.raises(StateUnavailable, match="disk says no"):
-                await store.settle(first, {"usd": 0.001, "llm_calls": 1.0}, NOW)
-            with pytest.raises(StateUnavailable, match="disk says no"):
                 await store.stop("run-1", "bot", "loop_detected", "x", NOW)
-            with pytest.raises(StateUnavailable, match="disk says no"):
-                await store.push("run-1", "bot", "calls", ["b"], 6)
-            state = await store.get("run-1", steps=False)  # reads still work, and show the file's state
+            state = await store.get("run-1", steps=False)  # reads still work and show the file's state
             assert state is not None and list(state.open) == [first.id] and state.status == "active"
-            assert state.lists == {"calls": ["a"]}
         with refusing(path, "runs", "INSERT"):  # a new run that cannot be written does not exist
             with pytest.raises(StateUnavailable):
                 await store.reserve("run-new", "bot", CALL, NOW)
@@ -174,6 +173,64 @@ async def test_a_failed_write_leaves_memory_as_the_file_has_it(tmp_path: Path) -
         while isinstance(await store.reserve("run-1", "bot", CALL, NOW), Reservation):
             grants += 1
         assert grants == 10
+    finally:
+        await store.close()
+
+
+async def test_a_failed_write_through_keeps_what_was_written_behind(tmp_path: Path) -> None:
+    """Memory ahead of the file (a settlement and a history push waiting for the batch): a refused
+    reservation takes back only itself."""
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        first = await grant(store)
+        await store.settle(first, {"usd": 0.001, "llm_calls": 1.0}, NOW)
+        await store.push("run-1", "bot", "calls", ["a"], 6)
+        assert list(file_state(path, "run-1")["open"]) == [first.id]  # the file is behind
+        with refusing(path, "runs"):
+            with pytest.raises(StateUnavailable, match="disk says no"):
+                await store.reserve("run-1", "bot", CALL, NOW)
+            state = await store.get("run-1", steps=False)
+            assert state is not None and state.open == {} and state.lists == {"calls": ["a"]}
+            assert state.used["usd"] == pytest.approx(0.001)
+        second = await grant(store)  # written through: carries the settlement and the push
+        on_file = file_state(path, "run-1")
+        assert list(on_file["open"]) == [second.id] and on_file["lists"] == {"calls": ["a"]}
+        assert on_file["used"]["usd"] == pytest.approx(0.001)
+    finally:
+        await store.close()
+
+
+async def test_settlements_and_counters_are_written_behind_stops_through(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=0.01)
+    try:
+        first = await grant(store)
+        await store.settle(first, {"usd": 0.001, "llm_calls": 1.0}, NOW)
+        assert await store.add("run-1", "bot", "tool_calls", 2.0, limit=None, code="", now=NOW) is None
+        assert file_state(path, "run-1")["used"] == {}  # not yet: the batch writes it
+        await timer_turn(0.05)
+        assert file_state(path, "run-1")["used"] == {"usd": pytest.approx(0.001), "llm_calls": 1.0,
+                                                     "tool_calls": 2.0}
+        # a counter that stops the run is written before the call returns
+        denial = await store.add("run-1", "bot", "tool_calls", 5.0, limit=4.0, code="tool_call_cap", now=NOW)
+        assert isinstance(denial, Denial)
+        assert file_state(path, "run-1")["status"] == "stopped"
+    finally:
+        await store.close()
+
+
+async def test_refused_batches_keep_settlements_until_written(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=0.01)
+    try:
+        first = await grant(store)
+        with refusing(path, "runs"):
+            await store.settle(first, {"usd": 0.001, "llm_calls": 1.0}, NOW)  # in memory; the batch fails
+            await timer_turn(0.05)
+            assert list(file_state(path, "run-1")["open"]) == [first.id]
+        await timer_turn(0.05)  # the timer tries again
+        assert file_state(path, "run-1")["open"] == {}
     finally:
         await store.close()
 
@@ -331,8 +388,9 @@ async def main() -> None:
     await store.list_runs()  # steps so far are written
     await store.record_step("run-1", "bot", {"n": 3}, 1000.0)  # buffered: may be lost
     await store.add("run-1", "bot", "tool_calls", 2.0, limit=None, code="", now=1000.0)
-    await store.reserve("run-1", "bot", call, 1000.0)
+    last = await store.reserve("run-1", "bot", call, 1000.0)  # written through, with the add before it
     await store.stop("run-2", "bot", "loop_detected", "repeating", 1000.0)
+    await store.settle(last, {"usd": 0.0001, "llm_calls": 1.0}, 1000.0)  # written behind: lost
     os.kill(os.getpid(), signal.SIGKILL)
 
 asyncio.run(main())
@@ -347,7 +405,8 @@ async def test_kill9_keeps_every_operation_that_returned(tmp_path: Path) -> None
     try:
         state = await store.get("run-1")
         assert state is not None
-        # 3 settled calls, the open reservation charged in full, the tool calls added
+        # 3 settled calls, the last one's reservation charged in full (its settlement was still to be
+        # written: never less than reserved), the tool calls added
         assert state.used == {"usd": pytest.approx(0.003 + PER_CALL), "llm_calls": 4.0, "tool_calls": 2.0}
         assert state.open == {} and state.reserved["usd"] == 0.0
         assert state.steps[:3] == [{"n": 0}, {"n": 1}, {"n": 2}]  # the last one may or may not be there
