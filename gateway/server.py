@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway.app import create_apps
 from gateway.config import Config, Limits
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, StateUnavailable
 from gateway.proxy import GATEWAY
 
 
@@ -110,5 +110,8 @@ def run(config: Config, *, host: str, port: int, admin_host: str, admin_port: in
     except ConfigError as exc:  # found while starting, e.g. a local model that cannot load
         for path, message in exc.problems:
             print(f"error: {path}: {message}", file=sys.stderr)
+        return 1
+    except StateUnavailable as exc:  # e.g. the state file is another gateway's, or cannot be opened
+        print(f"tollgate: cannot start: {exc.message}", file=sys.stderr)
         return 1
     return 0

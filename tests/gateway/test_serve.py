@@ -346,6 +346,19 @@ def test_check_config_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture
     assert capsys.readouterr().err.startswith("error: <file>: ")
 
 
+async def test_a_second_gateway_on_the_same_state_file_exits_with_a_clear_error(
+    serve: Callable[..., Any], tmp_path: Path
+) -> None:
+    await serve()
+    env = {"SERVE_TEST_OPENAI_KEY": "sk-provider-openai"}
+    config = str(tmp_path / "tollgate.yaml")
+    result = await asyncio.to_thread(run_cli, "serve", "--config", config, "--port", str(free_port()),
+                                     "--admin-port", str(free_port()), env=env)
+    assert result.returncode == 1
+    assert "state.db is already in use by another run store" in result.stderr
+    assert "share Redis" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_serve_refuses_a_broken_config(tmp_path: Path) -> None:
     path = tmp_path / "tollgate.yaml"
     path.write_text("listen: {port: eighty}\n")
