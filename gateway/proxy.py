@@ -84,19 +84,20 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
     begin_step(gw, step, request.headers)
     if plan is not None:
         step.changed = apply_native(plan, step.body)
+    response: web.StreamResponse | None = None
     try:
         if step.tools is not None and shape_tools(step.tools, call, step.body):
             step.changed = True
             step.original = dict(step.body)  # re-asks never offer what the agent may not use
-        return await run_step(gw, step, request)
+        response = await run_step(gw, step, request)
     except Stopped as exc:
         step.status = 200 if identity.policy.on_stop == "message" else 403
         step.error_type = exc.reason
-        return stop_response(step, exc)
+        response = stop_response(step, exc)
     except GatewayError as exc:
         step.status = exc.status
         step.error_type = exc.code
-        return error_response(adapter, exc, base_headers(identity, step))
+        response = error_response(adapter, exc, base_headers(identity, step))
     except asyncio.CancelledError:  # the client went away (handler_cancellation): the step failed
         step.error_type = step.error_type or "client_disconnected"
         raise
@@ -108,6 +109,24 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             except GatewayError:
                 step.extra["settle_failed"] = True  # the store is down; the response is already decided
         await record(gw, step)
+        if response is None:  # no answer to send: cancelled, or failed unexpectedly
+            gw.notify(step)
+    assert response is not None  # every path above assigned it or raised
+    try:
+        await send(response, request, step)
+    finally:
+        gw.notify(step)  # telemetry after the answer left: never on the agent's critical path
+    return response
+
+
+async def send(response: web.StreamResponse, request: web.Request, step: Step) -> None:
+    """Hand the answer to the client now (aiohttp's own send after the handler returns is then a
+    no-op). A client that went away is the step's outcome, not an error of the handler."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError:
+        step.error_type = step.error_type or "client_disconnected"
 
 
 async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamResponse:
@@ -203,7 +222,8 @@ def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:
 
 
 async def record(gw: Gateway, step: Step) -> None:
-    """Stage `record`: the run's step list, then telemetry hooks (which never raise)."""
+    """Stage `record`: the run's step list (and a stopped run's trace ends). The step's own telemetry
+    hooks (`gw.notify`, which never raise) run once the answer is sent."""
     try:
         await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
         if step.stop_reason:
@@ -212,7 +232,6 @@ async def record(gw: Gateway, step: Step) -> None:
                 end_run(gw, state)
     except GatewayError:
         step.extra["record_failed"] = True
-    gw.notify(step)
 
 
 # -- other /v1 paths -------------------------------------------------------------------------------

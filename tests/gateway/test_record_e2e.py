@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import time
 from pathlib import Path
 
+import openai
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -92,3 +95,29 @@ async def test_idle_runs_export_their_root_span(fake: tuple[object, str], tmp_pa
     finally:
         await server.close()
         telemetry.shutdown()
+
+
+async def test_step_telemetry_runs_after_the_answer_is_sent(gateway_factory: GatewayFactory) -> None:
+    """The step's hooks (spans, metrics, ledger) are off the agent's critical path: a hook that holds
+    the event loop for a while does not delay the answer, which is already on its way."""
+    h = await gateway_factory()
+    hold_s = 1.0
+    seen: list[int] = []
+
+    def slow_hook(step: object) -> None:
+        seen.append(1)
+        time.sleep(hold_s)  # simulates expensive telemetry; nothing to await
+
+    h.gateway.hooks.on_step.append(slow_hook)
+
+    def call() -> float:
+        started = time.monotonic()
+        client = openai.OpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                               default_headers={"x-tollgate-run-id": "after-send"})
+        result = client.chat.completions.create(model="gpt-4o-mini", messages=MSG)  # type: ignore[arg-type]
+        assert result.choices[0].message.content
+        return time.monotonic() - started
+
+    elapsed = await asyncio.to_thread(call)
+    assert seen == [1]
+    assert elapsed < hold_s / 2, f"the answer waited for the step's telemetry ({elapsed:.2f}s)"
