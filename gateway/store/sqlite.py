@@ -169,7 +169,7 @@ class SqliteRunStore:
         write fails, memory goes back to what it was before the call."""
         run_id = state.run_id
         ahead = run_id in self._steps.dirty
-        saved = _copy(state) if ahead else None  # memory holds changes the file has not seen yet
+        saved = _copy(state, shared_open=True) if ahead else None  # memory holds changes the file lacks
         try:
             result = transition(state)
             if behind and not isinstance(result, Denial):
@@ -314,8 +314,11 @@ def _row(state: RunState) -> tuple[str, str, float | None, bytes]:
     return state.run_id, state.agent, state.updated_at, orjson.dumps(logic.to_dict(state))
 
 
-def _copy(state: RunState) -> RunState:
-    """An independent copy, nested containers included (faster than a JSON round trip)."""
+def _copy(state: RunState, *, shared_open: bool = False) -> RunState:
+    """An independent copy, nested containers included (faster than a JSON round trip).
+
+    `shared_open`: the open reservations' entries are shared, not copied. Safe for a copy only the store
+    holds (to roll back a failed write): transitions add and remove entries, never change one."""
     return RunState(
         run_id=state.run_id,
         agent=state.agent,
@@ -328,7 +331,9 @@ def _copy(state: RunState) -> RunState:
         used=dict(state.used),
         reserved=dict(state.reserved),
         lists={k: list(v) for k, v in state.lists.items()},
-        open={rid: {k: dict(v) if isinstance(v, dict) else v for k, v in held.items()}
-              for rid, held in state.open.items()},
+        open=dict(state.open) if shared_open else {
+            rid: {k: dict(v) if isinstance(v, dict) else v for k, v in held.items()}
+            for rid, held in state.open.items()
+        },
         steps=[],
     )
