@@ -73,8 +73,9 @@ async def load(url: str, body: bytes, concurrency: int, total: int, ttfb: bool =
 async def paced(url: str, body: bytes, concurrency: int, rate: float, total: int) -> list[float]:
     """Open loop: request i is due at start + i / rate, sent on one of `concurrency` connections. Latency
     counts from the due time, so a target that falls behind pays its queueing (no coordinated
-    omission). Shows the latency a target adds at a load every target can carry, which a saturated
-    closed loop cannot: there, latency is concurrency / throughput."""
+    omission). Run at half the smaller proxy capacity, it shows the latency a target adds at a load
+    every target carries, which a saturated closed loop cannot: there, latency is concurrency /
+    throughput."""
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     headers = {"Content-Type": "application/json", "x-tollgate-run-id": "bench"}
@@ -164,11 +165,12 @@ async def main(requests: int, state: str, tracing: bool) -> None:
         for (name, c), (rps, lat) in results.items():
             print(f"{name:<12}{c:>5}{rps:>10.0f}{pct(lat, 0.5):>9.2f}{pct(lat, 0.99):>9.2f}")
         print("CPU per request at c=16: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in cpu.items()))
-        rate = results[("bare proxy", 16)][0] / 2
+        # half the smaller proxy capacity: a load both proxies carry, so latency is not queueing
+        rate = min(results[("bare proxy", 16)][0], results[("tollgate", 16)][0]) / 2
         paced_lat = {name: await paced(f"http://127.0.0.1:{p}/v1/chat/completions", BODY, 16, rate, requests)
                      for name, p in targets.items()}
         for name, lat in paced_lat.items():
-            print(f"paced c=16 at {rate:.0f} req/s (half the bare proxy's capacity) {name:<11} "
+            print(f"paced c=16 at {rate:.0f} req/s (half the smaller proxy capacity) {name:<11} "
                   f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms")
         ttfb: dict[str, float] = {}
         for name, p in targets.items():
