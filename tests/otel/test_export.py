@@ -139,3 +139,29 @@ def test_collector_down_costs_requests_nothing_and_drops_are_counted() -> None:
     assert down.force_flush(timeout_s=10)
     assert down.spans_dropped() == steps + 50  # every span: lost to a full queue or a failed export
     assert down.shutdown(timeout_s=5) and baseline.shutdown()
+
+
+class BatchSizes(SpanExporter):
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.first = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.sizes.append(len(spans))
+        self.first.set()
+        return SpanExportResult.SUCCESS
+
+
+def test_export_batches_are_small_by_default_and_configurable() -> None:
+    """64 spans per export, not the SDK's 512: the export thread holds the GIL while it encodes, and a
+    long burst delays the event loop (the paced p99 of `make bench`)."""
+    for env, size in (({}, 64), ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "8"}, 8)):
+        exporter = BatchSizes()
+        telemetry = setup_telemetry({"OTEL_BSP_SCHEDULE_DELAY": "60000", **env}, exporter=exporter)
+        try:
+            for _ in range(size):
+                one_step(telemetry)
+            assert exporter.first.wait(10), "a full batch was not exported"
+            assert exporter.sizes[0] == size
+        finally:
+            telemetry.shutdown(5.0)
