@@ -54,7 +54,11 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     gw.transports.update(local)
     gw.services["grammars"] = library
     gw.services["resolver"] = Resolver(library)
-    ledger = Ledger.open(config.resolve(config.ledger.path or _ledger_default(config)), linger_s=0.05)
+    ledger_path = config.resolve(config.ledger.path or _ledger_default(config))
+    # the run store's own file (locked by it): no other process writes it, write on the loop
+    shares_store = (config.state.backend == "sqlite"
+                    and ledger_path.resolve() == config.resolve(config.state.path).resolve())
+    ledger = Ledger.open(ledger_path, linger_s=0.05, on_loop=shares_store)
     await ledger.start()
     given = app.get(TELEMETRY)
     if given is None:

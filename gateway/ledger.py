@@ -13,7 +13,10 @@ Contracts:
   writers extend one chain (WAL + busy_timeout: writers queue). Next id = max(last id, sqlite_sequence)
   + 1, so rows cut from the end leave a visible gap.
 * The request path never touches SQLite: `append_nowait`/`append` enqueue; the writer task (`start()`)
-  writes batches, one transaction each, on a worker thread.
+  writes batches, one transaction each, on a worker thread, or with `on_loop` on the event loop
+  itself: for a file only this process writes (the SQLite run store's, which it locks), where a
+  worker thread would only contend with the store's own writes for the file's write lock (the loser
+  sleeps in SQLite's busy handler, milliseconds at a time) and cost a thread hop per batch.
 * `append` waits while `max_pending` entries are queued; `append_nowait` never waits: past `max_pending`
   the queue grows (counted in `overflowed`), past `hard_limit` the entry is refused, counted in
   `dropped` and logged. A failed write keeps its batch queued and is retried with backoff
@@ -52,6 +55,7 @@ from gateway.ledger_chain import (
 __all__ = ["Ledger", "LedgerEntry", "VerifyResult", "entry_hash", "input_hash", "verify"]
 
 DETAIL_MAX = 500
+LOOP_BATCH = 128  # rows per transaction when writing on the event loop (~1 ms)
 _TEXT = ("agent", "run_id", "operation", "model", "input_hash", "decision", "detail")
 _WIDTH = len(COLUMNS)
 # Rows per INSERT statement at most: 64 x 12 parameters stays under SQLite's historic 999-variable
@@ -81,8 +85,10 @@ class Ledger:
     """Append-only decision log over one SQLite file; the module docstring states the contracts."""
 
     def __init__(self, writer: sqlite3.Connection, reader: sqlite3.Connection, *, max_pending: int,
-                 hard_limit: int, batch_size: int, retry_delay_s: float, linger_s: float = 0.0) -> None:
+                 hard_limit: int, batch_size: int, retry_delay_s: float, linger_s: float = 0.0,
+                 on_loop: bool = False) -> None:
         self._writer = writer  # used by one worker thread at a time: the writer task serializes
+        self._on_loop = on_loop
         self._reader = reader  # used by rows() on the caller's thread, never by the worker
         self._pending: deque[tuple[LedgerEntry, float]] = deque()
         self._max_pending, self._hard_limit = max_pending, hard_limit
@@ -96,8 +102,11 @@ class Ledger:
 
     @classmethod
     def open(cls, path: str | Path, *, max_pending: int = 10_000, hard_limit: int = 1_000_000,
-             batch_size: int = 512, retry_delay_s: float = 0.05, linger_s: float = 0.0) -> Ledger:
-        """Open `path`, creating the ledger table if needed. Sync: call at startup, not per request."""
+             batch_size: int = 512, retry_delay_s: float = 0.05, linger_s: float = 0.0,
+             on_loop: bool = False) -> Ledger:
+        """Open `path`, creating the ledger table if needed. Sync: call at startup, not per request.
+        `on_loop`: write on the event loop (module docstring); batches are then at most LOOP_BATCH rows,
+        so one never holds the loop for long."""
         writer = connect(path)
         enable_wal(writer)
         writer.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: no fsync per commit
@@ -106,7 +115,8 @@ class Ledger:
             writer.execute(statement)
         writer.execute("COMMIT")
         return cls(writer, connect(path), max_pending=max_pending, hard_limit=hard_limit,
-                   batch_size=batch_size, retry_delay_s=retry_delay_s, linger_s=linger_s)
+                   batch_size=min(batch_size, LOOP_BATCH) if on_loop else batch_size,
+                   retry_delay_s=retry_delay_s, linger_s=linger_s, on_loop=on_loop)
 
     async def start(self) -> None:
         """Start the background writer on the running loop. Idempotent."""
@@ -143,8 +153,8 @@ class Ledger:
         """Return once every entry accepted before the call is written (or lost at close)."""
         target = self.accepted
         if not self._writer_alive():
-            while self._pending:  # no writer task: write here, on a worker thread
-                await asyncio.to_thread(self._write_some)
+            while self._pending:  # no writer task: write here
+                await self._write_batch()
             return
         assert self._progress is not None and self._wake is not None
         self._wake.set()
@@ -204,7 +214,7 @@ class Ledger:
                     # (~100 us CPU) plus a few GIL hand-offs with the request path's thread
                     await asyncio.sleep(self._linger_s)
                 try:
-                    await asyncio.to_thread(self._write_some)
+                    await self._write_batch()
                     failures = 0
                 except sqlite3.Error as exc:
                     self.write_errors += 1
@@ -221,6 +231,12 @@ class Ledger:
         finally:
             async with self._progress:  # wake waiters even when this task dies or is cancelled
                 self._progress.notify_all()
+
+    async def _write_batch(self) -> None:
+        if self._on_loop:
+            self._write_some()
+        else:
+            await asyncio.to_thread(self._write_some)
 
     def _write_some(self) -> None:
         """Write up to batch_size queued entries in one transaction, extending the chain. On failure

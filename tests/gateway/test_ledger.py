@@ -454,3 +454,60 @@ async def test_every_row_cut_leaves_the_next_ids_after_the_cut(tmp_path: Path) -
     rows = ledger_rows(db)
     assert [r["id"] for r in rows] == [6, 7] and rows[0]["prev_hash"] == GENESIS
     assert (verify(db).ok, verify(db).first_bad_id) == (False, 6)
+
+
+@pytest.mark.parametrize("on_loop", [True, False], ids=["on-loop", "worker-thread"])
+async def test_batches_are_written_where_configured(tmp_path: Path, on_loop: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on_loop` (the run store's own file): batches are written on the event loop's thread, at most
+    LOOP_BATCH rows each; otherwise on a worker thread."""
+    import threading
+
+    from gateway import ledger as ledger_module
+
+    threads: list[int] = []
+    sizes: list[int] = []
+    real = Ledger._write_some
+
+    def spy(self: Ledger) -> None:
+        threads.append(threading.get_ident())
+        before = self.written
+        real(self)
+        sizes.append(self.written - before)
+
+    monkeypatch.setattr(Ledger, "_write_some", spy)
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path, on_loop=on_loop)
+    for i in range(ledger_module.LOOP_BATCH * 2 + 5):
+        ledger.append_nowait(entry(i))
+    await ledger.start()
+    await ledger.flush()
+    await ledger.close()
+    loop_thread = threading.get_ident()
+    assert all((t == loop_thread) == on_loop for t in threads)
+    if on_loop:
+        assert max(sizes) <= ledger_module.LOOP_BATCH
+    assert verify(path).ok and verify(path).rows == ledger_module.LOOP_BATCH * 2 + 5
+
+
+async def test_the_gateway_writes_its_ledger_on_the_loop_only_in_the_store_file(tmp_path: Path) -> None:
+    from gateway.app import create_app
+    from gateway.config import parse_config
+    from gateway.proxy import GATEWAY
+
+    cases = [({"state": {"backend": "sqlite", "path": "s.db"}}, True),
+             ({"state": {"backend": "sqlite", "path": "s.db"}, "ledger": {"path": "l.db"}}, False),
+             ({"state": {"backend": "memory"}}, False)]
+    for n, (overrides, on_loop) in enumerate(cases):
+        base = tmp_path / str(n)
+        base.mkdir()
+        config = parse_config({"providers": {"o": {"type": "openai", "base_url": "http://127.0.0.1:9/v1"}},
+                               "models": {"gpt-*": "o"}, **overrides}, env={}, base_dir=str(base))
+        app = create_app(config)
+        ctx = app.cleanup_ctx[0](app)
+        await ctx.__anext__()
+        try:
+            assert app[GATEWAY].services["ledger"]._on_loop is on_loop
+        finally:
+            with pytest.raises(StopAsyncIteration):
+                await ctx.__anext__()
