@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final
+from typing import Final
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
@@ -43,9 +43,6 @@ from otel.redact import Redactor
 from otel.runs import RunTotals, context_from_headers, path_fingerprint
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
-
-if TYPE_CHECKING:
-    pass
 
 # step.extra keys ("span" and "trace_headers" are also read by relay.py / proxy.py)
 SPAN: Final = "span"

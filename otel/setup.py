@@ -183,6 +183,7 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
     if protocol not in ("", "http/protobuf"):
         _log.warning("OTLP protocol %r is not supported; using http/protobuf", protocol)
     from opentelemetry.exporter.otlp.proto.http import Compression
+
     from otel._otlp_http import OTLPSpanExporter as HttpExporter
 
     return HttpExporter(

@@ -35,8 +35,8 @@ _log = logging.getLogger(__name__)
 
 SCHEMA = (
     # Steps live in their own append-only table: recording one never rewrites the run's state
-    "CREATE TABLE IF NOT EXISTS steps (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
-    "epoch INTEGER NOT NULL, data BLOB NOT NULL)",
+    ("CREATE TABLE IF NOT EXISTS steps (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, "
+     "epoch INTEGER NOT NULL, data BLOB NOT NULL)"),
     "CREATE INDEX IF NOT EXISTS steps_run ON steps (run_id, seq)",
 )
 _INSERT = "INSERT INTO steps (run_id, epoch, data) VALUES (?, ?, ?)"
