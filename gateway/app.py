@@ -40,35 +40,45 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     library = GrammarLibrary.load(config.resolve(config.grammars.dir))
     resolve_agent_grammars(library, config.agents)
     local = await _local_transports(config)
-    store = open_store(config)
+    store = open_store(config)  # SQLite: holds the state file's lock until closed
     upstream = Upstream.create()
-    gw = Gateway(
-        config=config,
-        identifier=Identifier(config),
-        router=Router(config),
-        adapters=adapters(),
-        pricer=Pricer(config.pricing),
-        store=store,
-        upstream=upstream,
-    )
-    gw.transports.update(local)
-    gw.services["grammars"] = library
-    gw.services["resolver"] = Resolver(library)
-    ledger_path = config.resolve(config.ledger.path or _ledger_default(config))
-    # the run store's own file (locked by it): no other process writes it, write on the loop
-    shares_store = (config.state.backend == "sqlite"
-                    and ledger_path.resolve() == config.resolve(config.state.path).resolve())
-    ledger = Ledger.open(ledger_path, linger_s=0.05, on_loop=shares_store)
-    await ledger.start()
-    given = app.get(TELEMETRY)
-    if given is None:
-        telemetry = setup_telemetry(os.environ, capture_content=config.otel.capture_content)
-    else:
-        telemetry = given
-    gw.services.update(ledger=ledger, telemetry=telemetry, metrics_render=telemetry.metrics.render,
-                       redactor=redactor_for(gw), on_reset=[lambda state: end_run(gw, state)])
-    gw.hooks.on_step.append(lambda step: on_step(gw, step))
-    gw.hooks.on_guard_error.append(telemetry.metrics.guard_error)
+    ledger: Ledger | None = None
+    try:
+        gw = Gateway(
+            config=config,
+            identifier=Identifier(config),
+            router=Router(config),
+            adapters=adapters(),
+            pricer=Pricer(config.pricing),
+            store=store,
+            upstream=upstream,
+        )
+        gw.transports.update(local)
+        gw.services["grammars"] = library
+        gw.services["resolver"] = Resolver(library)
+        ledger_path = config.resolve(config.ledger.path or _ledger_default(config))
+        # the run store's own file (locked by it): its ledger is this process's alone, written on the loop
+        shares_store = (config.state.backend == "sqlite"
+                        and ledger_path.resolve() == config.resolve(config.state.path).resolve())
+        ledger = Ledger.open(ledger_path, linger_s=0.05, on_loop=shares_store)
+        await ledger.start()
+        given = app.get(TELEMETRY)
+        if given is None:
+            telemetry = setup_telemetry(os.environ, capture_content=config.otel.capture_content)
+        else:
+            telemetry = given
+        gw.services.update(ledger=ledger, telemetry=telemetry, metrics_render=telemetry.metrics.render,
+                           redactor=redactor_for(gw), on_reset=[lambda state: end_run(gw, state)])
+        gw.hooks.on_step.append(lambda step: on_step(gw, step))
+        gw.hooks.on_guard_error.append(telemetry.metrics.guard_error)
+    except BaseException:  # startup failed: release what is open, the state file's lock included
+        try:
+            await upstream.close()
+            if ledger is not None:
+                await ledger.close()
+        finally:
+            await store.close()
+        raise
     app[GATEWAY] = gw
     try:
         yield

@@ -106,15 +106,26 @@ class Ledger:
              on_loop: bool = False) -> Ledger:
         """Open `path`, creating the ledger table if needed. Sync: call at startup, not per request.
         `on_loop`: write on the event loop (module docstring); batches are then at most LOOP_BATCH rows,
-        so one never holds the loop for long."""
-        writer = connect(path)
-        enable_wal(writer)
-        writer.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: no fsync per commit
-        writer.execute("BEGIN IMMEDIATE")  # processes creating the table at once must not race
-        for statement in SCHEMA:
-            writer.execute(statement)
-        writer.execute("COMMIT")
-        return cls(writer, connect(path), max_pending=max_pending, hard_limit=hard_limit,
+        so one never holds the loop for long. Raises StateUnavailable naming the file."""
+        writer: sqlite3.Connection | None = None
+        try:
+            writer = connect(path)
+            enable_wal(writer)
+            writer.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: no fsync per commit
+            writer.execute("BEGIN IMMEDIATE")  # processes creating the table at once must not race
+            for statement in SCHEMA:
+                writer.execute(statement)
+            writer.execute("COMMIT")
+            if on_loop:
+                # never wait for the file's lock on the loop: if some other process writes this ledger
+                # after all (it should not: it is the run store's file), the batch fails and is retried
+                writer.execute("PRAGMA busy_timeout = 0")
+            reader = connect(path)
+        except sqlite3.Error as exc:
+            if writer is not None:
+                writer.close()
+            raise StateUnavailable(f"cannot open the ledger {path}: {exc}") from None
+        return cls(writer, reader, max_pending=max_pending, hard_limit=hard_limit,
                    batch_size=min(batch_size, LOOP_BATCH) if on_loop else batch_size,
                    retry_delay_s=retry_delay_s, linger_s=linger_s, on_loop=on_loop)
 
@@ -235,6 +246,7 @@ class Ledger:
     async def _write_batch(self) -> None:
         if self._on_loop:
             self._write_some()
+            await asyncio.sleep(0)  # a backlog is many batches: let requests run between them
         else:
             await asyncio.to_thread(self._write_some)
 

@@ -14,7 +14,9 @@ Contracts:
   run), resets, takes, crash recovery. A write-through writes the run's whole state, so it also
   carries every change written behind before it.
 * Written behind (`gateway.store.sqlite_steps`, within `flush_after_s`, 10 ms, in one transaction with
-  the step history): settlements and guard counters / histories that did not stop the run. A crash
+  the step history): settlements within their reservation, and guard counters / histories that did
+  not stop the run. A settlement above its reservation (an upstream that ignored `max_tokens`) is
+  written through. A crash
   in that window loses them, safely for spend: a lost settlement leaves its reservation open in the
   file, and on open, reservations a crashed process left open are settled at their reserved amount
   (the spend of a call is never counted below what was reserved for it). What else can be lost is the
@@ -224,7 +226,11 @@ class SqliteRunStore:
         state = self._existing(reservation.run_id)
         if state is None or reservation.epoch != state.epoch or reservation.id not in state.open:
             return  # settled already, or reset since: nothing changes, nothing to write
-        self._change(state, lambda s: logic.settle(s, reservation, actual, now), behind=True)
+        held = state.open[reservation.id]["amounts"]
+        # a crash before the batch charges the reservation: enough unless the call cost more than it
+        # held (output beyond max_tokens): then the settlement is written through
+        within = all(actual.get(counter, 0.0) <= amount + logic.EPS for counter, amount in held.items())
+        self._change(state, lambda s: logic.settle(s, reservation, actual, now), behind=within)
 
     async def add(
         self,

@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 
-from gateway.app import create_apps
+from gateway.app import create_app, create_apps
 from gateway.config import parse_config
+from gateway.errors import StateUnavailable
+from gateway.store.sqlite import SqliteRunStore
 
 # modules only a configured (or first-used) feature needs
 FEATURE_MODULES = ("jsonschema", "referencing", "gateway.mcp", "gateway.mcp_calls", "gateway.jsonrpc",
@@ -113,3 +116,16 @@ async def test_mcp_path_without_mcp_servers_answers_404(tmp_path: Path) -> None:
             assert resp.headers["x-tollgate-run-id"] == "default:default"
     finally:
         await server.close()
+
+
+async def test_a_failed_startup_releases_the_state_file(tmp_path: Path) -> None:
+    """Startup fails after the run store took its lock (here the ledger cannot open): the lock is
+    released, so the app can be built again in the same process."""
+    data = {"providers": {"o": {"type": "openai", "base_url": "http://127.0.0.1:9/v1"}}, "models": {"gpt-*": "o"},
+            "state": {"backend": "sqlite", "path": "s.db"}, "ledger": {"path": "missing-dir/l.db"}}
+    app = create_app(parse_config(data, env={}, base_dir=str(tmp_path)))
+    ctx = app.cleanup_ctx[0](app)
+    with pytest.raises(StateUnavailable, match="cannot open the ledger"):
+        await ctx.__anext__()
+    store = SqliteRunStore.open(tmp_path / "s.db")
+    await store.close()

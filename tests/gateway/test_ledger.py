@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -511,3 +512,57 @@ async def test_the_gateway_writes_its_ledger_on_the_loop_only_in_the_store_file(
         finally:
             with pytest.raises(StopAsyncIteration):
                 await ctx.__anext__()
+
+
+async def test_a_backlog_on_the_loop_lets_other_tasks_run_between_batches(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import ledger as ledger_module
+
+    ticks = 0
+    seen: list[int] = []
+    real = Ledger._write_some
+
+    def spy(self: Ledger) -> None:
+        seen.append(ticks)
+        real(self)
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    monkeypatch.setattr(Ledger, "_write_some", spy)
+    ledger = Ledger.open(tmp_path / "ledger.db", on_loop=True)
+    for i in range(ledger_module.LOOP_BATCH * 4):
+        ledger.append_nowait(entry(i))
+    task = asyncio.get_running_loop().create_task(ticker())
+    try:
+        await ledger.start()
+        await ledger.flush()
+    finally:
+        task.cancel()
+        await ledger.close()
+    assert len(seen) >= 4 and all(b > a for a, b in itertools.pairwise(seen))
+
+
+async def test_on_the_loop_a_locked_file_fails_the_batch_at_once(tmp_path: Path) -> None:
+    """Never a wait in SQLite's busy handler on the event loop: the batch fails and is retried later."""
+    import time
+
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path, on_loop=True)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        ledger.append_nowait(entry(1))
+        started = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            ledger._write_some()
+        assert time.monotonic() - started < 0.5
+        other.execute("ROLLBACK")
+        ledger._write_some()
+        assert ledger.written == 1
+    finally:
+        other.close()
+        ledger.close_sync()

@@ -220,6 +220,23 @@ async def test_settlements_and_counters_are_written_behind_stops_through(tmp_pat
         await store.close()
 
 
+async def test_a_settlement_above_its_reservation_is_written_through(tmp_path: Path) -> None:
+    """A crash would charge only the reservation: a call that cost more (output beyond max_tokens) must
+    not wait for the batch."""
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        within, above = await grant(store), await grant(store)
+        await store.settle(within, {"usd": within.amounts["usd"] / 2, "llm_calls": 1.0}, NOW)
+        assert within.id in file_state(path, "run-1")["open"]  # behind
+        await store.settle(above, {"usd": above.amounts["usd"] * 3, "llm_calls": 1.0}, NOW)
+        on_file = file_state(path, "run-1")
+        assert on_file["open"] == {}  # through, with the earlier settlement
+        assert on_file["used"]["usd"] == pytest.approx(within.amounts["usd"] / 2 + above.amounts["usd"] * 3)
+    finally:
+        await store.close()
+
+
 async def test_refused_batches_keep_settlements_until_written(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteRunStore.open(path, flush_after_s=0.01)
@@ -256,7 +273,7 @@ async def test_the_cache_is_bounded_and_reloads_from_the_file(tmp_path: Path) ->
     try:
         for run_id in ("a", "b", "c"):
             await grant(store, run_id)
-        assert len(store._runs) == 2  # noqa: SLF001  (the bound itself is the contract under test)
+        assert len(store._runs) == 2  # the bound itself is the contract under test
         # "a" was dropped from memory: its next use reads the file (where an operator edited it)
         blob = orjson.loads(query(path, "SELECT state FROM runs WHERE run_id = 'a'")[0][0])
         blob["used"]["tool_calls"] = 7.0
@@ -363,9 +380,8 @@ async def test_close_raises_when_steps_cannot_be_written_and_still_releases(tmp_
     path = tmp_path / "state.db"
     store = SqliteRunStore.open(path, flush_after_s=3600.0)
     await store.record_step("run-1", "bot", {"n": 1}, NOW)
-    with refusing(path, "steps", "INSERT"):
-        with pytest.raises(StateUnavailable, match="disk says no"):
-            await store.close()
+    with refusing(path, "steps", "INSERT"), pytest.raises(StateUnavailable, match="disk says no"):
+        await store.close()
     again = SqliteRunStore.open(path)
     await again.close()
 
