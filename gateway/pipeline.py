@@ -10,14 +10,14 @@ applies their claims and effects atomically.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from gateway.call import Answer
-from gateway.config import Limits
+from gateway.config import Limits, Provider
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -42,8 +42,9 @@ STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
 JSON = "application/json"
 # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
-_DROP_PASSTHROUGH = frozenset({"baggage", "traceparent", "tracestate"})
-_DROP = _DROP_PASSTHROUGH | {"authorization", "x-api-key"}
+TRACE_HEADERS = frozenset({"baggage", "traceparent", "tracestate"})
+CREDENTIALS = frozenset({"authorization", "x-api-key"})
+_DROP_TRACE = (TRACE_HEADERS, TRACE_HEADERS | CREDENTIALS)  # [passthrough auth or not]
 
 
 # -- parse -------------------------------------------------------------------------------------------
@@ -190,19 +191,23 @@ def shape(step: Step) -> bytes:
 def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """URL and headers for the upstream: provider credentials replace the agent's own."""
     provider = step.route.provider
-    passthrough = provider.passthrough_auth
-    out = forwardable(headers, drop=_DROP_PASSTHROUGH if passthrough else _DROP)
-    if provider.type == "anthropic":
-        url = provider.base_url.rstrip("/") + "/v1/messages"
-        if provider.api_key and not passthrough:
-            out["x-api-key"] = provider.api_key
-        out.setdefault("anthropic-version", "2023-06-01")
-    else:
-        url = provider.base_url.rstrip("/") + "/chat/completions"
-        if provider.api_key and not passthrough:
-            out["Authorization"] = f"Bearer {provider.api_key}"
+    out = forwardable(headers, drop=_DROP_TRACE[not provider.passthrough_auth])
+    add_credentials(provider, out)
+    path = "/v1/messages" if provider.type == "anthropic" else "/chat/completions"
     out["Content-Type"] = JSON
-    return url, dict(out)
+    return provider.base_url.rstrip("/") + path, dict(out)
+
+
+def add_credentials(provider: Provider, headers: MutableMapping[str, str]) -> None:
+    """The provider's key where its API expects it, unless the agent's own credentials pass through
+    (the caller has dropped the agent's otherwise: CREDENTIALS)."""
+    key = None if provider.passthrough_auth else provider.api_key
+    if provider.type == "anthropic":
+        if key:
+            headers["x-api-key"] = key
+        headers.setdefault("anthropic-version", "2023-06-01")
+    elif key:
+        headers["Authorization"] = f"Bearer {key}"
 
 
 # -- guard.after / settle ----------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from gateway.identity import Identity
 from gateway.observe import begin_step, end_run, start_span
 from gateway.outputs import apply_native, judge, plan_outputs
 from gateway.pipeline import (
+    CREDENTIALS,
     JSON,
+    add_credentials,
     base_headers,
     echo_headers,
     error_response,
@@ -308,14 +310,9 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         url = base + (("/v1" + tail) if provider.type == "anthropic" else tail)
         if request.rel_url.raw_query_string:
             url += "?" + request.rel_url.raw_query_string
-        drop = frozenset() if provider.passthrough_auth else frozenset({"authorization", "x-api-key"})
-        headers = dict(forwardable(request.headers, drop=drop))
-        if provider.api_key and not provider.passthrough_auth:
-            if provider.type == "anthropic":
-                headers["x-api-key"] = provider.api_key
-                headers.setdefault("anthropic-version", "2023-06-01")
-            else:
-                headers["Authorization"] = f"Bearer {provider.api_key}"
+        own_auth = frozenset() if provider.passthrough_auth else CREDENTIALS
+        headers = dict(forwardable(request.headers, drop=own_auth))
+        add_credentials(provider, headers)
         upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
     except GatewayError as exc:
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
