@@ -310,8 +310,8 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         url = base + (("/v1" + tail) if provider.type == "anthropic" else tail)
         if request.rel_url.raw_query_string:
             url += "?" + request.rel_url.raw_query_string
-        own_auth = frozenset() if provider.passthrough_auth else CREDENTIALS
-        headers = dict(forwardable(request.headers, drop=own_auth))
+        drop = frozenset() if provider.passthrough_auth else CREDENTIALS
+        headers = dict(forwardable(request.headers, drop=drop))
         add_credentials(provider, headers)
         upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
     except GatewayError as exc:
