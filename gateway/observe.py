@@ -9,8 +9,7 @@ Model calls: one CLIENT span per upstream *attempt* (a re-ask is a new attempt).
 - `start_span` opens the span of the attempt about to be forwarded and returns the trace headers
   for the upstream. It is safe to call on every pass of the re-ask loop: a second call for the same
   attempt returns the same headers; a call for a new attempt first ends the previous attempt's span
-  (its answer, cost and the reason of the re-ask). Called once per step, as `proxy.run_step` does
-  today, the one span covers every attempt.
+  (its answer, cost and the reason of the re-ask). `proxy.run_step` calls it on every pass.
 - `on_step` ends the last span with the step's outcome. A step that never reached the upstream (a
   guard stopped it, the request was refused) still gets a span, backdated to the step's start, with
   `error.type` = the stop or error code; a stop always carries a `tollgate.guard` event.
