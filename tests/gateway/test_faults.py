@@ -49,7 +49,10 @@ USER = [{"role": "user", "content": "hi"}]
 WIRES = pytest.mark.parametrize("path", [CHAT, MESSAGES], ids=["openai", "anthropic"])
 STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 ANTHROPIC_TYPE = {502: "api_error", 504: "timeout_error"}
-TIMEOUTS = {"connect": 2, "first_byte": 0.4, "idle": 0.4}
+# Long enough that a pause of the test process (a full GC late in the suite) cannot pass for an
+# upstream timeout in the cases that do not test one (a disconnect mid-stream); the fakes that do
+# stall for 3 s.
+TIMEOUTS = {"connect": 2, "first_byte": 1.2, "idle": 1.2}
 
 
 # -- a raw upstream that resets or truncates connections ------------------------------------------------
