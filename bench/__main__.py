@@ -188,9 +188,9 @@ async def main(requests: int, state: str, tracing: bool) -> None:
         print(f"stream time to first byte added (c=1, p50): {ttfb['tollgate'] - ttfb['direct']:.2f} ms (target <= 1)")
         print(f"tollgate peak RSS: {rss_mb(gate.pid):.0f} MB (target <= 80)")
     finally:
-        for proc in procs:
+        # the gateway first: it exports its last spans to the upstream's sink while stopping
+        for proc in reversed(procs):
             proc.terminate()
-        for proc in procs:
             proc.wait(timeout=30)
 
 

@@ -1,6 +1,6 @@
 """Stage `forward`: the only place that does network I/O.
 
-One pooled `aiohttp.ClientSession` per process. Timeouts are per phase: connect, time to the response
+One pooled HTTP/1.1 client per process (`gateway.http1`). Timeouts are per phase: connect, time to the response
 headers (`first_byte`), and the idle gap between body chunks. There is no total timeout, which would
 cut a long healthy stream.
 """
@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
-import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from gateway.config import Timeouts
-from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import InvalidRequest
+from gateway.http1 import Http1Pool
 
 HOP_BY_HOP = frozenset(
     {
@@ -87,45 +86,6 @@ def check_target(url: str) -> None:
         raise InvalidRequest("the request path may not contain '.' or '..' segments")
 
 
-@dataclass(slots=True)
-class HttpResponse:
-    """`UpstreamResponse` over an aiohttp client response."""
-
-    status: int
-    headers: CIMultiDictProxy[str]
-    _resp: aiohttp.ClientResponse
-    _idle: float
-
-    async def read(self) -> bytes:
-        try:
-            async with asyncio.timeout(self._idle):
-                return await self._resp.read()
-        except TimeoutError:
-            raise UpstreamTimeout(f"upstream sent no data for {self._idle:g}s") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(f"upstream connection failed while reading: {type(exc).__name__}") from None
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        content = self._resp.content
-        idle = self._idle
-        while True:
-            try:
-                async with asyncio.timeout(idle):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise UpstreamTimeout(f"upstream stream idle for more than {idle:g}s") from None
-            except aiohttp.ClientError as exc:
-                raise UpstreamUnavailable(f"upstream stream broke: {type(exc).__name__}") from None
-            if not chunk:
-                return
-            yield chunk
-
-    def release(self) -> None:
-        """Close the connection unless the body was fully read (then it returns to the pool)."""
-        if not self._resp.closed:
-            self._resp.close()
-
-
 class Transport(Protocol):
     """The seam under the pipeline: send a request, get an `UpstreamResponse` once headers are in.
     `Upstream` is the HTTP implementation; tests and in-process models provide others."""
@@ -136,37 +96,31 @@ class Transport(Protocol):
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self._session = session
+    """The HTTP `Transport`: a pooled HTTP/1.1 client (`gateway.http1`), one per process."""
+
+    def __init__(self, pool: Http1Pool) -> None:
+        self._pool = pool
 
     @classmethod
     def create(cls, *, limit: int = 256) -> Upstream:
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
-        # DummyCookieJar: a proxy must not keep cookies one agent's upstream set and replay them for another
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True,
-                                        cookie_jar=aiohttp.DummyCookieJar())
-        return cls(session)
+        """Call from the running event loop (the app's startup). The client keeps no cookies: a proxy
+        must not replay what one agent's upstream set for another."""
+        return cls(Http1Pool(asyncio.get_running_loop(), limit=limit))
+
+    @property
+    def pool(self) -> Http1Pool:
+        return self._pool
 
     async def close(self) -> None:
-        await self._session.close()
+        await self._pool.close()
 
     def busy_connections(self) -> int:
         """Pooled connections currently carrying a request or response (0 when nothing is in flight)."""
-        connector = self._session.connector
-        return len(getattr(connector, "_acquired", ())) if connector is not None else 0
+        return self._pool.busy()
 
     def open_connections(self) -> int:
-        """Open upstream connections: busy ones plus idle keep-alive ones whose socket is still open.
-
-        For health checks and leak tests; aiohttp exposes the pool only through private fields."""
-        connector = self._session.connector
-        if connector is None or connector.closed:
-            return 0
-        idle = 0
-        for pool in getattr(connector, "_conns", {}).values():
-            idle += sum(1 for protocol, _ in pool if protocol.is_connected())
-        return self.busy_connections() + idle
+        """Open upstream connections: busy ones plus idle keep-alive ones (health checks, leak tests)."""
+        return self._pool.open_count()
 
     async def open(
         self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
@@ -174,22 +128,4 @@ class Upstream:
         """Send the request and wait for the response headers. Raises InvalidRequest for a path that
         could leave the provider's base path (`check_target`)."""
         check_target(url)
-        try:
-            async with asyncio.timeout(timeouts.first_byte):
-                resp = await self._session.request(
-                    method,
-                    url,
-                    headers=headers,
-                    data=body,
-                    allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=None),
-                )
-        except TimeoutError:
-            raise UpstreamTimeout(f"upstream did not answer within {timeouts.first_byte:g}s") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamUnavailable(f"cannot connect to upstream: {exc.os_error.strerror or exc}") from None
-        except aiohttp.ServerTimeoutError:
-            raise UpstreamTimeout(f"upstream connect timed out after {timeouts.connect:g}s") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(f"upstream request failed: {type(exc).__name__}") from None
-        return HttpResponse(resp.status, resp.headers, resp, timeouts.idle)
+        return await self._pool.open(method, url, headers, body, timeouts)

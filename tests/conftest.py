@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 
@@ -31,6 +33,17 @@ class Harness:
         async with self.session.get(f"{self.admin_url}/admin/runs/{run_id}") as resp:
             assert resp.status == 200, await resp.text()
             return await resp.json()  # type: ignore[no-any-return]
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Async tests of a module with `BOTH_LOOPS = True` run on asyncio's loop and on uvloop (the
+    one `tollgate serve` uses); others on asyncio's only."""
+    module = getattr(item, "module", None)
+    if getattr(module, "BOTH_LOOPS", False):
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 def base_config(fake_url: str, **overrides: Any) -> dict[str, Any]:

@@ -41,10 +41,15 @@ class SseParser:
         buf = self._buf + chunk if self._buf else chunk
         events: list[SseEvent] = []
         start = 0
+        # next position of each separator at or after `start` (-1: none left). Searched again only once
+        # passed, so a chunk of many events is scanned in linear time, not once per event
+        found = [buf.find(sep) for sep in _SEPARATORS]
         while True:
             cut, sep_len = -1, 0
-            for sep in _SEPARATORS:
-                i = buf.find(sep, start)
+            for k, sep in enumerate(_SEPARATORS):
+                i = found[k]
+                if 0 <= i < start:
+                    i = found[k] = buf.find(sep, start)
                 if i != -1 and (cut == -1 or i < cut):
                     cut, sep_len = i, len(sep)
             if cut == -1:

@@ -1,0 +1,354 @@
+"""The HTTP/1.1 upstream client against scripted loopback servers: framing, pooling, timeouts,
+back-pressure, decoding, TLS, header splitting and what each failure leaves open."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import trustme
+
+from gateway.config import Timeouts
+from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
+from gateway.http1 import HIGH_WATER, Http1Pool, request_head, split_url
+
+FAST = Timeouts(connect=1, first_byte=0.5, idle=0.5)
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+BOTH_LOOPS = True  # every async test on asyncio's loop and on uvloop (tests/conftest.py)
+
+
+class Server:
+    """A loopback server that answers each request with the scripted `handler`."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self, context: ssl.SSLContext | None = None) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=context)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"{'https' if context else 'http'}://{'localhost' if context else '127.0.0.1'}:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                    0,
+                )
+                self.requests.append(head + await reader.readexactly(length))
+                await self.handler(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+def answer(body: bytes, head: bytes = b"") -> Handler:
+    async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), head, body))
+        await writer.drain()
+
+    return handle
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[Http1Pool, Server, str]]]]:
+    made: list[tuple[Http1Pool, Server]] = []
+
+    async def make(handler: Handler) -> tuple[Http1Pool, Server, str]:
+        server = Server(handler)
+        url = await server.start()
+        pool = Http1Pool(asyncio.get_running_loop())
+        made.append((pool, server))
+        return pool, server, url
+
+    yield make
+    for pool, server in made:
+        await pool.close()
+        await server.close()
+
+
+async def test_keep_alive_reuses_one_connection(served) -> None:  # type: ignore[no-untyped-def]
+    pool, server, url = await served(answer(b'{"ok":1}', b"Content-Type: application/json\r\n"))
+    for _ in range(3):
+        resp = await pool.open("POST", url + "/v1/x?a=1", {"Authorization": "Bearer k"}, b"{}", FAST)
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "application/json"
+        assert await resp.read() == b'{"ok":1}'
+    assert server.connections == 1
+    assert pool.open_count() == 1 and pool.busy() == 0
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"Authorization: Bearer k\r\n" in first and b"Content-Length: 2\r\n" in first and first.endswith(b"{}")
+
+
+async def test_chunked_stream_arrives_chunk_by_chunk(served) -> None:  # type: ignore[no-untyped-def]
+    gate = asyncio.Event()
+
+    async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await gate.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+
+    pool, server, url = await served(handle)
+    resp = await pool.open("GET", url + "/s", {}, None, FAST)
+    got = []
+    async for chunk in resp.chunks():
+        got.append(chunk)
+        gate.set()
+    assert got == [b"first", b"second"]
+    assert pool.busy() == 0 and pool.open_count() == 1  # ended cleanly: back in the pool
+    assert b"Content-Length" not in server.requests[0]
+
+
+async def test_body_delimited_by_close_is_complete_and_not_reused(served) -> None:  # type: ignore[no-untyped-def]
+    async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
+        await writer.drain()
+        writer.close()
+
+    pool, _, url = await served(handle)
+    resp = await pool.open("GET", url, {}, None, FAST)
+    assert await resp.read() == b"until the end"
+    assert pool.open_count() == 0
+
+
+async def test_connection_close_answer_is_not_pooled(served) -> None:  # type: ignore[no-untyped-def]
+    pool, server, url = await served(answer(b"x", b"Connection: close\r\n"))
+    for _ in range(2):
+        assert await (await pool.open("GET", url, {}, None, FAST)).read() == b"x"
+    assert server.connections == 2
+
+
+async def test_gzip_answer_is_decoded(served) -> None:  # type: ignore[no-untyped-def]
+    pool, server, url = await served(answer(gzip.compress(b"plain text" * 100), b"Content-Encoding: gzip\r\n"))
+    assert await (await pool.open("GET", url, {}, None, FAST)).read() == b"plain text" * 100
+    assert b"Accept-Encoding: identity\r\n" in server.requests[0]
+    resp = await pool.open("GET", url, {}, None, FAST)
+    assert b"".join([c async for c in resp.chunks()]) == b"plain text" * 100
+
+
+async def test_unsupported_encoding_is_refused_and_closed(served) -> None:  # type: ignore[no-untyped-def]
+    pool, _, url = await served(answer(b"??", b"Content-Encoding: br\r\n"))
+    with pytest.raises(UpstreamUnavailable, match="unsupported content-encoding 'br'"):
+        await pool.open("GET", url, {}, None, FAST)
+    assert pool.busy() == 0
+
+
+async def test_no_answer_times_out_and_closes(served) -> None:  # type: ignore[no-untyped-def]
+    async def silent(_: asyncio.StreamReader, __: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3)
+
+    pool, _, url = await served(silent)
+    with pytest.raises(UpstreamTimeout, match="did not answer within 0.5s"):
+        await pool.open("POST", url, {}, b"{}", FAST)
+    assert pool.busy() == 0 and pool.open_count() == 0
+
+
+async def test_stalled_stream_times_out_and_closes(served) -> None:  # type: ignore[no-untyped-def]
+    async def stall(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+        await asyncio.sleep(3)
+
+    pool, _, url = await served(stall)
+    resp = await pool.open("GET", url, {}, None, FAST)
+    with pytest.raises(UpstreamTimeout, match="idle for more than 0.5s"):
+        async for _ in resp.chunks():
+            pass
+    resp.release()
+    resp = await pool.open("GET", url, {}, None, FAST)
+    with pytest.raises(UpstreamTimeout, match="no data for 0.5s"):
+        await resp.read()
+    resp.release()
+    await asyncio.sleep(0)
+    assert pool.busy() == 0 and pool.open_count() == 0
+
+
+async def test_truncated_body_is_an_error(served) -> None:  # type: ignore[no-untyped-def]
+    async def truncate(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+        writer.close()
+
+    pool, _, url = await served(truncate)
+    resp = await pool.open("GET", url, {}, None, FAST)
+    with pytest.raises(UpstreamUnavailable, match="closed by upstream"):
+        await resp.read()
+    resp.release()
+    assert pool.open_count() == 0
+
+
+async def test_malformed_answer_is_an_error(served) -> None:  # type: ignore[no-untyped-def]
+    async def garbage(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+
+    pool, _, url = await served(garbage)
+    with pytest.raises(UpstreamUnavailable, match="malformed response"):
+        await pool.open("GET", url, {}, None, FAST)
+    assert pool.busy() == 0
+
+
+async def test_oversized_headers_are_refused(served) -> None:  # type: ignore[no-untyped-def]
+    pool, _, url = await served(answer(b"", b"X-Big: " + b"a" * 70_000 + b"\r\n"))
+    with pytest.raises(UpstreamUnavailable, match="headers too large"):
+        await pool.open("GET", url, {}, None, FAST)
+
+
+async def test_refused_connection(unused_tcp_port: int) -> None:
+    pool = Http1Pool(asyncio.get_running_loop())
+    with pytest.raises(UpstreamUnavailable, match="cannot connect to upstream"):
+        await pool.open("GET", f"http://127.0.0.1:{unused_tcp_port}/", {}, None, FAST)
+    assert pool.busy() == 0
+    await pool.close()
+
+
+async def test_slow_reader_pauses_the_socket(served) -> None:  # type: ignore[no-untyped-def]
+    size = 8 * HIGH_WATER
+
+    async def flood(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+
+    pool, _, url = await served(flood)
+    resp = await pool.open("GET", url, {}, None, Timeouts(connect=1, first_byte=2, idle=2))
+    conn = resp._conn
+    for _ in range(200):  # let the server fill the socket while nobody reads
+        await asyncio.sleep(0.005)
+        if conn.paused:
+            break
+    assert conn.paused and conn.buffered < 2 * HIGH_WATER  # bounded, not the whole body
+    total = sum([len(chunk) async for chunk in resp.chunks()])
+    assert total == size
+
+
+async def test_busy_limit_makes_callers_wait(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, url = await served(answer(b"ok"))
+    pool = Http1Pool(asyncio.get_running_loop(), limit=1)
+    first = await pool.open("GET", url, {}, None, FAST)
+    second = asyncio.ensure_future(pool.open("GET", url, {}, None, FAST))
+    await asyncio.sleep(0.05)
+    assert not second.done()
+    await first.read()  # ends the exchange: the slot and the connection pass to the waiter
+    assert await (await second).read() == b"ok"
+    assert server.connections == 1
+    await pool.close()
+
+
+async def test_stale_idle_connections_are_not_reused(served) -> None:  # type: ignore[no-untyped-def]
+    pool, server, url = await served(answer(b"ok"))
+    pool.keepalive_s = 0.0
+    await (await pool.open("GET", url, {}, None, FAST)).read()
+    await (await pool.open("GET", url, {}, None, FAST)).read()
+    assert server.connections == 2
+
+
+async def test_server_closing_an_idle_connection_drops_it_from_the_pool(served) -> None:  # type: ignore[no-untyped-def]
+    pool, server, url = await served(answer(b"ok"))
+    await (await pool.open("GET", url, {}, None, FAST)).read()
+    assert pool.open_count() == 1
+    for writer in server.writers:
+        writer.close()
+    for _ in range(100):
+        await asyncio.sleep(0.005)
+        if pool.open_count() == 0:
+            break
+    assert pool.open_count() == 0
+    assert await (await pool.open("GET", url, {}, None, FAST)).read() == b"ok"
+
+
+async def test_head_request_has_no_body(served) -> None:  # type: ignore[no-untyped-def]
+    async def head(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+        await writer.drain()
+
+    pool, _, url = await served(head)
+    assert await (await pool.open("HEAD", url, {}, None, FAST)).read() == b""
+
+
+async def test_cancelled_exchange_closes_its_connection(served) -> None:  # type: ignore[no-untyped-def]
+    async def slow(_: asyncio.StreamReader, __: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3)
+
+    pool, _, url = await served(slow)
+    task = asyncio.ensure_future(pool.open("GET", url, {}, None, Timeouts(connect=1, first_byte=5, idle=5)))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert pool.busy() == 0 and pool.open_count() == 0
+
+
+async def test_tls_upstream(served) -> None:  # type: ignore[no-untyped-def]
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    server = Server(answer(b"secure"))
+    url = await server.start(server_context)
+    pool = Http1Pool(asyncio.get_running_loop())
+    with pytest.raises(UpstreamUnavailable, match="TLS with upstream failed"):
+        await pool.open("GET", url, {}, None, FAST)  # the test CA is not trusted by default
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    pool.use_tls_context(client_context)
+    for _ in range(2):
+        assert await (await pool.open("GET", url + "/x", {}, None, FAST)).read() == b"secure"
+    assert server.connections == 1  # one kept-alive connection (the refused handshake never got one)
+    await pool.close()
+    await server.close()
+
+
+def test_header_splitting_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="control character"):
+        request_head("GET", "/", "h", {"X-A": "1\r\nX-Injected: 2"}, None)
+    with pytest.raises(InvalidRequest, match="control character"):
+        request_head("GET", "/", "h", {"X-A\n": "1"}, None)
+
+
+def test_head_owns_host_framing_and_encoding() -> None:
+    head = request_head("POST", "/p", "up:1", {"Host": "evil", "Content-Length": "9", "X-K": "v"}, 3)
+    assert head == b"POST /p HTTP/1.1\r\nHost: up:1\r\nX-K: v\r\nContent-Length: 3\r\nAccept-Encoding: identity\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://h/v1/chat", (("h", 80, "http"), "/v1/chat", "h")),
+        ("https://h:8443", (("h", 8443, "https"), "/", "h:8443")),
+        ("http://[::1]:9/a?b=c d", (("::1", 9, "http"), "/a?b=c%20d", "[::1]:9")),
+        ("http://h/caf\u00e9", (("h", 80, "http"), "/caf%C3%A9", "h")),
+    ],
+)
+def test_split_url(url: str, expected: tuple[object, ...]) -> None:
+    assert split_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("ftp://h/x", "unsupported upstream URL scheme"), ("http://u:p@h/", "credentials"), ("http://h:99999/", "invalid port")],
+)
+def test_split_url_refuses(url: str, message: str) -> None:
+    with pytest.raises(UpstreamUnavailable, match=message):
+        split_url(url)
