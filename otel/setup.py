@@ -46,12 +46,14 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace import sampling as Sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.sdk.version import __version__ as sdk_version
 from opentelemetry.semconv.attributes import service_attributes as Service
 from opentelemetry.semconv.attributes import telemetry_attributes as Tel
 from opentelemetry.semconv.schemas import Schemas
 from opentelemetry.util.re import parse_env_headers
 
+from otel._fastspan import FastTracer
 from otel._safe import ErrorCounter
 from otel.export import CountingSpanProcessor
 from otel.metrics import Metrics
@@ -251,12 +253,13 @@ def setup_telemetry(
     )
     ids = RunIdGenerator()
     sampler = sampler_from_env(env)
+    limits = _span_limits(env)
     provider = TracerProvider(
         sampler=sampler,
         resource=resource_from_env(env),
         shutdown_on_exit=False,
         id_generator=ids,
-        span_limits=_span_limits(env),
+        span_limits=limits,
         meter_provider=NoOpMeterProvider(),
     )
     provider.add_span_processor(processor)
@@ -264,7 +267,16 @@ def setup_telemetry(
         tollgate_version = version("tollgate")
     except PackageNotFoundError:
         tollgate_version = None
-    tracer = provider.get_tracer("tollgate", tollgate_version, schema_url=SCHEMA_URL)
+    # spans recorded without the SDK span's per-call machinery (otel/_fastspan.py); the provider stays
+    # for flush and shutdown, and the processor gets the ReadableSpans the SDK tracer would build
+    tracer = FastTracer(
+        processor=processor,
+        sampler=sampler,
+        ids=ids,
+        resource=provider.resource,
+        scope=InstrumentationScope("tollgate", tollgate_version, SCHEMA_URL),
+        limits=limits,
+    )
     metrics = Metrics(errors=errors, spans_dropped=processor.dropped, budget_reserved=budget_reserved)
     return Telemetry(
         tracer=tracer,
