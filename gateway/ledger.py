@@ -51,6 +51,7 @@ from gateway.ledger_chain import (
     input_hash,
     verify,
 )
+from gateway.store.sqlite_checkpoint import no_autocheckpoint
 
 __all__ = ["Ledger", "LedgerEntry", "VerifyResult", "entry_hash", "input_hash", "verify"]
 
@@ -120,6 +121,7 @@ class Ledger:
                 # never wait for the file's lock on the loop: if some other process writes this ledger
                 # after all (it should not: it is the run store's file), the batch fails and is retried
                 writer.execute("PRAGMA busy_timeout = 0")
+                no_autocheckpoint(writer)  # nor copy the log back on the loop: the store's checkpointer does
             reader = connect(path)
         except sqlite3.Error as exc:
             if writer is not None:

@@ -42,6 +42,7 @@ import orjson
 from gateway.errors import StateUnavailable
 from gateway.store import logic
 from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.sqlite_checkpoint import Checkpointer, no_autocheckpoint
 from gateway.store.sqlite_lock import StateFileLock
 from gateway.store.sqlite_steps import SCHEMA as STEPS_SCHEMA
 from gateway.store.sqlite_steps import StepLog
@@ -86,6 +87,7 @@ class SqliteRunStore:
         self._prefix = uuid.uuid4().hex[:8]  # reservation ids never collide with a dead process's
         self._seq = 0
         self._closed = False
+        self._checkpointer = Checkpointer(path)  # started by `open`, once the file is set up
 
     @classmethod
     def open(
@@ -100,10 +102,12 @@ class SqliteRunStore:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute("PRAGMA busy_timeout=5000")  # the ledger's connections write the same file
+                no_autocheckpoint(conn)  # commits run on the event loop; checkpoints on their own thread
                 for statement in (_RUNS, *STEPS_SCHEMA):
                     conn.execute(statement)
                 store = cls(conn, lock, path, cache_size=max(cache_size, 1), flush_after_s=flush_after_s)
                 store._recover()
+                store._checkpointer.start()
             except BaseException:
                 conn.close()
                 raise
@@ -312,6 +316,7 @@ class SqliteRunStore:
             self._runs.clear()
             try:
                 self._conn.close()
+                self._checkpointer.close()
             finally:
                 self._lock.release()
 
