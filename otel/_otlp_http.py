@@ -3,7 +3,8 @@
 `OTLPSpanExporter.export` encodes each batch with `otel._encode.encode_request` (same bytes as the
 SDK's `encode_spans(...).SerializePartialToString()`, several times cheaper) and hands them to the
 SDK's own HTTP client, so headers, compression, timeouts, retries and the exporter's metrics are the
-SDK's. Whenever the fast path does not apply (a batch the encoder declines, an oversized request,
+SDK's; the batch is posted with the SDK's urllib3 transport rather than its requests one where the
+two behave alike (`prefer_urllib3`, called by `otel.setup`). Whenever the fast path does not apply (a batch the encoder declines, an oversized request,
 after shutdown, or an SDK version whose exporter internals differ) the SDK's `export` runs instead,
 with its own logging and error reporting.
 """
@@ -11,8 +12,12 @@ with its own logging and error reporting.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import requests
+from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
+from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as _SdkExporter
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
@@ -24,10 +29,36 @@ __all__ = ["OTLPSpanExporter"]
 
 _log = logging.getLogger("tollgate.otel")
 _INTERNALS = ("_client", "_metrics", "_max_request_size", "_shutdown")
+# variables requests honours and urllib3 does not: with any of them set, requests stays
+_REQUESTS_ONLY_ENV = tuple(
+    name
+    for base in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "requests_ca_bundle", "curl_ca_bundle")
+    for name in (base, base.upper())
+)
 
 
 class OTLPSpanExporter(_SdkExporter):
     """Drop-in `opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter`."""
+
+    def prefer_urllib3(self, env: Mapping[str, str]) -> None:
+        """Post with the SDK's urllib3 transport instead of its requests one: requests cost ~1 ms of CPU
+        per export against ~0.4 ms (500 posts of 30 KB to a loopback sink), on the thread that shares
+        the GIL with the event loop. Only where the two behave alike: the SDK built a plain session
+        (no credential provider: no auth, headers or hooks of its own) and nothing in the environment
+        speaks to requests alone (proxies, CA bundles)."""
+        client: Any = getattr(self, "_client", None)
+        transport = getattr(client, "_transport", None)
+        session = getattr(transport, "_session", None)
+        if type(transport) is not RequestsHTTPTransport or type(session) is not requests.Session:
+            return
+        if session.auth is not None or any(session.hooks.values()) or session.proxies:
+            return
+        if dict(session.headers) != dict(requests.utils.default_headers()):
+            return
+        if any(env.get(name) for name in _REQUESTS_ONLY_ENV):
+            return
+        client._transport = Urllib3HTTPTransport(verify=session.verify, cert=session.cert)
+        session.close()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not self._fast_path():

@@ -188,13 +188,15 @@ def exporter_from_env(env: Mapping[str, str]) -> SpanExporter | None:
 
     from otel._otlp_http import OTLPSpanExporter as HttpExporter
 
-    return HttpExporter(
+    exporter = HttpExporter(
         endpoint=traces or f"{(base or 'http://localhost:4318').rstrip('/')}/v1/traces",
         headers=headers or None,
         timeout=timeout_ms / 1000,
         compression=Compression.Gzip if gzip else Compression.NoCompression,
         meter_provider=NoOpMeterProvider(),
     )
+    exporter.prefer_urllib3(env)
+    return exporter
 
 
 def _span_limits(env: Mapping[str, str]) -> SpanLimits:

@@ -113,3 +113,17 @@ async def test_batches_the_encoder_declines_go_through_the_sdk(sink: OtlpSink) -
         ("plain", {"ok": ("string_value", "yes")}),
         ("odd", {"ok": ("string_value", "yes")}),
     ]
+
+
+def test_export_posts_with_urllib3_unless_only_requests_would_honour_the_environment() -> None:
+    from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
+    from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
+
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}
+    exporter = exporter_from_env(endpoint)
+    assert isinstance(exporter, OTLPSpanExporter)
+    assert isinstance(exporter._client._transport, Urllib3HTTPTransport)
+    for extra in ({"HTTPS_PROXY": "http://proxy:3128"}, {"no_proxy": "x"}, {"REQUESTS_CA_BUNDLE": "/ca.pem"}):
+        kept = exporter_from_env({**endpoint, **extra})
+        assert isinstance(kept, OTLPSpanExporter)
+        assert isinstance(kept._client._transport, RequestsHTTPTransport)
