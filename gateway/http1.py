@@ -17,78 +17,26 @@ cleanly never returns its connection to the pool.
 from __future__ import annotations
 
 import asyncio
-import re
 import ssl
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from functools import lru_cache
 from typing import cast
-from urllib.parse import quote, urlsplit
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config import Timeouts
-from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.http1_wire import Origin, decoder_for, request_head, split_url
 
 HIGH_WATER = 1 << 20  # buffered response bytes at which reading from the socket pauses
 MAX_HEADER_BYTES = 64 * 1024  # a response head larger than this is refused (aiohttp's limits are near)
-Origin = tuple[str, int, str]  # host, port, scheme
 
-_CTL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: header splitting
-_UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9\-._~!$&'()*+,;=:@/?%]")
-_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "accept-encoding"})
 
 
 class _Expired(Exception):
     """A wait ran out of time (turned into the phase's `UpstreamTimeout` by its caller)."""
-
-
-@lru_cache(maxsize=1024)
-def split_url(url: str) -> tuple[Origin, str, str]:
-    """(origin, request target, Host header) of an absolute http(s) URL; the target is
-    percent-encoded where the URL carried characters a request line may not."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        raise UpstreamUnavailable(f"invalid port in upstream URL {parts.netloc!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UpstreamUnavailable(f"unsupported upstream URL scheme {parts.scheme!r}")
-    if "@" in parts.netloc:
-        raise UpstreamUnavailable("credentials in an upstream URL are not supported; configure headers")
-    target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
-    if _UNSAFE_TARGET.search(target):
-        target = quote(target, safe="!$&'()*+,;=:@/?%~")
-    https = parts.scheme == "https"
-    return (parts.hostname, port or (443 if https else 80), parts.scheme), target, parts.netloc
-
-
-def request_head(method: str, target: str, host: str, headers: Mapping[str, str], length: int | None) -> bytes:
-    """The request line and headers. Host, framing and encoding headers are ours; a name or value
-    with a control character (header splitting) is refused with `InvalidRequest`."""
-    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
-    for name, value in headers.items():
-        if name.lower() in _OWN_HEADERS:
-            continue
-        if _CTL.search(value) or _CTL.search(name):
-            raise InvalidRequest(f"header {name!r} contains a control character")
-        lines.append(f"{name}: {value}\r\n")
-    if length is not None:
-        lines.append(f"Content-Length: {length}\r\n")
-    lines.append("Accept-Encoding: identity\r\n\r\n")
-    return "".join(lines).encode("utf-8", "surrogateescape")
-
-
-def _decoder(encoding: str) -> zlib._Decompress | None:
-    if encoding in ("", "identity"):
-        return None
-    if encoding in ("gzip", "x-gzip"):
-        return zlib.decompressobj(16 + zlib.MAX_WBITS)
-    if encoding == "deflate":
-        return zlib.decompressobj()
-    raise UpstreamUnavailable(f"upstream sent an unsupported content-encoding {encoding!r}")
 
 
 class Connection(asyncio.Protocol):
@@ -104,10 +52,12 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future[None] | None = None
+        self.aborted = False  # we closed it: a close-delimited body that ends here is cut, not complete
         self.begin(head_only=False)
 
     def begin(self, *, head_only: bool) -> None:
         self.head_only = head_only
+        self.interim = False  # inside a 1xx response, which precedes the real one
         self.status = 0
         self.raw_headers: list[tuple[str, str]] = []
         self.header_bytes = 0
@@ -139,7 +89,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.active and self.headers_done and not self.complete and not self.framed:
+        clean = exc is None and not self.aborted and self.error is None
+        if self.active and self.headers_done and not self.complete and not self.framed and clean:
             self.complete = True  # a body delimited by the connection's end (no length, not chunked)
         elif self.active and not self.complete and self.error is None:
             self.error = f"connection {'reset' if exc else 'closed'} by upstream"
@@ -147,6 +98,11 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks -----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.headers_done or self.complete:  # a second response to one request: never ours to pass on
+            self._fail("upstream sent more than one response")
+            raise UpstreamUnavailable("upstream sent more than one response")  # stops the parser
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
@@ -161,7 +117,14 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = status = self.parser.get_status_code()
         if status < 200:
-            self._fail(f"unexpected informational response {status}")
+            if status == 101:
+                self._fail("upstream switched protocols")
+                return
+            # 100 Continue, 103 Early Hints: the real response follows on the same connection
+            self.interim = True
+            self.raw_headers = []
+            self.header_bytes = 0
+            self.framed = False
             return
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
@@ -180,6 +143,9 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 
@@ -188,9 +154,21 @@ class Connection(asyncio.Protocol):
     def _fail(self, reason: str) -> None:
         if self.error is None:
             self.error = reason
+        self.abort()
+        self._wake()
+
+    def abort(self) -> None:
+        self.aborted = True
         if self.transport is not None:
             self.transport.abort()
-        self._wake()
+
+    def reusable(self) -> bool:
+        """Idle-able: the exchange ended cleanly and the socket is open and ours to reuse."""
+        transport = self.transport
+        return (
+            self.complete and self.keep_alive and self.error is None and not self.closed and not self.body
+            and transport is not None and not transport.is_closing()
+        )
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -241,7 +219,7 @@ class Http1Response:
         self._released = False
         self.status = conn.status
         self.headers = conn.headers()
-        self._decoder = _decoder(self.headers.get("Content-Encoding", "").strip().lower())
+        self._decoder = decoder_for(self.headers.get("Content-Encoding", "").strip().lower())
 
     def _decode(self, data: bytes, final: bool) -> bytes:
         decoder = self._decoder
@@ -249,9 +227,9 @@ class Http1Response:
             return data
         try:
             if not final:
-                return decoder.decompress(data)
+                return decoder.decode(data)
             self._decoder = None
-            return decoder.decompress(data) + decoder.flush()
+            return decoder.decode(data) + decoder.finish()
         except zlib.error as exc:
             raise UpstreamUnavailable(f"upstream body does not decode: {exc}") from None
 
@@ -327,9 +305,11 @@ class Http1Pool:
         if self._closed:
             raise UpstreamUnavailable("the gateway is shutting down")
         loop = self.loop
-        deadline = loop.time() + timeouts.first_byte
-        await self._slots.acquire()
+        await self._acquire(timeouts.first_byte)
+        deadline = loop.time() + timeouts.first_byte  # from here: a queued call is not timed out unsent
         try:
+            if self._closed:
+                raise UpstreamUnavailable("the gateway is shutting down")
             conn = self._pooled(origin) or await self._connect(origin, timeouts)
         except BaseException:
             self._slots.release()
@@ -355,18 +335,27 @@ class Http1Pool:
             self.release(conn)
             raise
 
+    async def _acquire(self, timeout: float) -> None:
+        """A busy slot; waiting for one (all `limit` connections busy) is bounded by `timeout`."""
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise UpstreamTimeout(f"no upstream connection was free within {timeout:g}s") from None
+
     def _pooled(self, origin: Origin) -> Connection | None:
         idle = self._idle.get(origin)
         if not idle:
             return None
         oldest = self.loop.time() - self.keepalive_s
         while idle and (idle[0].closed or idle[0].idle_since <= oldest):
-            stale = idle.pop(0)
-            if stale.transport is not None:
-                stale.transport.close()
+            idle.pop(0).abort()
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 return conn
         return None
 
@@ -406,11 +395,11 @@ class Http1Pool:
         self._busy.discard(conn)
         self._slots.release()
         conn.active = False
-        if conn.complete and conn.keep_alive and not conn.closed and not conn.body and not self._closed:
+        if conn.reusable() and not self._closed:
             conn.idle_since = self.loop.time()
             self._idle.setdefault(conn.origin, []).append(conn)
-        elif conn.transport is not None and not conn.closed:
-            conn.transport.abort()
+        elif not conn.closed:
+            conn.abort()
 
     def lost(self, conn: Connection) -> None:
         """The connection closed: forget it if it sat idle in the pool."""
@@ -423,7 +412,6 @@ class Http1Pool:
         self._closed = True
         for conns in (*self._idle.values(), list(self._busy)):
             for conn in conns:
-                if conn.transport is not None:
-                    conn.transport.abort()
+                conn.abort()
         self._idle.clear()
         await asyncio.sleep(0)  # let the aborted transports run connection_lost

@@ -26,6 +26,7 @@ HOP_BY_HOP = frozenset(
         "proxy-authorization",
         "proxy-connection",
         "te",
+        "expect",  # the client's 100-continue handshake is with us; the upstream gets the whole body
         "trailer",
         "trailers",
         "transfer-encoding",

@@ -12,8 +12,8 @@ import pytest
 import trustme
 
 from gateway.config import Timeouts
-from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
-from gateway.http1 import HIGH_WATER, Http1Pool, request_head, split_url
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.http1 import HIGH_WATER, Http1Pool
 
 FAST = Timeouts(connect=1, first_byte=0.5, idle=0.5)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -320,35 +320,95 @@ async def test_tls_upstream(served) -> None:  # type: ignore[no-untyped-def]
     await server.close()
 
 
-def test_header_splitting_is_refused() -> None:
-    with pytest.raises(InvalidRequest, match="control character"):
-        request_head("GET", "/", "h", {"X-A": "1\r\nX-Injected: 2"}, None)
-    with pytest.raises(InvalidRequest, match="control character"):
-        request_head("GET", "/", "h", {"X-A\n": "1"}, None)
+@pytest.mark.parametrize("split", [True, False], ids=["own-packet", "same-packet"])
+async def test_interim_responses_precede_the_answer(served, split: bool) -> None:  # type: ignore[no-untyped-def]
+    async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+        final = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Real: 1\r\n\r\nok"
+        if split:
+            writer.write(interim)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+            writer.write(final)
+        else:
+            writer.write(interim + final)
+        await writer.drain()
+
+    pool, server, url = await served(handle)
+    for _ in range(2):
+        resp = await pool.open("POST", url, {}, b"{}", FAST)
+        assert resp.status == 200 and resp.headers["X-Real"] == "1" and "Link" not in resp.headers
+        assert await resp.read() == b"ok"
+    assert server.connections == 1
 
 
-def test_head_owns_host_framing_and_encoding() -> None:
-    head = request_head("POST", "/p", "up:1", {"Host": "evil", "Content-Length": "9", "X-K": "v"}, 3)
-    assert head == b"POST /p HTTP/1.1\r\nHost: up:1\r\nX-K: v\r\nContent-Length: 3\r\nAccept-Encoding: identity\r\n\r\n"
+async def test_a_second_response_to_one_request_is_refused(served) -> None:  # type: ignore[no-untyped-def]
+    async def two(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                     b"HTTP/1.1 500 Oops\r\nContent-Length: 4\r\nSet-Cookie: evil\r\n\r\nevil")
+        await writer.drain()
+
+    pool, _, url = await served(two)
+    resp = await pool.open("GET", url, {}, None, FAST)
+    assert resp.status == 200 and "Set-Cookie" not in resp.headers
+    assert await resp.read() == b"ok"
+    await asyncio.sleep(0.01)
+    assert pool.open_count() == 0  # never pooled: the next caller would have read the stray answer
 
 
-@pytest.mark.parametrize(
-    ("url", "expected"),
-    [
-        ("http://h/v1/chat", (("h", 80, "http"), "/v1/chat", "h")),
-        ("https://h:8443", (("h", 8443, "https"), "/", "h:8443")),
-        ("http://[::1]:9/a?b=c d", (("::1", 9, "http"), "/a?b=c%20d", "[::1]:9")),
-        ("http://h/caf\u00e9", (("h", 80, "http"), "/caf%C3%A9", "h")),
-    ],
-)
-def test_split_url(url: str, expected: tuple[object, ...]) -> None:
-    assert split_url(url) == expected
+async def test_bytes_after_the_body_keep_the_connection_out_of_the_pool(served) -> None:  # type: ignore[no-untyped-def]
+    pool, server, url = await served(answer(b"unused"))
+
+    async def trailing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokGARBAGE")
+        await writer.drain()
+
+    server.handler = trailing
+    assert await (await pool.open("GET", url, {}, None, FAST)).read() == b"ok"
+    await asyncio.sleep(0.01)
+    assert pool.open_count() == 0
+    server.handler = answer(b"fine")
+    assert await (await pool.open("GET", url, {}, None, FAST)).read() == b"fine"
+    assert server.connections == 2
 
 
-@pytest.mark.parametrize(
-    ("url", "message"),
-    [("ftp://h/x", "unsupported upstream URL scheme"), ("http://u:p@h/", "credentials"), ("http://h:99999/", "invalid port")],
-)
-def test_split_url_refuses(url: str, message: str) -> None:
-    with pytest.raises(UpstreamUnavailable, match=message):
-        split_url(url)
+async def test_a_reset_cuts_a_close_delimited_body(served) -> None:  # type: ignore[no-untyped-def]
+    import socket
+    import struct
+
+    async def reset(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\ndata: partial")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    pool, _, url = await served(reset)
+    resp = await pool.open("GET", url, {}, None, FAST)
+    with pytest.raises(UpstreamUnavailable, match="reset by upstream"):
+        await resp.read()
+    resp.release()
+
+
+async def test_waiting_for_a_free_connection_is_bounded_and_sends_nothing(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, url = await served(answer(b"ok"))
+    pool = Http1Pool(asyncio.get_running_loop(), limit=1)
+    held = await pool.open("GET", url, {}, None, FAST)
+    with pytest.raises(UpstreamTimeout, match="no upstream connection was free within 0.5s"):
+        await pool.open("POST", url + "/charge", {}, b"{}", FAST)
+    assert not any(b"/charge" in r for r in server.requests)  # timed out before it was sent
+    held.release()
+    await pool.close()
+
+
+async def test_close_stops_callers_waiting_for_a_connection(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, url = await served(answer(b"ok"))
+    pool = Http1Pool(asyncio.get_running_loop(), limit=1)
+    held = await pool.open("GET", url, {}, None, FAST)
+    waiting = asyncio.ensure_future(pool.open("POST", url + "/late", {}, b"{}", FAST))
+    await asyncio.sleep(0.01)
+    await pool.close()
+    held.release()
+    with pytest.raises(UpstreamUnavailable, match="shutting down"):
+        await waiting
+    assert not any(b"/late" in r for r in server.requests)

@@ -1,0 +1,112 @@
+"""The pure half of the upstream HTTP/1.1 client (`gateway.http1`): URLs to origins and request
+targets, request heads, and response content decoding. No I/O."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Mapping
+from functools import lru_cache
+from urllib.parse import quote, urlsplit
+
+from gateway.errors import InvalidRequest, UpstreamUnavailable
+
+__all__ = ["Decoder", "Origin", "decoder_for", "request_head", "split_url"]
+
+Origin = tuple[str, int, str]  # host, port, scheme
+
+_CTL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: header splitting
+_NOT_TOKEN = re.compile(r"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")  # a header name is an RFC 9110 token
+_UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9\-._~!$&'()*+,;=:@/?%]")
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "accept-encoding"})
+
+
+@lru_cache(maxsize=1024)
+def split_url(url: str) -> tuple[Origin, str, str]:
+    """(origin, request target, Host header) of an absolute http(s) URL; the target is
+    percent-encoded where the URL carried characters a request line may not."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise UpstreamUnavailable(f"invalid port in upstream URL {parts.netloc!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamUnavailable(f"unsupported upstream URL scheme {parts.scheme!r}")
+    if "@" in parts.netloc:
+        raise UpstreamUnavailable("credentials in an upstream URL are not supported; configure headers")
+    target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+    if _UNSAFE_TARGET.search(target):
+        target = quote(target, safe="!$&'()*+,;=:@/?%~")
+    https = parts.scheme == "https"
+    return (parts.hostname, port or (443 if https else 80), parts.scheme), target, parts.netloc
+
+
+def request_head(method: str, target: str, host: str, headers: Mapping[str, str], length: int | None) -> bytes:
+    """The request line and headers. Host, framing and encoding headers are ours; a name or value
+    with a control character (header splitting) is refused with `InvalidRequest`."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    for name, value in headers.items():
+        if name.lower() in _OWN_HEADERS:
+            continue
+        if _CTL.search(value) or not name or _NOT_TOKEN.search(name):
+            raise InvalidRequest(f"header {name!r} is not a valid header (control character or bad name)")
+        lines.append(f"{name}: {value}\r\n")
+    if length is not None:
+        lines.append(f"Content-Length: {length}\r\n")
+    lines.append("Accept-Encoding: identity\r\n\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+_GZIP = 16 + zlib.MAX_WBITS
+
+
+class Decoder:
+    """gzip (every member), or deflate: zlib-wrapped, or raw as some servers send it."""
+
+    def __init__(self, encoding: str) -> None:
+        self._gzip = encoding != "deflate"
+        self._zlib = zlib.decompressobj(_GZIP) if self._gzip else None
+        self._head = b""  # deflate: the first two bytes tell a zlib header from raw data
+        self._fed = False
+
+    def _start(self, data: bytes) -> tuple[zlib._Decompress | None, bytes]:
+        if self._zlib is not None:
+            return self._zlib, data
+        data = self._head + data
+        if len(data) < 2:
+            self._head = data
+            return None, b""
+        zlib_header = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+        self._zlib = zlib.decompressobj(zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS)
+        return self._zlib, data
+
+    def decode(self, data: bytes) -> bytes:
+        self._fed = self._fed or bool(data)
+        decoder, data = self._start(data)
+        if decoder is None:
+            return b""
+        out = decoder.decompress(data)
+        while self._gzip and decoder.eof and decoder.unused_data:  # the next gzip member
+            rest = decoder.unused_data
+            decoder = self._zlib = zlib.decompressobj(_GZIP)
+            out += decoder.decompress(rest)
+        return out
+
+    def finish(self) -> bytes:
+        decoder = self._zlib
+        if decoder is None:
+            if self._head:
+                raise zlib.error("the compressed body is truncated")
+            return b""
+        out = decoder.flush()
+        if self._fed and not decoder.eof:
+            raise zlib.error("the compressed body is truncated")
+        return out
+
+
+def decoder_for(encoding: str) -> Decoder | None:
+    if encoding in ("", "identity"):
+        return None
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise UpstreamUnavailable(f"upstream sent an unsupported content-encoding {encoding!r}")
+    return Decoder(encoding)
