@@ -13,9 +13,11 @@ Spans are not thread-safe (each belongs to one request on the event loop).
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from time import time_ns
+from types import TracebackType
 from typing import Any
 
 from opentelemetry.attributes import BoundedAttributes
@@ -24,6 +26,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import Decision, Sampler
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.semconv.attributes import exception_attributes as Exc
 from opentelemetry.trace import (
@@ -103,7 +106,7 @@ class FastTracer(Tracer):
         if decision is Decision.DROP:
             return NonRecordingSpan(span_context)
         attrs = {k: tuple(v) if type(v) is list else v for k, v in result.attributes.items()}
-        return FastSpan(self, name, span_context, parent, kind, attrs, start_time or time_ns())
+        return FastSpan(self, name, span_context, parent, kind, attrs, time_ns() if start_time is None else start_time)
 
     @contextmanager
     def start_as_current_span(  # type: ignore[override]
@@ -130,16 +133,16 @@ class FastTracer(Tracer):
         if self._bounded or len(attributes) > self._max_attributes:
             attributes = BoundedAttributes(limits.max_span_attributes, attributes, immutable=False,
                                            max_value_len=limits.max_span_attribute_length)
-        events = span.events
+        events: Sequence[Event] = tuple(span.events)
         if limits.max_events is not None and len(events) > limits.max_events:
-            events = events[: limits.max_events]
+            events = BoundedList.from_seq(limits.max_events, events)  # the last ones, with a drop count
         readable = ReadableSpan(
             name=span.name,
             context=span.context,
             parent=span.parent,
             resource=self.resource,
             attributes=attributes,
-            events=tuple(events),
+            events=events,
             kind=span.kind,
             status=span.status,
             start_time=span.start_time,
@@ -199,10 +202,10 @@ class FastSpan(Span):
             limits = self._tracer.limits
             bounded = BoundedAttributes(limits.max_event_attributes, attributes, immutable=True,
                                         max_value_len=limits.max_attribute_length)
-            self.events.append(Event(name, bounded, timestamp or time_ns()))
+            self.events.append(Event(name, bounded, time_ns() if timestamp is None else timestamp))
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, AttributeValue] | None = None) -> None:
-        """Links are not recorded (tollgate adds none)."""
+        """Links are not recorded: tollgate adds none (`start_span` ignores `links` likewise)."""
 
     def update_name(self, name: str) -> None:
         if self.end_time is None:
@@ -219,10 +222,24 @@ class FastSpan(Span):
 
     def record_exception(self, exception: BaseException, attributes: Mapping[str, AttributeValue] | None = None,
                          timestamp: int | None = None, escaped: bool = False) -> None:
-        self.add_event("exception", {Exc.EXCEPTION_TYPE: type(exception).__qualname__,
-                                     Exc.EXCEPTION_MESSAGE: str(exception), **(attributes or {})}, timestamp)
+        module, name = type(exception).__module__, type(exception).__qualname__
+        self.add_event("exception", {
+            Exc.EXCEPTION_TYPE: f"{module}.{name}" if module and module != "builtins" else name,
+            Exc.EXCEPTION_MESSAGE: str(exception),
+            Exc.EXCEPTION_STACKTRACE: "".join(traceback.format_exception(exception)),
+            Exc.EXCEPTION_ESCAPED: str(escaped),
+            **(attributes or {}),
+        }, timestamp)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
+                 exc_tb: TracebackType | None) -> None:
+        """As the SDK span: an exception leaving the `with` is recorded and sets status ERROR."""
+        if exc_val is not None and self.is_recording():
+            self.record_exception(exc_val, escaped=True)
+            self.set_status(Status(StatusCode.ERROR, f"{type(exc_val).__name__}: {exc_val}"))
+        self.end()
 
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is None:
-            self.end_time = end_time or time_ns()
+            self.end_time = time_ns() if end_time is None else end_time
             self._tracer.finish(self)
