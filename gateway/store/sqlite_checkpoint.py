@@ -44,19 +44,36 @@ class Checkpointer:
     def start(self) -> None:
         self._thread.start()
 
-    def _run(self) -> None:
-        conn = sqlite3.connect(str(self._path), isolation_level=None, check_same_thread=False)
+    def _connect(self) -> sqlite3.Connection | None:
+        """A connection to the existing file (never creates one); None when it cannot be opened.
+        busy_timeout 0: a round that would wait for a lock (a writer, a long reader) gives up at once
+        instead of holding the writers' lock while it waits."""
         try:
-            conn.execute("PRAGMA busy_timeout=1000")
+            conn = sqlite3.connect(f"{self._path.resolve().as_uri()}?mode=rw", uri=True, isolation_level=None,
+                                   check_same_thread=False)
+        except sqlite3.Error as exc:
+            _log.warning("cannot open %s to checkpoint it: %s", self._path, exc)
+            return None
+        conn.execute("PRAGMA busy_timeout=0")
+        return conn
+
+    def _run(self) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
             while not self._stop.wait(self._interval):
-                _, log, _ = self._checkpoint(conn, "PASSIVE")
-                if log > self._restart_frames:
-                    # writers kept appending while it copied: SQLite reuses the log from its start only
-                    # after a checkpoint caught up with no commit in between. RESTART holds the writers'
-                    # lock for that instant (the few frames since the PASSIVE round and one sync)
+                conn = conn or self._connect()
+                if conn is None:
+                    continue  # retried next round
+                busy, log, done = self._checkpoint(conn, "PASSIVE")
+                # writers kept appending while it copied: SQLite reuses the log from its start only after
+                # a checkpoint caught up with no commit in between. A RESTART round takes the writers'
+                # lock for the frames committed since the PASSIVE round and one sync; only when that
+                # round copied (nearly) everything: a reader pinning the log would make it fail anyway
+                if not busy and log > self._restart_frames and log - done < self._restart_frames // 8:
                     self._checkpoint(conn, "RESTART")
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
     def _checkpoint(self, conn: sqlite3.Connection, mode: str) -> tuple[int, int, int]:
         """(busy, frames in the log, frames checkpointed); (1, 0, 0) when it failed."""
@@ -74,9 +91,10 @@ class Checkpointer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        conn = sqlite3.connect(str(self._path), isolation_level=None)
+        conn = self._connect()
+        if conn is None:
+            return  # the file is gone: nothing to checkpoint (the next open replays any log)
         try:
-            conn.execute("PRAGMA busy_timeout=1000")
             self._checkpoint(conn, "TRUNCATE")
         finally:
             conn.close()

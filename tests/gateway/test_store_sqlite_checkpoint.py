@@ -88,3 +88,39 @@ async def test_the_store_and_its_ledger_checkpoint_off_the_loop(tmp_path: Path) 
         await ledger.close()
         await store.close()
     assert not store._checkpointer._thread.is_alive()
+
+
+def test_a_long_reader_never_makes_writers_wait(tmp_path: Path) -> None:
+    import time
+
+    path = tmp_path / "s.db"
+    conn = _writer(path)
+    reader = sqlite3.connect(str(path), isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM t").fetchall()  # holds a snapshot: the log cannot restart
+    checkpointer = Checkpointer(path, interval_s=0.01, restart_frames=50)
+    checkpointer.start()
+    slowest = 0.0
+    try:
+        for i in range(300):
+            started = time.perf_counter()
+            conn.execute("INSERT OR REPLACE INTO t VALUES (?, ?)", (i % 10, b"x" * 3000))
+            slowest = max(slowest, time.perf_counter() - started)
+            time.sleep(0.001)
+    finally:
+        reader.execute("COMMIT")
+        reader.close()
+        conn.close()
+        checkpointer.close()
+    assert slowest < 0.2  # a RESTART waiting for the reader held the writers' lock for its 1 s timeout
+
+
+def test_a_removed_file_is_not_recreated(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    _writer(path).close()
+    checkpointer = Checkpointer(path, interval_s=0.01)
+    checkpointer.start()
+    for suffix in ("", "-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    checkpointer.close()
+    assert not path.exists()
