@@ -29,12 +29,8 @@ __all__ = ["OTLPSpanExporter"]
 
 _log = logging.getLogger("tollgate.otel")
 _INTERNALS = ("_client", "_metrics", "_max_request_size", "_shutdown")
-# variables requests honours and urllib3 does not: with any of them set, requests stays
-_REQUESTS_ONLY_ENV = tuple(
-    name
-    for base in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "requests_ca_bundle", "curl_ca_bundle")
-    for name in (base, base.upper())
-)
+# proxy variables requests honours and urllib3 does not: with one set, requests stays
+_PROXY_ENV = tuple(name for base in ("http_proxy", "https_proxy", "all_proxy") for name in (base, base.upper()))
 
 
 class OTLPSpanExporter(_SdkExporter):
@@ -44,8 +40,8 @@ class OTLPSpanExporter(_SdkExporter):
         """Post with the SDK's urllib3 transport instead of its requests one: requests cost ~1 ms of CPU
         per export against ~0.4 ms (500 posts of 30 KB to a loopback sink), on the thread that shares
         the GIL with the event loop. Only where the two behave alike: the SDK built a plain session
-        (no credential provider: no auth, headers or hooks of its own) and nothing in the environment
-        speaks to requests alone (proxies, CA bundles)."""
+        (no credential provider: no auth, headers or hooks of its own) and no proxy variable is set;
+        certificates are verified against the bundle requests would use."""
         client: Any = getattr(self, "_client", None)
         transport = getattr(client, "_transport", None)
         session = getattr(transport, "_session", None)
@@ -55,9 +51,12 @@ class OTLPSpanExporter(_SdkExporter):
             return
         if dict(session.headers) != dict(requests.utils.default_headers()):
             return
-        if any(env.get(name) for name in _REQUESTS_ONLY_ENV):
+        if any(env.get(name) for name in _PROXY_ENV):
             return
-        client._transport = Urllib3HTTPTransport(verify=session.verify, cert=session.cert)
+        verify = session.verify
+        if verify is True:  # requests' own choice of CA bundle (`merge_environment_settings`)
+            verify = env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or requests.certs.where()
+        client._transport = Urllib3HTTPTransport(verify=verify, cert=session.cert)
         session.close()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
