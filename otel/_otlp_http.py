@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import certifi
 import requests
 from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
 from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
@@ -55,7 +56,7 @@ class OTLPSpanExporter(_SdkExporter):
             return
         verify = session.verify
         if verify is True:  # requests' own choice of CA bundle (`merge_environment_settings`)
-            verify = env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or requests.certs.where()
+            verify = env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or certifi.where()
         client._transport = Urllib3HTTPTransport(verify=verify, cert=session.cert)
         session.close()
 

@@ -116,7 +116,7 @@ async def test_batches_the_encoder_declines_go_through_the_sdk(sink: OtlpSink) -
 
 
 def test_export_posts_with_urllib3_unless_only_requests_would_honour_the_environment() -> None:
-    import requests
+    import certifi
     from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
     from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
 
@@ -124,7 +124,7 @@ def test_export_posts_with_urllib3_unless_only_requests_would_honour_the_environ
     exporter = exporter_from_env(endpoint)
     assert isinstance(exporter, OTLPSpanExporter)
     assert isinstance(exporter._client._transport, Urllib3HTTPTransport)
-    assert exporter._client._transport._pool.connection_pool_kw["ca_certs"] == requests.certs.where()
+    assert exporter._client._transport._pool.connection_pool_kw["ca_certs"] == certifi.where()
     bundled = exporter_from_env({**endpoint, "REQUESTS_CA_BUNDLE": "/etc/ca.pem"})
     assert isinstance(bundled, OTLPSpanExporter)
     assert bundled._client._transport._pool.connection_pool_kw["ca_certs"] == "/etc/ca.pem"  # as requests would
