@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from multidict import CIMultiDict, CIMultiDictProxy
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
@@ -37,7 +38,10 @@ class _CaseInsensitiveGetter(Getter[Mapping[str, str]]):
 
 def context_from_headers(headers: Mapping[str, str]) -> Context | None:
     """The agent's trace context from W3C `traceparent` / `tracestate`; None when absent or invalid."""
-    if not any(k.lower() == "traceparent" for k in headers):
+    if isinstance(headers, (CIMultiDict, CIMultiDictProxy)):
+        if "traceparent" not in headers:  # case-insensitive, in C: the common case costs one lookup
+            return None
+    elif not any(k.lower() == "traceparent" for k in headers):
         return None
     ctx = TraceContextTextMapPropagator().extract(headers, context=Context(), getter=_CaseInsensitiveGetter())
     return ctx if get_current_span(ctx).get_span_context().is_valid else None
