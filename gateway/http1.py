@@ -34,7 +34,6 @@ HIGH_WATER = 1 << 20  # buffered response bytes at which reading from the socket
 MAX_HEADER_BYTES = 64 * 1024  # a response head larger than this is refused (aiohttp's limits are near)
 
 
-
 class _Expired(Exception):
     """A wait ran out of time (turned into the phase's `UpstreamTimeout` by its caller)."""
 
