@@ -23,6 +23,7 @@ MCP `tools/call` steps are recorded by `gateway.observe_mcp`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Mapping
@@ -36,8 +37,10 @@ from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import RunState
 from guards.base import Decision
+from otel._fastspan import Reserved
 from otel.attributes import TOLLGATE_GUARDS, provider_name_for
 from otel.metrics import Metrics
+from otel.propagation import headers_for
 from otel.redact import Redactor
 from otel.runs import RunTotals, context_from_headers, path_fingerprint
 from otel.spans import StepSpan
@@ -54,6 +57,7 @@ _VIOLATIONS: Final = "span_violations"  # step.violations already put on an earl
 _COSTS: Final = "attempt_costs"  # settled cost of the attempts whose spans already ended
 _RESERVED: Final = "reserved_usd"  # this step's contribution to the in-flight reserved-USD gauge
 _DROPS: Final = "span_drops"  # the tool-drop event is on a span already
+_PENDING: Final = "span_pending"  # (attempt, Reserved, time.time(), perf_counter()) of a span not yet built
 
 UPSTREAM_ERRORS: Final = frozenset({"upstream_unavailable", "upstream_timeout"})
 # the guard behind a stop that no guard decision names (a store denial of a claim, a tool refusal)
@@ -100,14 +104,18 @@ def _upstream(provider_type: str, base_url: str, custom: str) -> tuple[str, str,
     return provider_name_for(provider_type, base_url, custom=custom), url.hostname or "", port
 
 
-def _open(gw: Gateway, telemetry: Telemetry, step: Step, attempt: int, start_time: float | None) -> StepSpan:
+def _open(
+    gw: Gateway, telemetry: Telemetry, step: Step, attempt: int, start_time: float | None,
+    reserved: Reserved | None = None,
+    started: float | None = None,
+) -> StepSpan:
     provider = step.route.provider
     provider_name, address, port = _upstream(provider.type, provider.base_url, step.route.provider_name)
     span = telemetry.start_inference(
         step.call,
         provider_name=provider_name,
         server_address=address, server_port=port, parent=_parent(telemetry, step), attempt=attempt,
-        run_id=step.run_id, agent=step.agent, start_time=start_time,
+        run_id=step.run_id, agent=step.agent, start_time=start_time, reserved=reserved, started=started,
     )
     step.extra[SPAN] = span
     step.extra[_ATTEMPT] = attempt
@@ -119,22 +127,41 @@ def _open(gw: Gateway, telemetry: Telemetry, step: Step, attempt: int, start_tim
 
 def start_span(gw: Gateway, step: Step, headers: Mapping[str, str]) -> dict[str, str]:
     """Open the CLIENT span of the attempt about to be forwarded (`step.attempts` not yet counted);
-    returns the trace headers to send upstream. See the module docstring for re-asks."""
+    returns the trace headers to send upstream. See the module docstring for re-asks.
+
+    Only the span's identity is decided here; the span is built on the loop's next turn, while the
+    upstream works (the request is written before `Transport.open` first waits), so the agent does
+    not wait for it. Whatever needs the span first builds it (`step_span`)."""
     telemetry = telemetry_of(gw)
     if telemetry is None:
         return {}
     begin_step(gw, step, headers)
-    span: StepSpan | None = step.extra.get(SPAN)
+    span = step_span(gw, step)
     if span is not None:
         if step.extra.get(_ATTEMPT) == step.attempts:
             cached: dict[str, str] = step.extra.get(HEADERS, {})
             return cached
         _end_reasked(gw, telemetry, step, span)
-    span = _open(gw, telemetry, step, step.attempts, None)
-    _reserve(gw, telemetry.metrics, step)
-    out = span.trace_headers()
+    reserved = telemetry.reserve_inference(step.call, _parent(telemetry, step))
+    step.extra[_PENDING] = (step.attempts, reserved, time.time(), time.perf_counter())
+    out = headers_for(reserved.context)
     step.extra[HEADERS] = out
+    asyncio.get_running_loop().call_soon(step_span, gw, step)
     return out
+
+
+def step_span(gw: Gateway, step: Step) -> StepSpan | None:
+    """The span of the step's current attempt (built now if `start_span` only decided it), or None
+    before `start_span`. Never raises."""
+    pending = step.extra.pop(_PENDING, None)
+    if pending is not None:
+        telemetry = telemetry_of(gw)
+        if telemetry is not None:
+            attempt, reserved, wall, started = pending
+            _open(gw, telemetry, step, attempt, wall, reserved, started)
+            _reserve(gw, telemetry.metrics, step)
+    span: StepSpan | None = step.extra.get(SPAN)
+    return span
 
 
 def _end_reasked(gw: Gateway, telemetry: Telemetry, step: Step, span: StepSpan) -> None:
@@ -198,7 +225,7 @@ def _is_upstream_error(code: str) -> bool:
 
 def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
     """End the step's last span with its outcome; returns the settled cost of all its attempts."""
-    span: StepSpan | None = step.extra.get(SPAN)
+    span = step_span(gw, step)
     attempt = step.extra.get(_ATTEMPT, 0)
     if span is not None and attempt < step.reasks and step.attempts == attempt + 1:
         _end_reasked(gw, telemetry, step, span)  # the re-ask never reached the upstream

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
+from gateway.observe import step_span
 from gateway.pipeline import base_headers, guard_after, settle, stop_run
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
@@ -52,7 +53,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     continue
                 if step.first_chunk_at is None:
                     step.first_chunk_at = time.monotonic()
-                    span = step.extra.get("span")
+                    span = step_span(gw, step)
                     if span is not None:
                         span.first_chunk()
                 await out.write(emitted.out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from time import time_ns
 from types import TracebackType
 from typing import Any
@@ -44,11 +45,22 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import AttributeValue
 
-__all__ = ["FastSpan", "FastTracer"]
+__all__ = ["FastSpan", "FastTracer", "Reserved"]
 
 _SAMPLED_DECISIONS = frozenset({Decision.RECORD_AND_SAMPLE})
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _DEFAULT = TraceFlags(TraceFlags.DEFAULT)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A span decided but not started: its context (what goes upstream), its parent, whether it
+    records, and what the sampler added (the SDK puts those first)."""
+
+    context: SpanContext
+    parent: SpanContext | None
+    recording: bool
+    sampler_attributes: Mapping[str, AttributeValue]
 
 
 class FastTracer(Tracer):
@@ -87,6 +99,19 @@ class FastTracer(Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> Span:
+        reserved = self.reserve(name, context, kind, attributes, links)
+        return self.start_reserved(reserved, name, kind, None, start_time)
+
+    def reserve(
+        self,
+        name: str,
+        context: Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        links: Sequence[Link] | None = None,
+    ) -> Reserved:
+        """The span's identity (ids, sampling decision, parent), decided now; the span itself follows
+        with `start_reserved`. Lets a caller send the trace context before it builds the span."""
         parent: SpanContext | None = get_current_span(context).get_span_context()
         if parent is None or not parent.is_valid:
             parent = None
@@ -103,10 +128,25 @@ class FastTracer(Tracer):
         span_context = SpanContext(
             trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags, trace_state=result.trace_state
         )
-        if decision is Decision.DROP:
-            return NonRecordingSpan(span_context)
-        attrs = {k: tuple(v) if type(v) is list else v for k, v in result.attributes.items()}
-        return FastSpan(self, name, span_context, parent, kind, attrs, time_ns() if start_time is None else start_time)
+        return Reserved(span_context, parent, decision is not Decision.DROP, result.attributes)
+
+    def start_reserved(
+        self,
+        reserved: Reserved,
+        name: str,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        start_time: int | None = None,
+    ) -> Span:
+        """The span of `reserve`: `attributes` come after the sampler's own, as in the SDK."""
+        if not reserved.recording:
+            return NonRecordingSpan(reserved.context)
+        attrs = {k: tuple(v) if type(v) is list else v for k, v in reserved.sampler_attributes.items()}
+        if attributes:
+            for key, value in attributes.items():
+                attrs.setdefault(key, tuple(value) if type(value) is list else value)
+        span_start = time_ns() if start_time is None else start_time
+        return FastSpan(self, name, reserved.context, reserved.parent, kind, attrs, span_start)
 
     @contextmanager
     def start_as_current_span(  # type: ignore[override]

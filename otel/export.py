@@ -20,14 +20,14 @@ bounded backoff) while requests keep appending to the queue: the cost per span s
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-__all__ = ["CountingSpanExporter", "CountingSpanProcessor", "DropCounter"]
+__all__ = ["CountingSpanExporter", "CountingSpanProcessor", "DropCounter", "bounded", "shutdown_within"]
 
 
 class DropCounter:
@@ -161,3 +161,23 @@ class CountingSpanProcessor(SpanProcessor):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._batch.force_flush(timeout_millis)
+
+
+def bounded(action: Callable[[], object], timeout_s: float) -> threading.Thread:
+    """Run `action` on a daemon helper thread and wait at most `timeout_s` for it; the thread is
+    returned (still alive if it overran)."""
+    worker = threading.Thread(target=action, name="tollgate-otel-flush", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return worker
+
+
+def shutdown_within(provider: TracerProvider, processor: CountingSpanProcessor, timeout_s: float) -> bool:
+    """Shut the provider down within `timeout_s`; past it the exporter is aborted (its retries end,
+    the rest of the queue counts as dropped). True if it finished in time."""
+    worker = bounded(provider.shutdown, timeout_s)
+    if not worker.is_alive():
+        return True
+    processor.abort()
+    worker.join(1.0)
+    return False

@@ -95,7 +95,9 @@ class StepSpan:
         metrics: Metrics | None,
         errors: ErrorCounter,
         capture: bool,
+        started: float | None = None,
     ) -> None:
+        """`started`: `time.perf_counter()` when the step's operation began, if before now."""
         self._span = span
         self._kind = kind
         self._parent = parent
@@ -104,7 +106,7 @@ class StepSpan:
         self._errors = errors
         self._recording = span.is_recording()
         self._capture = capture and self._recording
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if started is None else started
         self._context: Context | None = None
         self._ended = False
         self._error_set = False

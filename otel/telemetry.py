@@ -28,6 +28,7 @@ from opentelemetry.trace import (
 )
 
 from gateway.call import Call
+from otel._fastspan import FastTracer, Reserved
 from otel._safe import ErrorCounter, guarded
 from otel.attributes import (
     EXECUTE_TOOL,
@@ -40,7 +41,7 @@ from otel.attributes import (
     mcp_attributes,
     mcp_span_name,
 )
-from otel.export import CountingSpanProcessor
+from otel.export import CountingSpanProcessor, bounded, shutdown_within
 from otel.metrics import Metrics
 from otel.runs import INVOKE_AGENT, RunIdGenerator, RunParents, RunTotals, run_ids, run_root_attributes
 from otel.spans import StepKind, StepLabels, StepSpan
@@ -52,17 +53,12 @@ __all__ = [
 _ENDED_RUNS_KEPT = 4096  # run epochs remembered to make `end_run` idempotent
 
 
+def _inference_name(call: Call) -> str:
+    return f"{call.operation} {call.model}" if call.model else call.operation
+
+
 def _nanos(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1e9)
-
-
-def _bounded(action: Callable[[], object], timeout_s: float) -> threading.Thread:
-    """Run `action` on a daemon helper thread and wait at most `timeout_s` for it; the thread is
-    returned (still alive if it overran)."""
-    worker = threading.Thread(target=action, name="tollgate-otel-flush", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    return worker
 
 
 class Telemetry:
@@ -105,7 +101,12 @@ class Telemetry:
         return NonRecordingSpan(get_current_span(parent).get_span_context())
 
     def _step(
-        self, start: Callable[[Tracer], Span], parent: Context | None, kind: StepKind, labels: StepLabels
+        self,
+        start: Callable[[Tracer], Span],
+        parent: Context | None,
+        kind: StepKind,
+        labels: StepLabels,
+        started: float | None = None,
     ) -> StepSpan:
         tracer = self._tracer
         try:
@@ -121,6 +122,7 @@ class Telemetry:
             metrics=self.metrics,
             errors=self._errors,
             capture=self.capture_content,
+            started=started,
         )
 
     def _tollgate(self, attrs: Attributes, run_id: str | None, agent: str | None) -> Attributes:
@@ -142,13 +144,17 @@ class Telemetry:
         run_id: str | None = None,
         agent: str | None = None,
         start_time: float | None = None,
+        reserved: Reserved | None = None,
+        started: float | None = None,
     ) -> StepSpan:
         """Start the CLIENT span `{operation} {model}` of one upstream attempt.
 
         `parent`: `run_parent(...)` or the agent's `context_from_headers(...)`; None starts a new
         trace (the ambient context is never used implicitly). `attempt` counts re-asks of the step.
         `start_time` (Unix seconds; default now) backdates a span opened late, e.g. for a step a
-        guard stopped before any upstream call.
+        guard stopped before any upstream call. `reserved`: the span's identity from
+        `reserve_inference` (its trace context may already have gone upstream); `started`:
+        `time.perf_counter()` at that moment, the start of the duration the metrics record.
         """
         labels = StepLabels(
             operation=call.operation,
@@ -163,16 +169,27 @@ class Telemetry:
                 call, provider_name=provider_name, server_address=server_address, server_port=server_port
             )
             attrs[TOLLGATE_ATTEMPT] = attempt
-            name = f"{call.operation} {call.model}" if call.model else call.operation
+            attrs = self._tollgate(attrs, run_id, agent)
+            if reserved is not None and isinstance(tracer, FastTracer):
+                return tracer.start_reserved(reserved, _inference_name(call), SpanKind.CLIENT, attrs, _nanos(start_time))
             return tracer.start_span(
-                name,
-                parent or Context(),
-                SpanKind.CLIENT,
-                self._tollgate(attrs, run_id, agent),
-                start_time=_nanos(start_time),
+                _inference_name(call), parent or Context(), SpanKind.CLIENT, attrs, start_time=_nanos(start_time)
             )
 
-        return self._step(start, parent, "inference", labels)
+        return self._step(start, parent, "inference", labels, started)
+
+    def reserve_inference(self, call: Call, parent: Context | None) -> Reserved:
+        """Decide now the identity (ids, sampling) of the span that `start_inference(...,
+        reserved=...)` starts later; `.context` is the trace context to send upstream, so the span
+        itself can be built while the upstream works. With tracing off (or if deciding fails, which
+        is counted): the parent's context, passed through, and nothing recorded."""
+        tracer = self._tracer
+        if isinstance(tracer, FastTracer):
+            try:
+                return tracer.reserve(_inference_name(call), parent or Context(), SpanKind.CLIENT)
+            except Exception:  # noqa: BLE001 - counted; the step then sends its parent's context
+                self._errors.record("start_inference")
+        return Reserved(self._passthrough(parent).get_span_context(), None, False, {})
 
     def start_mcp(
         self,
@@ -286,7 +303,7 @@ class Telemetry:
         provider = self._provider
         if provider is None or self._closed:
             return True
-        return not _bounded(provider.force_flush, timeout_s).is_alive()
+        return not bounded(provider.force_flush, timeout_s).is_alive()
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
         """Flush and stop exporting, within `timeout_s` (then the exporter is aborted and what is left
@@ -297,9 +314,4 @@ class Telemetry:
                 self._closed = True
                 return True
             self._closed = True
-        worker = _bounded(provider.shutdown, timeout_s)
-        if not worker.is_alive():
-            return True
-        processor.abort()  # interrupts the exporter's retries; the rest of the queue is dropped
-        worker.join(1.0)
-        return False
+        return shutdown_within(provider, processor, timeout_s)
