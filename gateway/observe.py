@@ -1,8 +1,9 @@
 """Stage `record`: one step becomes spans, Prometheus samples and a ledger row.
 
 Telemetry never changes behaviour: every call here is cheap, and failures are counted by the
-telemetry layer itself, never raised into the request. Spans start before the upstream call (so the
-trace context can be propagated upstream) and end here.
+telemetry layer itself, never raised into the request. A span's identity is decided before the
+upstream call (so the trace context can be propagated upstream) and the span is built while the
+upstream works, starting at the moment it was decided; it ends here.
 
 Model calls: one CLIENT span per upstream *attempt* (a re-ask is a new attempt).
 
