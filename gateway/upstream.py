@@ -1,8 +1,8 @@
 """Stage `forward`: the only place that does network I/O.
 
-One pooled HTTP/1.1 client per process (`gateway.http1`). Timeouts are per phase: connect, time to the response
-headers (`first_byte`), and the idle gap between body chunks. There is no total timeout, which would
-cut a long healthy stream.
+One pooled HTTP/1.1 client per process (`gateway.http1`). Timeouts are per phase: connect, time to
+the response headers (`first_byte`), and the idle gap between body chunks. There is no total timeout,
+which would cut a long healthy stream.
 """
 
 from __future__ import annotations
@@ -107,10 +107,6 @@ class Upstream:
         """Call from the running event loop (the app's startup). The client keeps no cookies: a proxy
         must not replay what one agent's upstream set for another."""
         return cls(Http1Pool(asyncio.get_running_loop(), limit=limit))
-
-    @property
-    def pool(self) -> Http1Pool:
-        return self._pool
 
     async def close(self) -> None:
         await self._pool.close()

@@ -52,6 +52,11 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _DEFAULT = TraceFlags(TraceFlags.DEFAULT)
 
 
+def _stored(value: AttributeValue) -> AttributeValue:
+    """As the SDK keeps a value: sequences as tuples (a list the caller changes later stays as set)."""
+    return tuple(value) if type(value) is list else value
+
+
 @dataclass(frozen=True, slots=True)
 class Reserved:
     """A span decided but not started: its context (what goes upstream), its parent, whether it
@@ -141,10 +146,10 @@ class FastTracer(Tracer):
         """The span of `reserve`: `attributes` come after the sampler's own, as in the SDK."""
         if not reserved.recording:
             return NonRecordingSpan(reserved.context)
-        attrs = {k: tuple(v) if type(v) is list else v for k, v in reserved.sampler_attributes.items()}
+        attrs = {k: _stored(v) for k, v in reserved.sampler_attributes.items()}
         if attributes:
             for key, value in attributes.items():
-                attrs.setdefault(key, tuple(value) if type(value) is list else value)
+                attrs.setdefault(key, _stored(value))
         span_start = time_ns() if start_time is None else start_time
         return FastSpan(self, name, reserved.context, reserved.parent, kind, attrs, span_start)
 
@@ -230,7 +235,7 @@ class FastSpan(Span):
             attributes = self.attributes
             if key in attributes:
                 del attributes[key]  # a key set again moves to the end, as in the SDK's BoundedAttributes
-            attributes[key] = tuple(value) if type(value) is list else value
+            attributes[key] = _stored(value)
 
     def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
         for key, value in attributes.items():

@@ -4,9 +4,9 @@
 SDK's `encode_spans(...).SerializePartialToString()`, several times cheaper) and hands them to the
 SDK's own HTTP client, so headers, compression, timeouts, retries and the exporter's metrics are the
 SDK's; the batch is posted with the SDK's urllib3 transport rather than its requests one where the
-two behave alike (`prefer_urllib3`, called by `otel.setup`). Whenever the fast path does not apply (a batch the encoder declines, an oversized request,
-after shutdown, or an SDK version whose exporter internals differ) the SDK's `export` runs instead,
-with its own logging and error reporting.
+two behave alike (`prefer_urllib3`, called by `otel.setup`). Whenever the fast path does not apply
+(a batch the encoder declines, an oversized request, after shutdown, or an SDK version whose exporter
+internals differ) the SDK's `export` runs instead, with its own logging and error reporting.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ __all__ = ["OTLPSpanExporter"]
 _log = logging.getLogger("tollgate.otel")
 _INTERNALS = ("_client", "_metrics", "_max_request_size", "_shutdown")
 # proxy variables requests honours and urllib3 does not: with one set, requests stays
-_PROXY_ENV = tuple(name for base in ("http_proxy", "https_proxy", "all_proxy") for name in (base, base.upper()))
+_PROXY_ENV = tuple(
+    name for base in ("http_proxy", "https_proxy", "all_proxy") for name in (base, base.upper())
+)
 
 
 class OTLPSpanExporter(_SdkExporter):

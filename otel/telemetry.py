@@ -23,7 +23,6 @@ from opentelemetry.trace import (
     SpanKind,
     Status,
     StatusCode,
-    Tracer,
     get_current_span,
 )
 
@@ -67,7 +66,7 @@ class Telemetry:
     def __init__(
         self,
         *,
-        tracer: Tracer | None,
+        tracer: FastTracer | None,
         provider: TracerProvider | None,
         processor: CountingSpanProcessor | None,
         sampler: Sampler | None,
@@ -102,7 +101,7 @@ class Telemetry:
 
     def _step(
         self,
-        start: Callable[[Tracer], Span],
+        start: Callable[[FastTracer], Span],
         parent: Context | None,
         kind: StepKind,
         labels: StepLabels,
@@ -164,17 +163,16 @@ class Telemetry:
             server_port=server_port,
         )
 
-        def start(tracer: Tracer) -> Span:
+        def start(tracer: FastTracer) -> Span:
             attrs = inference_start_attributes(
                 call, provider_name=provider_name, server_address=server_address, server_port=server_port
             )
             attrs[TOLLGATE_ATTEMPT] = attempt
             attrs = self._tollgate(attrs, run_id, agent)
-            if reserved is not None and isinstance(tracer, FastTracer):
-                return tracer.start_reserved(reserved, _inference_name(call), SpanKind.CLIENT, attrs, _nanos(start_time))
-            return tracer.start_span(
-                _inference_name(call), parent or Context(), SpanKind.CLIENT, attrs, start_time=_nanos(start_time)
-            )
+            name, start_ns = _inference_name(call), _nanos(start_time)
+            if reserved is not None:
+                return tracer.start_reserved(reserved, name, SpanKind.CLIENT, attrs, start_ns)
+            return tracer.start_span(name, parent or Context(), SpanKind.CLIENT, attrs, start_time=start_ns)
 
         return self._step(start, parent, "inference", labels, started)
 
@@ -184,7 +182,7 @@ class Telemetry:
         itself can be built while the upstream works. With tracing off (or if deciding fails, which
         is counted): the parent's context, passed through, and nothing recorded."""
         tracer = self._tracer
-        if isinstance(tracer, FastTracer):
+        if tracer is not None:
             try:
                 return tracer.reserve(_inference_name(call), parent or Context(), SpanKind.CLIENT)
             except Exception:  # noqa: BLE001 - counted; the step then sends its parent's context
@@ -218,7 +216,7 @@ class Telemetry:
             server_port=server_port,
         )
 
-        def start(tracer: Tracer) -> Span:
+        def start(tracer: FastTracer) -> Span:
             attrs = mcp_attributes(
                 method,
                 tool_name=tool_name,
