@@ -279,7 +279,9 @@ class Http1Response:
 class Http1Pool:
     """Connections per origin, at most `limit` busy at once (more callers wait for one)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, limit: int = 256, keepalive_s: float = 15.0) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, limit: int = 256, keepalive_s: float = 15.0
+    ) -> None:
         self.loop = loop
         self.keepalive_s = keepalive_s
         self._idle: dict[Origin, list[Connection]] = {}
@@ -365,7 +367,8 @@ class Http1Pool:
         try:
             async with asyncio.timeout(limit):
                 _, conn = await self.loop.create_connection(
-                    lambda: Connection(self, origin), host, port, ssl=context, server_hostname=host if context else None
+                    lambda: Connection(self, origin), host, port,
+                    ssl=context, server_hostname=host if context else None,
                 )
         except TimeoutError:
             if timeouts.first_byte < timeouts.connect:

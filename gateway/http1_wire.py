@@ -41,7 +41,9 @@ def split_url(url: str) -> tuple[Origin, str, str]:
     return (parts.hostname, port or (443 if https else 80), parts.scheme), target, parts.netloc
 
 
-def request_head(method: str, target: str, host: str, headers: Mapping[str, str], length: int | None) -> bytes:
+def request_head(
+    method: str, target: str, host: str, headers: Mapping[str, str], length: int | None
+) -> bytes:
     """The request line and headers. Host, framing and encoding headers are ours; a name or value
     with a control character (header splitting) is refused with `InvalidRequest`."""
     lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]

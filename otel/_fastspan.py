@@ -130,8 +130,9 @@ class FastTracer(Tracer):
         flags = _SAMPLED if decision in _SAMPLED_DECISIONS else _DEFAULT
         if random_id:
             flags = TraceFlags(flags | TraceFlags.RANDOM_TRACE_ID)
+        span_id = self.ids.generate_span_id()
         span_context = SpanContext(
-            trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags, trace_state=result.trace_state
+            trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=result.trace_state
         )
         return Reserved(span_context, parent, decision is not Decision.DROP, result.attributes)
 
@@ -265,8 +266,13 @@ class FastSpan(Span):
         if status.status_code is not StatusCode.UNSET:
             self.status = status
 
-    def record_exception(self, exception: BaseException, attributes: Mapping[str, AttributeValue] | None = None,
-                         timestamp: int | None = None, escaped: bool = False) -> None:
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
         module, name = type(exception).__module__, type(exception).__qualname__
         self.add_event("exception", {
             Exc.EXCEPTION_TYPE: f"{module}.{name}" if module and module != "builtins" else name,
