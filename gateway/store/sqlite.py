@@ -10,9 +10,13 @@ Contracts:
   operation applies the pure transition of `gateway.store.logic` to it; operations run on the event
   loop without awaiting, so each is atomic. No read, no JSON parse on the hot path.
 * Written through before the call returns, with one autocommit statement: what must survive a crash
-  because it allows or stops work: reservations, stops (including an `apply`/`add` that stopped the
-  run), resets, takes, crash recovery. A write-through writes the run's whole state, so it also
+  because it stops work: stops (including an `apply`/`add` that stopped the run), resets, takes, crash
+  recovery, a new run's first reservation. A write-through writes the run's whole state, so it also
   carries every change written behind before it.
+* Reservations of known runs are also on file before `reserve` returns, but those made during one
+  turn of the event loop share one commit: the step log's batch, written on the next turn
+  (`StepLog.mark(soon=True)` and `wait`). If that commit fails, `reserve` raises StateUnavailable and
+  the reservation is released in memory; a caller cancelled while it waits releases it too.
 * Written behind (`gateway.store.sqlite_steps`, within `flush_after_s`, 10 ms, in one transaction with
   the step history): settlements within their reservation, and guard counters / histories that did
   not stop the run. A settlement above its reservation (an upstream that ignored `max_tokens`) is
@@ -169,17 +173,19 @@ class SqliteRunStore:
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
-    def _change(self, state: RunState, transition: Callable[[RunState], T], *, behind: bool = False) -> T:
+    def _change(
+        self, state: RunState, transition: Callable[[RunState], T], *, behind: bool = False, soon: bool = False
+    ) -> T:
         """Apply `transition` to the run in memory, then write it through, or with `behind` mark it for
-        the next batch unless the result stops the run (module docstring). If the transition or the
-        write fails, memory goes back to what it was before the call."""
+        the next batch (`soon`: the loop's next turn) unless the result stops the run (module
+        docstring). If the transition or the write fails, memory goes back to what it was before."""
         run_id = state.run_id
         ahead = run_id in self._steps.dirty
         saved = _copy(state, shared_open=True) if ahead else None  # memory holds changes the file lacks
         try:
             result = transition(state)
             if behind and not isinstance(result, Denial):
-                self._steps.mark(state)
+                self._steps.mark(state, soon=soon)
                 return result
             self._conn.execute(_WRITE, _row(state))
         except BaseException as exc:
@@ -190,7 +196,7 @@ class SqliteRunStore:
             if isinstance(exc, sqlite3.Error):
                 raise self._error(exc) from None
             raise
-        self._steps.dirty.pop(run_id, None)  # everything it had in memory is in the file now
+        self._steps.written(run_id)  # everything it had in memory is in the file now
         return result
 
     def _forget(self, run_id: str) -> None:
@@ -224,9 +230,23 @@ class SqliteRunStore:
         self, run_id: str, agent: str, request: ReserveRequest, now: float
     ) -> Reservation | Denial:
         rid = self._next_id()
-        return self._change(self._state(run_id, agent), lambda s: logic.reserve(s, request, now, rid))
+        state = self._existing(run_id)
+        if state is None:  # written through: a run whose creation the file refused does not exist
+            return self._change(self._state(run_id, agent), lambda s: logic.reserve(s, request, now, rid))
+        result = self._change(state, lambda s: logic.reserve(s, request, now, rid), behind=True, soon=True)
+        if isinstance(result, Denial):
+            return result  # stopped the run: written through
+        try:
+            await self._steps.wait(run_id)
+        except BaseException:  # refused, or the caller is gone: nobody will settle it
+            self._settle(result, {}, now)
+            raise
+        return result
 
     async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
+        self._settle(reservation, actual, now)
+
+    def _settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
         state = self._existing(reservation.run_id)
         if state is None or reservation.epoch != state.epoch or reservation.id not in state.open:
             return  # settled already, or reset since: nothing changes, nothing to write

@@ -15,6 +15,12 @@ Contracts:
   read and on close.
 * When the file refuses a batch, everything stays buffered and is retried by the timer (logged once
   per outage); past `limit` rows, `add` raises StateUnavailable instead of growing.
+* `mark(soon=True)` then `wait` is for a change that must be on file before its caller goes on (the
+  store's reservations): the batch is written on the loop's next turn, and the future resolves when a
+  write has the change: that batch, or the store's own write of the run before it (`written`). So
+  the reservations made during one turn of the loop share one commit (one autocommit write each was the
+  largest cost of a step). If that batch is refused, the future fails with StateUnavailable and the
+  run stays dirty: its memory, not the refused batch, is what a later batch writes.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class StepLog:
         self._batch = batch
         self._limit = limit
         self.dirty: dict[str, RunState] = {}
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}  # `wait` callers, by run
+        self._soon: asyncio.Handle | None = None
         self._pending: list[tuple[str, int, bytes]] = []
         self._recorded = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -93,10 +101,31 @@ class StepLog:
         else:
             self._arm()
 
-    def mark(self, state: RunState) -> None:
-        """`state` changed in memory only (a deferred write of the store): write it with the next batch."""
+    def mark(self, state: RunState, *, soon: bool = False) -> None:
+        """`state` changed in memory only (a deferred write of the store): write it with the next batch,
+        which with `soon` is written on the loop's next turn instead of `flush_after_s` later."""
         self.dirty[state.run_id] = state
-        self._arm()
+        if not soon:
+            self._arm()
+        elif self._soon is None and not self._closed:
+            self._soon = asyncio.get_running_loop().call_soon(self._flush_quietly)
+
+    def wait(self, run_id: str) -> asyncio.Future[None]:
+        """A future resolved once a write has the run as it is now (module docstring). Call within a
+        running event loop."""
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if run_id in self.dirty:
+            self._waiting.setdefault(run_id, []).append(written)
+        else:
+            written.set_result(None)
+        return written
+
+    def written(self, run_id: str) -> None:
+        """The store wrote the run's whole state itself: it is no longer dirty, and what waited is on file."""
+        self.dirty.pop(run_id, None)
+        for waiter in self._waiting.pop(run_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _arm(self) -> None:
         if self._timer is None and not self._closed:
@@ -111,22 +140,28 @@ class StepLog:
         return [orjson.loads(r[0]) for r in reversed(rows)]
 
     def flush(self) -> None:
-        """Write the buffered rows and dirty runs in one transaction. Raises StateUnavailable when the
-        file refuses; everything stays buffered and the timer tries again."""
+        """Write the dirty runs and the buffered rows in one transaction. Raises StateUnavailable when the
+        file refuses; what it refused stays buffered and the timer tries again (runs are written even
+        when step rows are refused)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         if not self._pending and not self.dirty:
+            self._release_waiters(None)  # nothing is ahead of the file
             return
         pending = self._pending
-        prune = {r for n, (r, _, _) in enumerate(pending, self._recorded + 1) if n % _PRUNE_EVERY == 0}
         conn = self._conn
+        refused: sqlite3.Error | None = None
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.executemany(_INSERT, pending)
-                conn.executemany(self._write_run, [self._run_row(s) for s in self.dirty.values()])
-                conn.executemany(_PRUNE, [(r, r, logic.MAX_STEPS) for r in prune])
+                if self.dirty:
+                    conn.executemany(self._write_run, [self._run_row(s) for s in self.dirty.values()])
+                if pending:
+                    refused = self._insert(pending)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -134,10 +169,44 @@ class StepLog:
                 raise
         except sqlite3.Error as exc:
             self._arm()
-            raise self._error(exc) from None
+            error = self._error(exc)
+            self._release_waiters(error)
+            raise error from None
+        self.dirty = {}
+        self._release_waiters(None)
+        if refused is not None:
+            self._arm()
+            raise self._error(refused)
         self._recorded += len(pending)
         self._pending = []
-        self.dirty = {}
+
+    def _insert(self, pending: list[tuple[str, int, bytes]]) -> sqlite3.Error | None:
+        """Write step rows within the batch's transaction, in a savepoint: rows the file refuses stay
+        buffered and never hold back the runs (spend does not depend on step history)."""
+        prune = {r for n, (r, _, _) in enumerate(pending, self._recorded + 1) if n % _PRUNE_EVERY == 0}
+        conn = self._conn
+        conn.execute("SAVEPOINT steps")
+        try:
+            conn.executemany(_INSERT, pending)
+            if prune:
+                conn.executemany(_PRUNE, [(r, r, logic.MAX_STEPS) for r in prune])
+        except sqlite3.Error as exc:
+            conn.execute("ROLLBACK TO steps")
+            return exc
+        finally:
+            conn.execute("RELEASE steps")
+        return None
+
+    def _release_waiters(self, error: StateUnavailable | None) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for waiters in waiting.values():
+            for waiter in waiters:
+                if waiter.done():
+                    continue  # its caller was cancelled
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(StateUnavailable(error.message))  # one per task
 
     def _flush_quietly(self) -> None:
         """Flush from the timer or at the batch size: a failure is logged (once per outage) and retried."""
@@ -164,3 +233,4 @@ class StepLog:
                 self._timer = None
             self._pending = []
             self.dirty = {}
+            self._release_waiters(StateUnavailable("the state store is closed"))

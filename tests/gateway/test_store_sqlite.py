@@ -252,6 +252,107 @@ async def test_refused_batches_keep_settlements_until_written(tmp_path: Path) ->
         await store.close()
 
 
+@contextmanager
+def commits(store: SqliteRunStore) -> Iterator[list[str]]:
+    """The statements the store's connection runs that end a transaction, as they run."""
+    seen: list[str] = []
+    store._conn.set_trace_callback(
+        lambda sql: seen.append(sql) if sql in ("COMMIT", "ROLLBACK") or sql.startswith("INSERT") else None
+    )
+    try:
+        yield seen
+    finally:
+        store._conn.set_trace_callback(None)
+
+
+async def test_reservations_of_one_loop_turn_share_one_commit(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        await grant(store)  # the run exists on file: later reservations are batched
+        await store.record_step("run-1", "bot", {"n": 1}, NOW)
+        with commits(store) as seen:
+            grants = await asyncio.gather(*(grant(store) for _ in range(6)))
+        assert seen.count("COMMIT") == 1  # the 6 reservations and the waiting step row, one transaction
+        # every reservation was on file when its `reserve` returned
+        assert set(file_state(path, "run-1")["open"]) >= {g.id for g in grants}
+        assert query(path, "SELECT data FROM steps") == [(b'{"n":1}',)]
+    finally:
+        await store.close()
+
+
+async def test_a_refused_batch_fails_its_reservations_and_releases_them(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        first = await grant(store)
+        with refusing(path, "runs"):
+            results = await asyncio.gather(*(grant(store) for _ in range(3)), return_exceptions=True)
+            assert all(isinstance(r, StateUnavailable) for r in results), results
+        state = await store.get("run-1", steps=False)
+        assert state is not None and list(state.open) == [first.id]
+        assert state.reserved["usd"] == pytest.approx(first.amounts["usd"])
+        await store.list_runs()  # a later batch writes memory, not the refused one
+        assert list(file_state(path, "run-1")["open"]) == [first.id]
+    finally:
+        await store.close()
+
+
+async def test_a_reservation_whose_caller_is_cancelled_is_released(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        first = await grant(store)
+        waiting = asyncio.create_task(grant(store))
+        await asyncio.sleep(0)  # it reserved in memory and waits for the batch
+        state = await store.get("run-1", steps=False)
+        assert state is not None and len(state.open) == 2
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        state = await store.get("run-1", steps=False)
+        assert state is not None and list(state.open) == [first.id]
+        await store.list_runs()
+        assert list(file_state(path, "run-1")["open"]) == [first.id]
+    finally:
+        await store.close()
+
+
+async def test_a_write_through_before_the_batch_answers_the_waiting_reservation(tmp_path: Path) -> None:
+    """The store wrote the run itself (a stop) while a reservation waited: the reservation is on file, so
+    the batch being refused afterwards (for another run's change) must not fail or release it."""
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        await grant(store)
+        await grant(store, "run-2")
+        waiting = asyncio.create_task(grant(store))
+        await asyncio.sleep(0)
+        assert await store.take("run-1", "missing", "x") is False  # no write: still waiting
+        await store.stop("run-1", "bot", "loop_detected", "x", NOW)  # written through, with the reservation
+        await store.add("run-2", "bot", "tool_calls", 1.0, limit=None, code="", now=NOW)  # in the batch
+        with refusing(path, "runs"):
+            reservation = await waiting
+        assert reservation.id in file_state(path, "run-1")["open"]
+        state = await store.get("run-1", steps=False)
+        assert state is not None and reservation.id in state.open
+    finally:
+        await store.close()
+
+
+async def test_a_new_runs_first_reservation_is_written_through(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        with commits(store) as seen:
+            reservation = await store.reserve("fresh", "bot", CALL, NOW)
+            assert seen and seen[0].startswith("INSERT") and "COMMIT" not in seen  # one autocommit write
+        assert isinstance(reservation, Reservation)
+        assert list(file_state(path, "fresh")["open"]) == [reservation.id]
+    finally:
+        await store.close()
+
+
 async def test_get_returns_a_deep_copy(tmp_path: Path) -> None:
     store = SqliteRunStore.open(tmp_path / "state.db")
     try:
