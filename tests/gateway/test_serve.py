@@ -8,6 +8,8 @@ answer, a client disconnect closing the upstream, and SIGTERM draining an in-fli
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 import signal
 import socket
@@ -25,7 +27,9 @@ import openai
 import pytest
 import yaml
 
+from gateway import server
 from gateway.cli import main as cli_main
+from gateway.config import parse_config
 from tests.fakes.upstream import (
     FakeProvider,
     Reply,
@@ -400,3 +404,30 @@ async def test_serve_client_disconnect_while_events_are_held_closes_upstream(
         await wait_for(recorded, 3.0, "the abandoned step to be recorded")  # cancellation still records
     served.proc.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(served.proc.wait(), 5.0) == 0
+
+
+async def test_serve_freezes_the_startup_heap_once_it_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full collection under load must not walk the startup heap (server.freeze_startup_heap)."""
+    config = parse_config({"state": {"backend": "memory"}, "ledger": {"path": str(tmp_path / "ledger.db")}})
+    frozen = asyncio.Event()
+    counts: list[int] = []
+    real = server.freeze_startup_heap
+
+    def freeze() -> None:
+        real()
+        counts.append(gc.get_freeze_count())
+        frozen.set()
+
+    monkeypatch.setattr(server, "freeze_startup_heap", freeze)
+    gc.unfreeze()
+    task = asyncio.create_task(server.serve(config, host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0))
+    try:
+        await asyncio.wait_for(frozen.wait(), 10.0)
+        assert counts[0] > 10_000  # the modules, the config and the apps, not an empty freeze
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gc.unfreeze()
