@@ -104,7 +104,7 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
             if mcp.policy.on_violation == "reject":
                 await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
             raise ToolNotAllowed(detail)
-        run = await mcp.gw.store.get(ident.run_id, steps=False)
+        run = await mcp.gw.store.get(ident.run_id, steps=False, reservations=False)
         _refuse_if_stopped(run)
         _check_arguments(mcp, tool, arguments)
         args_json = canonical_json(arguments).decode()
@@ -290,4 +290,4 @@ async def _approve(step: ToolStep) -> None:
         raise ApprovalTimeout(f"nobody decided on {step.qualified} within {timeout:g}s (approval {item.id})")
     if item.status != "approved":
         raise ApprovalDenied(f"{step.qualified} was denied by {item.decided_by} (approval {item.id})")
-    _refuse_if_stopped(await mcp.gw.store.get(ctx.run_id, steps=False))  # it may have stopped meanwhile
+    _refuse_if_stopped(await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False))  # it may have stopped meanwhile

@@ -99,7 +99,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     ident = step.identity
     now = time.time()
     try:
-        snapshot = await gw.store.get(ident.run_id, steps=False)
+        snapshot = await gw.store.get(ident.run_id, steps=False, reservations=False)
     except StateUnavailable as exc:
         await _state_failed(step, exc)
         return

@@ -125,8 +125,9 @@ class RunState:
 class RunStore(Protocol):
     """Atomic operations on runs. Implementations: memory, sqlite, redis."""
 
-    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
-        """The run, or None. `steps=False` may leave `steps` empty (the hot path does not need them)."""
+    async def get(self, run_id: str, *, steps: bool = True, reservations: bool = True) -> RunState | None:
+        """The run, or None. `steps=False` may leave `steps` empty, `reservations=False` may leave `open`
+        empty (the guards read neither; the amounts the open reservations hold stay in `reserved`)."""
         ...
 
     async def reserve(

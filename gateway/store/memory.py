@@ -23,7 +23,7 @@ class MemoryRunStore:
             state = self._runs[run_id] = RunState(run_id=run_id, agent=agent)
         return state
 
-    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
+    async def get(self, run_id: str, *, steps: bool = True, reservations: bool = True) -> RunState | None:
         state = self._runs.get(run_id)
         return None if state is None else logic.from_dict(logic.to_dict(state))
 

@@ -169,7 +169,7 @@ class RedisRunStore:
 
     # -- RunStore ------------------------------------------------------------------------------------
 
-    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
+    async def get(self, run_id: str, *, steps: bool = True, reservations: bool = True) -> RunState | None:
         """The run (one script: run and steps are one snapshot); `steps=False` leaves the steps out."""
         reply = await self._guard(lambda: self._eval("get", run_id, "", [steps]))
         return None if reply is None else decode_reply(reply)

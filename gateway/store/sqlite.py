@@ -14,9 +14,9 @@ Contracts:
   recovery, a new run's first reservation. A write-through writes the run's whole state, so it also
   carries every change written behind before it.
 * Reservations of known runs are also on file before `reserve` returns, but those made during one
-  turn of the event loop share one commit: the step log's batch, written on the next turn
-  (`StepLog.mark(soon=True)` and `wait`). If that commit fails, `reserve` raises StateUnavailable and
-  the reservation is released in memory; a caller cancelled while it waits releases it too.
+  turn of the event loop share one write of their run, on the next turn (`StepLog.mark(soon=True)`,
+  `write_runs` and `wait`). If that write fails, `reserve` raises StateUnavailable and the
+  reservation is released in memory; a caller cancelled while it waits releases it too.
 * Written behind (`gateway.store.sqlite_steps`, within `flush_after_s`, 10 ms, in one transaction with
   the step history): settlements within their reservation, and guard counters / histories that did
   not stop the run. A settlement above its reservation (an upstream that ignored `max_tokens`) is
@@ -212,12 +212,13 @@ class SqliteRunStore:
 
     # -- RunStore ------------------------------------------------------------------------------------
 
-    async def get(self, run_id: str, *, steps: bool = True) -> RunState | None:
-        """A copy of the run: changing it never changes the store."""
+    async def get(self, run_id: str, *, steps: bool = True, reservations: bool = True) -> RunState | None:
+        """A copy of the run: changing it never changes the store. Without `reservations`, `open` is
+        empty: copying every open reservation was the largest part of a guard's snapshot."""
         state = self._existing(run_id)
         if state is None:
             return None
-        snapshot = _copy(state)
+        snapshot = _copy(state, reservations=reservations)
         if steps:
             self._steps.flush()
             try:
@@ -345,11 +346,12 @@ def _row(state: RunState) -> tuple[str, str, float | None, bytes]:
     return state.run_id, state.agent, state.updated_at, orjson.dumps(logic.to_dict(state))
 
 
-def _copy(state: RunState, *, shared_open: bool = False) -> RunState:
+def _copy(state: RunState, *, shared_open: bool = False, reservations: bool = True) -> RunState:
     """An independent copy, nested containers included (faster than a JSON round trip).
 
     `shared_open`: the open reservations' entries are shared, not copied. Safe for a copy only the store
-    holds (to roll back a failed write): transitions add and remove entries, never change one."""
+    holds (to roll back a failed write): transitions add and remove entries, never change one.
+    `reservations=False`: no open reservations at all (`RunStore.get`)."""
     return RunState(
         run_id=state.run_id,
         agent=state.agent,
@@ -365,6 +367,6 @@ def _copy(state: RunState, *, shared_open: bool = False) -> RunState:
         open=dict(state.open) if shared_open else {
             rid: {k: dict(v) if isinstance(v, dict) else v for k, v in held.items()}
             for rid, held in state.open.items()
-        },
+        } if reservations else {},
         steps=[],
     )

@@ -16,11 +16,12 @@ Contracts:
 * When the file refuses a batch, everything stays buffered and is retried by the timer (logged once
   per outage); past `limit` rows, `add` raises StateUnavailable instead of growing.
 * `mark(soon=True)` then `wait` is for a change that must be on file before its caller goes on (the
-  store's reservations): the batch is written on the loop's next turn, and the future resolves when a
-  write has the change: that batch, or the store's own write of the run before it (`written`). So
-  the reservations made during one turn of the loop share one commit (one autocommit write each was the
-  largest cost of a step). If that batch is refused, the future fails with StateUnavailable and the
-  run stays dirty: its memory, not the refused batch, is what a later batch writes.
+  store's reservations): the dirty runs are written on the loop's next turn (`write_runs`; step rows
+  keep waiting for their batch), and the future resolves when a write has the change: that one, a
+  batch, or the store's own write of the run before it (`written`). So the reservations made during
+  one turn of the loop share one write (one write each was the largest cost of a step). If that write
+  is refused, the future fails with StateUnavailable and the run stays dirty: its memory, not the
+  refused write, is what a later one writes.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class StepLog:
         if not soon:
             self._arm()
         elif self._soon is None and not self._closed:
-            self._soon = asyncio.get_running_loop().call_soon(self._flush_quietly)
+            self._soon = asyncio.get_running_loop().call_soon(self._write_runs_quietly)
 
     def wait(self, run_id: str) -> asyncio.Future[None]:
         """A future resolved once a write has the run as it is now (module docstring). Call within a
@@ -197,6 +198,38 @@ class StepLog:
             conn.execute("RELEASE steps")
         return None
 
+    def write_runs(self) -> None:
+        """Write the dirty runs now; their step rows wait for the batch. One autocommit statement when
+        one run is dirty (the common case: agents' runs are few), else one transaction. Raises
+        StateUnavailable when the file refuses; the runs stay dirty and the timer tries again."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        if not self.dirty:
+            self._release_waiters(None)
+            return
+        rows = [self._run_row(s) for s in self.dirty.values()]
+        conn = self._conn
+        try:
+            if len(rows) == 1:
+                conn.execute(self._write_run, rows[0])
+            else:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany(self._write_run, rows)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as exc:
+            self._arm()
+            error = self._error(exc)
+            self._release_waiters(error)
+            raise error from None
+        self.dirty = {}
+        self._release_waiters(None)
+
     def _release_waiters(self, error: StateUnavailable | None) -> None:
         waiting, self._waiting = self._waiting, {}
         for waiters in waiting.values():
@@ -210,8 +243,14 @@ class StepLog:
 
     def _flush_quietly(self) -> None:
         """Flush from the timer or at the batch size: a failure is logged (once per outage) and retried."""
+        self._quietly(self.flush)
+
+    def _write_runs_quietly(self) -> None:
+        self._quietly(self.write_runs)
+
+    def _quietly(self, write: Callable[[], None]) -> None:
         try:
-            self.flush()
+            write()
         except StateUnavailable as exc:
             if not self._failing:
                 _log.warning("step history not written yet, retrying: %s", exc.message)

@@ -265,18 +265,22 @@ def commits(store: SqliteRunStore) -> Iterator[list[str]]:
         store._conn.set_trace_callback(None)
 
 
-async def test_reservations_of_one_loop_turn_share_one_commit(tmp_path: Path) -> None:
+async def test_reservations_of_one_loop_turn_share_one_write(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteRunStore.open(path, flush_after_s=3600.0)
     try:
-        await grant(store)  # the run exists on file: later reservations are batched
+        await grant(store)  # the runs exist on file: later reservations are batched
+        await grant(store, "run-2")
         await store.record_step("run-1", "bot", {"n": 1}, NOW)
         with commits(store) as seen:
             grants = await asyncio.gather(*(grant(store) for _ in range(6)))
-        assert seen.count("COMMIT") == 1  # the 6 reservations and the waiting step row, one transaction
-        # every reservation was on file when its `reserve` returned
+        assert len(seen) == 1 and seen[0].startswith("INSERT")  # one run: one autocommit statement
+        # every reservation was on file when its `reserve` returned; the step row waits for its batch
         assert set(file_state(path, "run-1")["open"]) >= {g.id for g in grants}
-        assert query(path, "SELECT data FROM steps") == [(b'{"n":1}',)]
+        assert query(path, "SELECT count(*) FROM steps") == [(0,)]
+        with commits(store) as seen:
+            await asyncio.gather(*(grant(store, run) for run in ("run-1", "run-2", "run-1")))
+        assert [s.split(" ", 1)[0] for s in seen] == ["INSERT", "INSERT", "COMMIT"]  # two runs, one transaction
     finally:
         await store.close()
 
@@ -364,6 +368,19 @@ async def test_get_returns_a_deep_copy(tmp_path: Path) -> None:
         await store.settle(res, res.amounts, NOW)
         state = await store.get("run-1")
         assert state is not None and state.used["usd"] == pytest.approx(PER_CALL)
+    finally:
+        await store.close()
+
+
+async def test_a_snapshot_for_the_guards_leaves_the_open_reservations_out(tmp_path: Path) -> None:
+    store = SqliteRunStore.open(tmp_path / "state.db")
+    try:
+        res = await grant(store)
+        snap = await store.get("run-1", steps=False, reservations=False)
+        assert snap is not None and snap.open == {}
+        assert snap.reserved["usd"] == pytest.approx(res.amounts["usd"])  # what they hold still counts
+        full = await store.get("run-1", steps=False)
+        assert full is not None and list(full.open) == [res.id]
     finally:
         await store.close()
 
