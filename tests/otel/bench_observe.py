@@ -114,8 +114,11 @@ def one(gw: object, step: Step, stream: bool) -> None:
     observe.on_step(gw, step)  # type: ignore[arg-type]
 
 
-def measure(build: Callable[[], Telemetry], base: Step, gw: object, steps: int, repeat: int, stream: bool
-            ) -> tuple[float, float, int]:
+async def measure(build: Callable[[], Telemetry], base: Step, gw: object, steps: int, repeat: int, stream: bool
+                  ) -> tuple[float, float, int]:
+    """On a running loop: `start_span` builds the span on the loop's next turn (gateway/observe.py);
+    `on_step` builds it at once when that turn has not come yet, as for a step the upstream answered
+    before the loop turned. The loop turns between rounds."""
     telemetry = build()
     fake_gw = types.SimpleNamespace(
         config=gw.config,  # type: ignore[attr-defined]
@@ -123,6 +126,7 @@ def measure(build: Callable[[], Telemetry], base: Step, gw: object, steps: int, 
     )
     for i in range(1000):
         one(fake_gw, fresh(base, i), stream)
+    await asyncio.sleep(0)
     telemetry.force_flush(10)
     walls, cpus = [], []
     for _ in range(repeat):
@@ -133,6 +137,7 @@ def measure(build: Callable[[], Telemetry], base: Step, gw: object, steps: int, 
             started = time.perf_counter_ns()
             one(fake_gw, step, stream)
             wall += time.perf_counter_ns() - started
+        await asyncio.sleep(0)
         telemetry.force_flush(30)
         cpus.append((time.process_time() - cpu0) / steps * 1e6)
         walls.append(wall / steps / 1000)
@@ -168,7 +173,7 @@ def main() -> None:
         for name, build in modes.items():
             if args.mode and name not in args.mode:
                 continue
-            wall, cpu, dropped = measure(build, base, gw, args.steps, args.repeat, args.stream)
+            wall, cpu, dropped = asyncio.run(measure(build, base, gw, args.steps, args.repeat, args.stream))
             print(f"{name:10} {wall:8.1f} {cpu:8.1f} {dropped:8d}")
     finally:
         sink.terminate()
