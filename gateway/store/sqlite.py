@@ -11,10 +11,10 @@ Contracts:
   loop without awaiting, so each is atomic. No read, no JSON parse on the hot path.
 * Written through before the call returns, with one autocommit statement: what must survive a crash
   because it stops work: stops (including an `apply`/`add` that stopped the run), resets, takes, crash
-  recovery, a new run's first reservation. A write-through writes the run's whole state, so it also
+  recovery, a reservation of a run with no other step in flight. A write-through writes the run's whole state, so it also
   carries every change written behind before it.
-* Reservations of known runs are also on file before `reserve` returns, but those made during one
-  turn of the event loop share one write of their run, on the next turn (`StepLog.mark(soon=True)`,
+* Reservations of a run with other steps in flight are also on file before `reserve` returns, but
+  those made during one turn of the event loop share one write of their run, on the next turn (`StepLog.mark(soon=True)`,
   `write_runs` and `wait`). If that write fails, `reserve` raises StateUnavailable and the
   reservation is released in memory; a caller cancelled while it waits releases it too.
 * Written behind (`gateway.store.sqlite_steps`, within `flush_after_s`, 10 ms, in one transaction with
@@ -232,7 +232,10 @@ class SqliteRunStore:
     ) -> Reservation | Denial:
         rid = self._next_id()
         state = self._existing(run_id)
-        if state is None:  # written through: a run whose creation the file refused does not exist
+        # Written through at once when no other step of the run is in flight (nothing to share a write
+        # with, and no loop turn to wait), and for a new run (one whose creation the file refused must
+        # not exist): batching only pays, like a database's commit_siblings, when steps run concurrently.
+        if state is None or not state.open:
             return self._change(self._state(run_id, agent), lambda s: logic.reserve(s, request, now, rid))
         result = self._change(state, lambda s: logic.reserve(s, request, now, rid), behind=True, soon=True)
         if isinstance(result, Denial):

@@ -344,6 +344,24 @@ async def test_a_write_through_before_the_batch_answers_the_waiting_reservation(
         await store.close()
 
 
+async def test_a_run_with_no_step_in_flight_writes_its_reservation_at_once(tmp_path: Path) -> None:
+    """Nothing to share a write with: no loop turn to wait (the latency of a lone agent's step)."""
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        first = await grant(store)
+        await store.settle(first, first.amounts, NOW)
+        alone = asyncio.create_task(grant(store))
+        await asyncio.sleep(0)
+        assert alone.done() and list(file_state(path, "run-1")["open"]) == [alone.result().id]
+        batched = asyncio.create_task(grant(store))  # `alone` is still open: this one is batched
+        await asyncio.sleep(0)
+        assert not batched.done()
+        await batched
+    finally:
+        await store.close()
+
+
 async def test_a_new_runs_first_reservation_is_written_through(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteRunStore.open(path, flush_after_s=3600.0)
