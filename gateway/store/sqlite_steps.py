@@ -115,7 +115,9 @@ class StepLog:
         """A future resolved once a write has the run as it is now (module docstring). Call within a
         running event loop."""
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if run_id in self.dirty:
+        if self._closed:  # nothing will write it any more
+            written.set_exception(StateUnavailable("the state store is closed"))
+        elif run_id in self.dirty:
             self._waiting.setdefault(run_id, []).append(written)
         else:
             written.set_result(None)

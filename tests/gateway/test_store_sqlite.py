@@ -362,6 +362,13 @@ async def test_a_run_with_no_step_in_flight_writes_its_reservation_at_once(tmp_p
         await store.close()
 
 
+async def test_nothing_waits_on_a_closed_step_log(tmp_path: Path) -> None:
+    store = SqliteRunStore.open(tmp_path / "state.db")
+    await store.close()
+    with pytest.raises(StateUnavailable, match="closed"):
+        await store._steps.wait("run-1")  # no write will ever come: fail, never hang
+
+
 async def test_a_new_runs_first_reservation_is_written_through(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteRunStore.open(path, flush_after_s=3600.0)
