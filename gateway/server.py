@@ -100,8 +100,10 @@ def freeze_startup_heap() -> None:
     collection. With the startup heap in it, that collection walks ~65,000 objects: a 40-60 ms stall
     of the event loop (measured with `gc.callbacks` under `make bench`'s load), which alone decides the
     p99 latency. Frozen, the same collection walks what was promoted since startup: ~0.5 ms. O(1);
-    garbage cycles that exist at this moment are kept (created once, at startup)."""
+    garbage cycles that exist at this moment are kept (created once, at startup). Turns the collector
+    back on (`tollgate serve` starts with it off)."""
     gc.freeze()
+    gc.enable()
 
 
 def _port(site: web.TCPSite) -> int:

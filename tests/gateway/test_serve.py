@@ -409,7 +409,8 @@ async def test_serve_client_disconnect_while_events_are_held_closes_upstream(
 async def test_serve_freezes_the_startup_heap_once_it_listens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A full collection under load must not walk the startup heap (server.freeze_startup_heap)."""
+    """A full collection under load must not walk the startup heap, and the collector that `tollgate
+    serve` turned off for its start runs again once it listens (server.freeze_startup_heap)."""
     config = parse_config({"state": {"backend": "memory"}, "ledger": {"path": str(tmp_path / "ledger.db")}})
     frozen = asyncio.Event()
     counts: list[int] = []
@@ -422,12 +423,15 @@ async def test_serve_freezes_the_startup_heap_once_it_listens(
 
     monkeypatch.setattr(server, "freeze_startup_heap", freeze)
     gc.unfreeze()
+    gc.disable()  # as `tollgate serve` starts (gateway.cli.cmd_serve)
     task = asyncio.create_task(server.serve(config, host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0))
     try:
         await asyncio.wait_for(frozen.wait(), 10.0)
         assert counts[0] > 10_000  # the modules, the config and the apps, not an empty freeze
+        assert gc.isenabled()  # and the collector runs again from then on
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         gc.unfreeze()
+        gc.enable()
