@@ -7,25 +7,29 @@ Contracts:
   working (the decision ledger's table, `sqlite3` readers, backups); they must not write `runs`/`steps`.
 * Because nothing else writes the runs, the authoritative `RunState` of a run lives in memory (loaded
   from the file on first use, at most `cache_size` runs, least recently used dropped first). An
-  operation applies the pure transition of `gateway.store.logic` to it; operations run on the event
-  loop without awaiting, so each is atomic. No read, no JSON parse on the hot path.
+  operation applies the pure transition of `gateway.store.logic` to it on the event loop without
+  awaiting, so each transition is atomic. No read, no JSON parse on the hot path.
 * Written through before the call returns, with one autocommit statement: what must survive a crash
   because it stops work: stops (including an `apply`/`add` that stopped the run), resets, takes, crash
-  recovery, a reservation of a run with no other step in flight. A write-through writes the run's whole state, so it also
-  carries every change written behind before it.
-* Reservations of a run with other steps in flight are also on file before `reserve` returns, but
-  those made during one turn of the event loop share one write of their run, on the next turn (`StepLog.mark(soon=True)`,
-  `write_runs` and `wait`). If that write fails, `reserve` raises StateUnavailable and the
-  reservation is released in memory; a caller cancelled while it waits releases it too.
+  recovery, and a reservation of a new run or of a run with no open reservation (no other step in
+  flight). A write-through writes the run's whole state, so it also carries every change written
+  behind before it.
+* A reservation of a run that has others open is on file before `reserve` returns too, but the ones
+  made during one turn of the event loop share one write of their run, on the next turn
+  (`StepLog.mark(soon=True)`, `write_runs`, `wait`). Between its transition and that write it already
+  counts (it limits other reservations, guard snapshots see it). If the write fails, `reserve` raises
+  StateUnavailable; if its caller is cancelled while it waits, nobody will use it: either way it is
+  released like a settlement, in memory and written behind, so a crash before that write charges it
+  in full (as for any open reservation, below).
 * Written behind (`gateway.store.sqlite_steps`, within `flush_after_s`, 10 ms, in one transaction with
-  the step history): settlements within their reservation, and guard counters / histories that did
-  not stop the run. A settlement above its reservation (an upstream that ignored `max_tokens`) is
-  written through. A crash
-  in that window loses them, safely for spend: a lost settlement leaves its reservation open in the
-  file, and on open, reservations a crashed process left open are settled at their reserved amount
-  (the spend of a call is never counted below what was reserved for it). What else can be lost is the
-  last 10 ms of counters that did not stop anything (tool calls counted, loop histories) and of step
-  history.
+  the step history; runs are written even when their step rows are refused): settlements within their
+  reservation, the release of a reservation whose `reserve` failed or was cancelled, and guard
+  counters / histories that did not stop the run. A settlement above its reservation (an upstream that
+  ignored `max_tokens`) is written through. A crash in that window loses them, safely for spend: a lost
+  settlement leaves its reservation open in the file, and on open, reservations a crashed process left
+  open are settled at their reserved amount (the spend of a call is never counted below what was
+  reserved for it). What else can be lost is the last 10 ms of counters that did not stop anything
+  (tool calls counted, loop histories) and of step history.
 * A write-through that fails puts memory back as it was before the call (the file may be behind it by
   writes still to come) and raises `StateUnavailable`; a batch that fails stays buffered and is
   retried by the timer. A failed transition or write never leaves memory half changed.
@@ -33,6 +37,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 import uuid
@@ -174,7 +179,12 @@ class SqliteRunStore:
             raise self._error(exc) from None
 
     def _change(
-        self, state: RunState, transition: Callable[[RunState], T], *, behind: bool = False, soon: bool = False
+        self,
+        state: RunState,
+        transition: Callable[[RunState], T],
+        *,
+        behind: bool = False,
+        soon: bool = False,
     ) -> T:
         """Apply `transition` to the run in memory, then write it through, or with `behind` mark it for
         the next batch (`soon`: the loop's next turn) unless the result stops the run (module
@@ -243,7 +253,9 @@ class SqliteRunStore:
         try:
             await self._steps.wait(run_id)
         except BaseException:  # refused, or the caller is gone: nobody will settle it
-            self._settle(result, {}, now)
+            # the store itself failing here (closed) must not hide why: a next start charges it
+            with contextlib.suppress(StateUnavailable):
+                self._settle(result, {}, now)
             raise
         return result
 

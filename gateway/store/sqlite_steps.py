@@ -9,19 +9,22 @@ Contracts:
 * The runs a batch touched are written with it (`dirty`): their memory is ahead of the file by step
   records, or by the changes the store writes behind (`mark`: settlements, guard counters and
   histories). They stay here, even when the store's cache dropped them, until written, so the store
-  never reloads an older version.
+  never reloads an older version. Dirty runs are also written without their step rows: on the loop's
+  next turn after `mark(soon=True)` (`write_runs`), and when the file refuses the step rows.
 * A crash loses the rows and run changes of at most the last `flush_after_s`; what that means for
   spend is the store's contract (gateway/store/sqlite.py). `flush()` is also called before steps are
   read and on close.
-* When the file refuses a batch, everything stays buffered and is retried by the timer (logged once
-  per outage); past `limit` rows, `add` raises StateUnavailable instead of growing.
+* When the file refuses a batch, what it refused stays buffered and is retried by the timer (logged
+  once per outage, run state and step history each); past `limit` rows, `add` raises
+  StateUnavailable instead of growing.
 * `mark(soon=True)` then `wait` is for a change that must be on file before its caller goes on (the
-  store's reservations): the dirty runs are written on the loop's next turn (`write_runs`; step rows
-  keep waiting for their batch), and the future resolves when a write has the change: that one, a
-  batch, or the store's own write of the run before it (`written`). So the reservations made during
-  one turn of the loop share one write (one write each was the largest cost of a step). If that write
-  is refused, the future fails with StateUnavailable and the run stays dirty: its memory, not the
-  refused write, is what a later one writes.
+  store's reservations): the dirty runs are written on the loop's next turn, and the future resolves
+  when a write has the change: that one, a batch, or the store's own write of the run before it
+  (`written`). So the reservations made during one turn of the loop share one write (one write each
+  was the largest cost of a step). If the file refuses the run, the future fails with
+  StateUnavailable (never waits for the retry) and the run stays dirty: its memory, not the refused
+  write, is what a later one writes. A run the file refuses fails only its own waiters. Whatever else
+  goes wrong while writing, waiters are answered, never left waiting.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class StepLog:
         self._pending: list[tuple[str, int, bytes]] = []
         self._recorded = 0
         self._timer: asyncio.TimerHandle | None = None
-        self._failing = False
+        self._failing: set[str] = set()  # what is refused now: "run state", "step history"
         self._closed = False
 
     def make_room(self) -> None:
@@ -175,6 +178,9 @@ class StepLog:
             error = self._error(exc)
             self._release_waiters(error)
             raise error from None
+        except BaseException as exc:  # not the file refusing: a bug; answer the waiters, then raise
+            self._release_waiters(_broken(exc))
+            raise
         self.dirty = {}
         self._release_waiters(None)
         if refused is not None:
@@ -202,35 +208,54 @@ class StepLog:
 
     def write_runs(self) -> None:
         """Write the dirty runs now; their step rows wait for the batch. One autocommit statement when
-        one run is dirty (the common case: agents' runs are few), else one transaction. Raises
-        StateUnavailable when the file refuses; the runs stay dirty and the timer tries again."""
+        one run is dirty (the common case: an agent's steps share a run), else one transaction; when
+        the file refuses that, each run alone, so a run it refuses fails only its own waiters. Raises
+        StateUnavailable when a run is refused: it stays dirty and the timer tries again."""
         if self._soon is not None:
             self._soon.cancel()
             self._soon = None
         if not self.dirty:
             self._release_waiters(None)
             return
-        rows = [self._run_row(s) for s in self.dirty.values()]
-        conn = self._conn
         try:
-            if len(rows) == 1:
-                conn.execute(self._write_run, rows[0])
-            else:
-                conn.execute("BEGIN IMMEDIATE")
+            if len(self.dirty) > 1 and self._write_together():
+                return
+            refused: sqlite3.Error | None = None
+            for run_id, state in list(self.dirty.items()):
                 try:
-                    conn.executemany(self._write_run, rows)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-        except sqlite3.Error as exc:
+                    self._conn.execute(self._write_run, self._run_row(state))
+                except sqlite3.Error as exc:
+                    refused = exc
+                    self._answer(run_id, self._error(exc))
+                else:
+                    self.written(run_id)
+        except BaseException as exc:  # not the file refusing: a bug; answer the waiters, then raise
+            self._release_waiters(_broken(exc))
+            raise
+        if refused is not None:
             self._arm()
-            error = self._error(exc)
-            self._release_waiters(error)
-            raise error from None
+            raise self._error(refused)
+
+    def _write_together(self) -> bool:
+        """The dirty runs in one transaction; False (nothing written) when the file refuses it."""
+        conn = self._conn
+        rows = [self._run_row(s) for s in self.dirty.values()]
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(self._write_run, rows)
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            return False
         self.dirty = {}
         self._release_waiters(None)
+        return True
+
+    def _answer(self, run_id: str, error: StateUnavailable) -> None:
+        for waiter in self._waiting.pop(run_id, ()):
+            if not waiter.done():
+                waiter.set_exception(StateUnavailable(error.message))
 
     def _release_waiters(self, error: StateUnavailable | None) -> None:
         waiting, self._waiting = self._waiting, {}
@@ -245,26 +270,27 @@ class StepLog:
 
     def _flush_quietly(self) -> None:
         """Flush from the timer or at the batch size: a failure is logged (once per outage) and retried."""
-        self._quietly(self.flush)
+        self._quietly(self.flush, "step history")
 
     def _write_runs_quietly(self) -> None:
-        self._quietly(self.write_runs)
+        self._quietly(self.write_runs, "run state")
 
-    def _quietly(self, write: Callable[[], None]) -> None:
+    def _quietly(self, write: Callable[[], None], what: str) -> None:
         try:
             write()
         except StateUnavailable as exc:
-            if not self._failing:
-                _log.warning("step history not written yet, retrying: %s", exc.message)
-            self._failing = True
+            if what not in self._failing:
+                _log.warning("%s not written yet, retrying: %s", what, exc.message)
+            self._failing.add(what)
             return
-        if self._failing:
-            _log.info("step history written again")
-        self._failing = False
+        if what in self._failing:
+            _log.info("%s written again", what)
+            self._failing.discard(what)
 
     def close(self) -> None:
         """Write what is buffered and stop the timer; raises StateUnavailable when the file refuses
-        (the rows are then lost, and the store says so to its closer)."""
+        (what it refused is then lost, and the store says so to its closer). Waiters still waiting
+        fail with StateUnavailable."""
         self._closed = True
         try:
             self.flush()
@@ -275,3 +301,7 @@ class StepLog:
             self._pending = []
             self.dirty = {}
             self._release_waiters(StateUnavailable("the state store is closed"))
+
+
+def _broken(exc: BaseException) -> StateUnavailable:
+    return StateUnavailable(f"state store error: {type(exc).__name__}: {exc}")

@@ -280,7 +280,8 @@ async def test_reservations_of_one_loop_turn_share_one_write(tmp_path: Path) -> 
         assert query(path, "SELECT count(*) FROM steps") == [(0,)]
         with commits(store) as seen:
             await asyncio.gather(*(grant(store, run) for run in ("run-1", "run-2", "run-1")))
-        assert [s.split(" ", 1)[0] for s in seen] == ["INSERT", "INSERT", "COMMIT"]  # two runs, one transaction
+        # two runs, one transaction
+        assert [s.split(" ", 1)[0] for s in seen] == ["INSERT", "INSERT", "COMMIT"]
     finally:
         await store.close()
 
@@ -360,6 +361,83 @@ async def test_a_run_with_no_step_in_flight_writes_its_reservation_at_once(tmp_p
         await batched
     finally:
         await store.close()
+
+
+async def test_a_run_the_file_refuses_fails_only_its_own_reservations(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    try:
+        await grant(store, "good")
+        await grant(store, "bad")
+        query(path, "CREATE TRIGGER refuse_bad BEFORE UPDATE ON runs WHEN NEW.run_id = 'bad' "
+                    "BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+        good, bad = await asyncio.gather(grant(store, "good"), grant(store, "bad"), return_exceptions=True)
+        assert isinstance(good, Reservation) and good.id in file_state(path, "good")["open"]
+        assert isinstance(bad, StateUnavailable)
+        query(path, "DROP TRIGGER refuse_bad")
+    finally:
+        await store.close()
+
+
+async def test_a_write_that_breaks_otherwise_still_answers_the_reservation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not the file refusing but a bug (a state that cannot be encoded): the caller gets an error,
+    never an endless wait."""
+    store = SqliteRunStore.open(tmp_path / "state.db", flush_after_s=3600.0)
+    try:
+        await grant(store)
+        real = store._steps._run_row
+
+        def broken(state: Any) -> Any:
+            store._steps._run_row = real  # once
+            raise TypeError("Integer exceeds 64-bit range")
+
+        store._steps._run_row = broken
+        with caplog.at_level(logging.ERROR), pytest.raises(StateUnavailable, match="TypeError"):
+            await asyncio.wait_for(grant(store), 5.0)
+        state = await store.get("run-1", steps=False)
+        assert state is not None and len(state.open) == 1  # released
+    finally:
+        await store.close()
+
+
+async def test_run_state_and_step_history_outages_are_logged_once_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=0.001)
+    try:
+        first = await grant(store)
+        with caplog.at_level(logging.INFO, "gateway.store.sqlite_steps"), refusing(path, "steps", "INSERT"):
+            for n in range(3):
+                await store.record_step("run-1", "bot", {"n": n}, NOW)
+                await timer_turn(0.005)  # the batch: its step rows are refused
+                await store.settle(await grant(store), {}, NOW)  # its run is written
+        assert caplog.text.count("step history not written yet") == 1
+        assert "written again" not in caplog.text and "run state" not in caplog.text
+        await store.settle(first, {}, NOW)
+    finally:
+        await store.close()
+
+
+async def test_a_cancelled_reservation_keeps_its_cancellation_when_the_store_closes(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteRunStore.open(path, flush_after_s=3600.0)
+    await grant(store)
+    waiting = asyncio.create_task(grant(store))
+    await asyncio.sleep(0)
+    store._steps.write_runs()  # the batch is written; the caller goes away before it resumes
+    waiting.cancel()
+    await store.close()  # a shutdown in the same turn: the release cannot be written any more
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    again = SqliteRunStore.open(path)  # the next start charges what the file still holds open
+    try:
+        state = await again.get("run-1", steps=False)
+        assert state is not None and state.open == {} and state.used["llm_calls"] == 2.0
+    finally:
+        await again.close()
 
 
 async def test_nothing_waits_on_a_closed_step_log(tmp_path: Path) -> None:
