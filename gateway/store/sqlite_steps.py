@@ -244,10 +244,12 @@ class StepLog:
             conn.execute("BEGIN IMMEDIATE")
             conn.executemany(self._write_run, rows)
             conn.execute("COMMIT")
-        except sqlite3.Error:
+        except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            return False
+            if isinstance(exc, sqlite3.Error):
+                return False
+            raise
         self.dirty = {}
         self._release_waiters(None)
         return True
