@@ -246,7 +246,8 @@ class SqliteRunStore:
         # with, and no loop turn to wait), and for a new run (one whose creation the file refused must
         # not exist): batching only pays, like a database's commit_siblings, when steps run concurrently.
         if state is None or not state.open:
-            return self._change(self._state(run_id, agent), lambda s: logic.reserve(s, request, now, rid))
+            state = self._state(run_id, agent) if state is None else state
+            return self._change(state, lambda s: logic.reserve(s, request, now, rid))
         result = self._change(state, lambda s: logic.reserve(s, request, now, rid), behind=True, soon=True)
         if isinstance(result, Denial):
             return result  # stopped the run: written through

@@ -129,9 +129,7 @@ class StepLog:
     def written(self, run_id: str) -> None:
         """The store wrote the run's whole state itself: it is no longer dirty, and what waited is on file."""
         self.dirty.pop(run_id, None)
-        for waiter in self._waiting.pop(run_id, ()):
-            if not waiter.done():
-                waiter.set_result(None)
+        self._answer(run_id, None)
 
     def _arm(self) -> None:
         if self._timer is None and not self._closed:
@@ -254,21 +252,19 @@ class StepLog:
         self._release_waiters(None)
         return True
 
-    def _answer(self, run_id: str, error: StateUnavailable) -> None:
+    def _answer(self, run_id: str, error: StateUnavailable | None) -> None:
+        """Resolve the run's waiters: written (`error` None) or refused."""
         for waiter in self._waiting.pop(run_id, ()):
-            if not waiter.done():
-                waiter.set_exception(StateUnavailable(error.message))
+            if waiter.done():
+                continue  # its caller was cancelled
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(StateUnavailable(error.message))  # one per task
 
     def _release_waiters(self, error: StateUnavailable | None) -> None:
-        waiting, self._waiting = self._waiting, {}
-        for waiters in waiting.values():
-            for waiter in waiters:
-                if waiter.done():
-                    continue  # its caller was cancelled
-                if error is None:
-                    waiter.set_result(None)
-                else:
-                    waiter.set_exception(StateUnavailable(error.message))  # one per task
+        for run_id in list(self._waiting):
+            self._answer(run_id, error)
 
     def _flush_quietly(self) -> None:
         """Flush from the timer or at the batch size: a failure is logged (once per outage) and retried."""
