@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from contextlib import closing
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -27,6 +30,12 @@ MSG = [{"role": "user", "content": "hello"}]
 
 def agent(**policy: Any) -> dict[str, Any]:
     return {"bot": policy}
+
+
+def state(backend: str, name: str) -> dict[str, str]:
+    """A run store: memory, or an SQLite file `name`.db in the test's directory (concurrent steps of one
+    run share its reservation writes, gateway/store/sqlite.py)."""
+    return {"backend": "memory"} if backend == "memory" else {"backend": "sqlite", "path": f"{name}.db"}
 
 
 async def post(h: Harness, body: dict[str, Any], run: str, path: str = "/v1/chat/completions",
@@ -70,11 +79,13 @@ async def test_usd_budget_stops_exactly_at_the_crossing_step(gateway_factory: Ga
     assert status == 200
 
 
-async def test_concurrent_budget_never_overspends(gateway_factory: GatewayFactory) -> None:
-    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"tokens": 1}))
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_concurrent_budget_never_overspends(gateway_factory: GatewayFactory, backend: str) -> None:
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"tokens": 1}), state=state(backend, "h"))
     body = {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 20}
     per_call = len(orjson.dumps(body)) + 20
-    h2 = await gateway_factory(pricing=PRICING, agents=agent(budget={"tokens": per_call * 10}))
+    h2 = await gateway_factory(pricing=PRICING, agents=agent(budget={"tokens": per_call * 10}),
+                               state=state(backend, "h2"))
     h2.fake.default = Reply(body=openai_completion(prompt_tokens=per_call - 20, completion_tokens=20), delay=0.05)
     results = await asyncio.gather(*(post(h2, body, "conc") for _ in range(200)))
     assert h is not None
@@ -87,8 +98,9 @@ async def test_concurrent_budget_never_overspends(gateway_factory: GatewayFactor
     assert run["reserved_tokens"] == 0
 
 
-async def test_concurrent_llm_call_cap(gateway_factory: GatewayFactory) -> None:
-    h = await gateway_factory(agents=agent(caps={"llm_calls": 10}))
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_concurrent_llm_call_cap(gateway_factory: GatewayFactory, backend: str) -> None:
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 10}), state=state(backend, "cap"))
     h.fake.default = Reply(body=openai_completion(), delay=0.02)
     results = await asyncio.gather(
         *(post(h, {"model": "gpt-4o-mini", "messages": MSG}, "cap") for _ in range(200))
@@ -98,6 +110,31 @@ async def test_concurrent_llm_call_cap(gateway_factory: GatewayFactory) -> None:
     codes = {orjson.loads(b)["error"]["code"] for s, _, b in results if s == 403}
     assert codes == {"llm_call_cap"}
     assert (await h.run("cap"))["llm_calls"] == 10
+
+
+async def test_concurrent_steps_of_one_run_hold_the_cap_on_file_through_the_sdk(
+    gateway_factory: GatewayFactory, tmp_path: Path
+) -> None:
+    """Official SDK, SQLite store: overlapping steps of one run reserve in shared writes; the cap holds,
+    every refusal is the SDK's 403, and the file ends with the 10 calls settled and nothing open."""
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 10}), state=state("sqlite", "sdk"))
+    h.fake.default = Reply(body=openai_completion(), delay=0.02)
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "sdk"}) as client:
+        results = await asyncio.gather(
+            *(client.chat.completions.create(model="gpt-4o-mini", messages=MSG) for _ in range(40)),  # type: ignore[arg-type]
+            return_exceptions=True,
+        )
+    answered = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(answered) == 10 and len(h.fake.seen) == 10
+    assert all(isinstance(r, openai.PermissionDeniedError) and r.code == "llm_call_cap" for r in refused)
+    run = await h.run("sdk")  # reading the run writes what was still buffered
+    assert run["llm_calls"] == 10
+    with closing(sqlite3.connect(tmp_path / "sdk.db")) as conn:
+        [(blob,)] = conn.execute("SELECT state FROM runs WHERE run_id = 'sdk'").fetchall()
+    on_file = orjson.loads(blob)
+    assert on_file["open"] == {} and on_file["used"]["llm_calls"] == 10
 
 
 async def test_max_tokens_clamped_and_reported(gateway_factory: GatewayFactory) -> None:
