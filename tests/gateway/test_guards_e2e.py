@@ -121,10 +121,9 @@ async def test_concurrent_steps_of_one_run_hold_the_cap_on_file_through_the_sdk(
     h.fake.default = Reply(body=openai_completion(), delay=0.02)
     async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
                                   default_headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "sdk"}) as client:
-        results = await asyncio.gather(
-            *(client.chat.completions.create(model="gpt-4o-mini", messages=MSG) for _ in range(40)),  # type: ignore[arg-type]
-            return_exceptions=True,
-        )
+        calls = [client.chat.completions.create(model="gpt-4o-mini", messages=MSG)  # type: ignore[arg-type]
+                 for _ in range(40)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
     answered = [r for r in results if not isinstance(r, BaseException)]
     refused = [r for r in results if isinstance(r, BaseException)]
     assert len(answered) == 10 and len(h.fake.seen) == 10
