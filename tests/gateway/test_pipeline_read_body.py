@@ -1,0 +1,152 @@
+"""gateway/pipeline.py, `read_body`: the body limit (declared and streamed, after decoding) and bodies that
+cannot be decoded. Mocked requests for the arithmetic, an aiohttp server on loopback for real decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import zlib
+from collections.abc import AsyncIterator, Callable
+from unittest import mock
+
+import pytest
+from aiohttp import ClientSession, streams, web
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.test_utils import TestServer, make_mocked_request
+
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
+from gateway.pipeline import read_body
+
+
+def payload(*chunks: bytes, error: BaseException | None = None) -> streams.StreamReader:
+    reader = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+    for chunk in chunks:
+        reader.feed_data(chunk)
+    if error is not None:
+        reader.set_exception(error)
+    else:
+        reader.feed_eof()
+    return reader
+
+
+def request(reader: streams.StreamReader, content_length: int | None = None) -> web.Request:
+    headers = {} if content_length is None else {"Content-Length": str(content_length)}
+    return make_mocked_request("POST", "/v1/chat/completions", headers=headers, payload=reader)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "limit", "declared"),
+    [
+        ((), 10, None),
+        ((b"abc", b"def"), 6, None),  # exactly the limit
+        ((b"abc", b"def"), 6, 6),
+        ((b"x" * 100,), 1000, 100),
+        ((b"a", b"b", b"c", b"d"), 4, None),
+    ],
+)
+async def test_read_body_returns_the_whole_body(chunks: tuple[bytes, ...], limit: int,
+                                                declared: int | None) -> None:
+    body = await read_body(request(payload(*chunks), declared), Limits(max_body_bytes=limit))
+    assert body == b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "limit"),
+    [((b"abc", b"defg"), 6), ((b"x" * 7,), 6), ((b"a",) * 11, 10)],
+)
+async def test_streamed_body_over_the_limit(chunks: tuple[bytes, ...], limit: int) -> None:
+    """No Content-Length (chunked): refused as soon as the count passes the limit."""
+    with pytest.raises(RequestTooLarge) as info:
+        await read_body(request(payload(*chunks)), Limits(max_body_bytes=limit))
+    assert info.value.status == 413
+    assert info.value.message == f"request body exceeds the limit of {limit} bytes"
+
+
+async def test_declared_length_over_the_limit_is_refused_before_reading() -> None:
+    # a payload that would fail if it were read: the refusal comes from Content-Length alone
+    unread = payload(error=web.RequestPayloadError("must not be read"))
+    with pytest.raises(RequestTooLarge) as info:
+        await read_body(request(unread, 7), Limits(max_body_bytes=6))
+    assert info.value.message == "request body of 7 bytes exceeds the limit of 6"
+
+
+@pytest.mark.parametrize(
+    ("cause", "detail"),
+    [
+        (ContentEncodingError("Can not decode content-encoding: gzip"),
+         "Can not decode content-encoding: gzip"),
+        (ValueError("no message attribute"), "ValueError"),
+        (None, "RequestPayloadError"),
+    ],
+)
+async def test_undecodable_body_is_invalid_request(cause: BaseException | None, detail: str) -> None:
+    error = web.RequestPayloadError("payload")
+    error.__cause__ = cause
+    with pytest.raises(InvalidRequest) as info:
+        await read_body(request(payload(b"partial", error=error)), Limits())
+    assert info.value.status == 400
+    assert info.value.message == f"request body cannot be decoded: {detail}"
+    assert info.value.__cause__ is None  # the aiohttp exception is not chained into the answer
+
+
+# -- on loopback: aiohttp decodes Content-Encoding, the limit applies to the decoded bytes -------------
+
+LIMIT = 1000
+
+
+async def _handler(req: web.Request) -> web.Response:
+    try:
+        body = await read_body(req, Limits(max_body_bytes=LIMIT))
+    except GatewayError as exc:
+        return web.json_response({"code": exc.code, "message": exc.message}, status=exc.status)
+    return web.Response(body=body)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/", _handler)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        yield str(srv.make_url("/"))
+    finally:
+        await srv.close()
+
+
+async def post(url: str, data: bytes, encoding: str) -> tuple[int, bytes]:
+    async with (
+        ClientSession(auto_decompress=False) as session,
+        session.post(url, data=data, headers={"Content-Encoding": encoding}) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "compress"),
+    [("gzip", gzip.compress), ("deflate", zlib.compress), ("identity", bytes)],
+)
+@pytest.mark.parametrize("size", [1, LIMIT])
+async def test_encoded_body_is_decoded(server: str, encoding: str, compress: Callable[[bytes], bytes],
+                                       size: int) -> None:
+    plain = b'{"model": "m"}'.ljust(size, b" ")[:size]
+    assert await post(server, compress(plain), encoding) == (200, plain)
+
+
+@pytest.mark.parametrize("size", [LIMIT + 1, 500_000])
+async def test_compression_bomb_stops_at_the_limit(server: str, size: int) -> None:
+    packed = gzip.compress(b"a" * size)
+    assert len(packed) < LIMIT  # small on the wire: only the decoded size is over
+    status, body = await post(server, packed, "gzip")
+    assert status == 413
+    assert body == b'{"code": "request_too_large", "message": "request body exceeds the limit of 1000 bytes"}'
+
+
+@pytest.mark.parametrize(
+    ("encoding", "data"), [("gzip", b"not gzip at all"), ("deflate", b"\x00\x01garbage")]
+)
+async def test_body_that_fails_to_decode_is_a_400(server: str, encoding: str, data: bytes) -> None:
+    status, body = await post(server, data, encoding)
+    assert status == 400
+    assert body.startswith(b'{"code": "invalid_request", "message": "request body cannot be decoded: ')

@@ -1,0 +1,226 @@
+"""gateway/pricing.py: per-token rates from the config's `pricing:` table or genai-prices, and costs."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from genai_prices import Usage as GPUsage
+from genai_prices import calc_price
+
+from gateway import pricing
+from gateway.call import Usage
+from gateway.config import Price
+from gateway.pricing import ModelPrice, Pricer, Rate
+
+M = 1_000_000
+
+
+def per_tok(usd_per_mtok: float) -> float:
+    return usd_per_mtok / M
+
+
+# -- Rate --------------------------------------------------------------------------------------------
+
+TIERED = Rate(per_tok(1.0), ((1000, per_tok(2.0)), (5000, per_tok(3.0))))
+
+
+@pytest.mark.parametrize(
+    ("rate", "input_tokens", "expected"),
+    [
+        (Rate(per_tok(4.0)), 0, per_tok(4.0)),
+        (Rate(per_tok(4.0)), 10**9, per_tok(4.0)),  # no tiers: always the base
+        (TIERED, 0, per_tok(1.0)),
+        (TIERED, 1000, per_tok(1.0)),  # a tier applies above its start, not at it
+        (TIERED, 1001, per_tok(2.0)),
+        (TIERED, 5000, per_tok(2.0)),
+        (TIERED, 5001, per_tok(3.0)),
+    ],
+)
+def test_rate_at_picks_the_tier_by_input_tokens(rate: Rate, input_tokens: int, expected: float) -> None:
+    assert rate.at(input_tokens) == expected
+
+
+@pytest.mark.parametrize(
+    ("rate", "worst"),
+    [
+        (Rate(per_tok(4.0)), per_tok(4.0)),
+        (TIERED, per_tok(3.0)),
+        (Rate(per_tok(5.0), ((100, per_tok(1.0)),)), per_tok(5.0)),  # a cheaper tier never lowers it
+    ],
+)
+def test_rate_worst(rate: Rate, worst: float) -> None:
+    assert rate.worst == worst
+
+
+@pytest.mark.parametrize(
+    ("price", "worst_input"),
+    [
+        (ModelPrice(Rate(per_tok(3.0)), Rate(per_tok(15.0))), per_tok(3.0)),
+        (ModelPrice(TIERED, Rate(per_tok(15.0))), per_tok(3.0)),
+        # a cache write costs more than plain input
+        (ModelPrice(Rate(per_tok(3.0)), Rate(per_tok(15.0)), cache_write=Rate(per_tok(3.75))), per_tok(3.75)),
+        # a cache read is never the worst case
+        (ModelPrice(Rate(per_tok(3.0)), Rate(per_tok(15.0)), cache_read=Rate(per_tok(9.0))), per_tok(3.0)),
+    ],
+)
+def test_worst_input(price: ModelPrice, worst_input: float) -> None:
+    assert price.worst_input == worst_input
+
+
+# -- ModelPrice.cost ---------------------------------------------------------------------------------
+
+PLAIN = ModelPrice(Rate(per_tok(2.0)), Rate(per_tok(10.0)))
+CACHED = ModelPrice(Rate(per_tok(2.0)), Rate(per_tok(10.0)), cache_read=Rate(per_tok(0.5)),
+                    cache_write=Rate(per_tok(4.0)))
+LONG = ModelPrice(Rate(per_tok(3.0), ((200_000, per_tok(6.0)),)),
+                  Rate(per_tok(15.0), ((200_000, per_tok(22.5)),)))
+
+
+@pytest.mark.parametrize(
+    ("price", "usage", "usd"),
+    [
+        (PLAIN, Usage(), 0.0),
+        (PLAIN, Usage(1_000_000, 0), 2.0),
+        (PLAIN, Usage(0, 1_000_000), 10.0),
+        (PLAIN, Usage(500_000, 100_000), 2.0),
+        # no cache rates: cached tokens are plain input
+        (PLAIN, Usage(1_000_000, 0, cache_read_tokens=400_000, cache_creation_tokens=100_000), 2.0),
+        # input includes cached tokens: 500k plain, 400k read, 100k written
+        (CACHED, Usage(1_000_000, 0, cache_read_tokens=400_000, cache_creation_tokens=100_000),
+         1.0 + 0.2 + 0.4),
+        (CACHED, Usage(100, 0, cache_read_tokens=300), 300 * per_tok(0.5)),  # plain never negative
+        (CACHED, Usage(0, 0, reasoning_tokens=1000), 0.0),  # reasoning tokens are in output already
+        (LONG, Usage(200_000, 1000), 0.6 + 0.015),
+        (LONG, Usage(200_001, 1000), 200_001 * per_tok(6.0) + 1000 * per_tok(22.5)),  # the whole step
+    ],
+)
+def test_cost(price: ModelPrice, usage: Usage, usd: float) -> None:
+    assert price.cost(usage) == pytest.approx(usd, rel=1e-12)
+
+
+# -- _rate: genai-prices values to per-token rates ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "rate"),
+    [
+        (None, None),
+        (Decimal("2.5"), Rate(2.5e-6)),
+        (3, Rate(3e-6)),
+        (0.5, Rate(0.5e-6)),
+        (SimpleNamespace(base=Decimal(3), tiers=[SimpleNamespace(start=200_000, price=Decimal(6))]),
+         Rate(3e-6, ((200_000, 6e-6),))),
+        (SimpleNamespace(base=Decimal(3)), Rate(3e-6)),
+        (SimpleNamespace(tiers=[]), None),  # no base: unusable
+        ("3.0", None),
+    ],
+)
+def test_rate_from_genai_prices_value(value: Any, rate: Rate | None) -> None:
+    assert pricing._rate(value) == rate
+
+
+# -- Pricer: config overrides ------------------------------------------------------------------------
+
+OVERRIDES = {
+    "gpt-4o": Price(input_per_mtok=1.0, output_per_mtok=2.0, max_output_tokens=4096),
+    "my-local-*": Price(input_per_mtok=0.0, output_per_mtok=0.0),
+    "gpt-*": Price(input_per_mtok=7.0, output_per_mtok=8.0),
+    "claude-[0-9]*": Price(input_per_mtok=5.0, output_per_mtok=6.0),
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "provider_type", "price"),
+    [
+        ("gpt-4o", "openai", ModelPrice(Rate(1e-6), Rate(2e-6), max_output_tokens=4096, source="config")),
+        # exact before globs, globs in the order of the table
+        ("gpt-4o-mini", "openai", ModelPrice(Rate(7e-6), Rate(8e-6), source="config")),
+        ("my-local-llama", "openai", ModelPrice(Rate(0.0), Rate(0.0), source="config")),
+        ("claude-3", "anthropic", ModelPrice(Rate(5e-6), Rate(6e-6), source="config")),
+        # the config decides whatever the provider type
+        ("gpt-4o", "anthropic", ModelPrice(Rate(1e-6), Rate(2e-6), max_output_tokens=4096, source="config")),
+    ],
+)
+def test_config_prices_override_genai_prices(model: str, provider_type: str, price: ModelPrice) -> None:
+    assert Pricer(OVERRIDES).lookup(model, provider_type) == price
+
+
+def test_config_price_has_no_cache_rates_so_cached_input_costs_full_price() -> None:
+    price = Pricer(OVERRIDES).lookup("gpt-4o", "openai")
+    assert price is not None
+    assert price.cost(Usage(1_000_000, 1_000_000, cache_read_tokens=900_000)) == pytest.approx(3.0)
+
+
+def test_glob_overrides_are_case_sensitive_and_whole_name() -> None:
+    pricer = Pricer({"my-local-*": Price(input_per_mtok=0.0, output_per_mtok=0.0)})
+    assert pricer.lookup("My-Local-x", "openai") is None
+    assert pricer.lookup("x-my-local-y", "openai") is None
+
+
+# -- Pricer: genai-prices ----------------------------------------------------------------------------
+
+USAGES = [
+    ("gpt-4o", "openai", Usage(1000, 500)),
+    ("gpt-4o", "openai", Usage(1000, 500, cache_read_tokens=400)),
+    ("gpt-4o-mini", "openai", Usage(123_456, 7890, cache_read_tokens=100_000)),
+    ("claude-3-5-sonnet-latest", "anthropic",
+     Usage(1000, 500, cache_read_tokens=300, cache_creation_tokens=200)),
+    ("claude-3-5-haiku-latest", "anthropic", Usage(50_000, 2000, cache_creation_tokens=50_000)),
+    ("claude-sonnet-4-5", "anthropic", Usage(200_000, 1000)),  # at the long-context tier's start
+    ("claude-sonnet-4-5", "anthropic", Usage(250_000, 1000)),  # above it: every token at the tier rate
+    ("claude-sonnet-4-5", "anthropic",
+     Usage(200_001, 1000, cache_read_tokens=100_000, cache_creation_tokens=50_000)),
+]
+
+
+@pytest.mark.parametrize(("model", "provider_type", "usage"), USAGES)
+def test_cost_agrees_with_genai_prices(model: str, provider_type: str, usage: Usage) -> None:
+    """Costs come from cached per-token rates; they must equal genai-prices' own calculation."""
+    price = Pricer({}).lookup(model, provider_type)
+    assert price is not None and price.source == "genai-prices"
+    expected = calc_price(
+        GPUsage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+                cache_read_tokens=usage.cache_read_tokens, cache_write_tokens=usage.cache_creation_tokens),
+        model_ref=model, provider_id=provider_type,
+    ).total_price
+    assert price.cost(usage) == pytest.approx(float(expected), rel=1e-9)
+
+
+def test_genai_prices_tiers_are_kept() -> None:
+    price = Pricer({}).lookup("claude-sonnet-4-5", "anthropic")
+    assert price is not None
+    assert price.input.tiers != () and price.input.worst > price.input.base
+    assert price.worst_input == max(price.input.worst, price.cache_write.worst if price.cache_write else 0.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "provider_type"),
+    [
+        ("no-such-model-xyz", "openai"),
+        ("no-such-model-xyz", "anthropic"),
+        ("gpt-4o", "anthropic"),  # genai-prices is asked under the provider's type
+        ("", "openai"),
+    ],
+)
+def test_unknown_models_have_no_price(model: str, provider_type: str) -> None:
+    assert Pricer({}).lookup(model, provider_type) is None
+
+
+def test_lookups_are_cached_per_provider_type_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str]] = []
+
+    def fake(model: str, provider_type: str) -> ModelPrice | None:
+        calls.append((model, provider_type))
+        return None if model == "unknown" else PLAIN
+
+    monkeypatch.setattr(pricing, "_from_genai_prices", fake)
+    pricer = Pricer({"cfg-*": Price(input_per_mtok=1.0, output_per_mtok=1.0)})
+    for _ in range(3):
+        assert pricer.lookup("gpt-4o", "openai") is PLAIN
+        assert pricer.lookup("gpt-4o", "anthropic") is PLAIN
+        assert pricer.lookup("unknown", "openai") is None  # a miss is cached too
+        assert pricer.lookup("cfg-x", "openai") is not None  # config prices never ask genai-prices
+    assert calls == [("gpt-4o", "openai"), ("gpt-4o", "anthropic"), ("unknown", "openai")]

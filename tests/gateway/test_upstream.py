@@ -1,0 +1,143 @@
+"""gateway/upstream.py, its pure parts: `forwardable` (headers that may cross the proxy) and
+`check_target` (no dot segments in upstream paths)."""
+
+from __future__ import annotations
+
+import pytest
+from multidict import CIMultiDict
+
+from gateway.errors import InvalidRequest
+from gateway.upstream import HOP_BY_HOP, check_target, forwardable
+
+Fields = list[tuple[str, str]]
+
+
+def fwd(fields: Fields, drop: frozenset[str] = frozenset()) -> Fields:
+    return list(forwardable(CIMultiDict(fields), drop=drop).items())
+
+
+@pytest.mark.parametrize("name", sorted(HOP_BY_HOP))
+def test_each_hop_by_hop_header_is_dropped(name: str) -> None:
+    fields = [(name, "v"), ("X-Keep", "1")]
+    assert fwd(fields) == [("X-Keep", "1")]
+    assert fwd([(name.upper(), "v"), ("X-Keep", "1")]) == [("X-Keep", "1")]
+
+
+def test_hop_by_hop_set() -> None:
+    assert HOP_BY_HOP == {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
+        "expect", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+        "content-encoding", "accept-encoding",
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "drop", "expected"),
+    [
+        ([], frozenset(), []),
+        # end-to-end headers pass with their spelling, value and order
+        (
+            [("Content-Type", "application/json"), ("Authorization", "Bearer k"), ("User-Agent", "sdk/1")],
+            frozenset(),
+            [("Content-Type", "application/json"), ("Authorization", "Bearer k"), ("User-Agent", "sdk/1")],
+        ),
+        # headers named in Connection are hop-by-hop too, whatever their case or spacing
+        ([("Connection", "X-Custom"), ("x-custom", "1"), ("X-Other", "2")], frozenset(), [("X-Other", "2")]),
+        (
+            [("CONNECTION", " x-a ,X-B,, "), ("X-A", "1"), ("x-b", "2"), ("X-C", "3")],
+            frozenset(),
+            [("X-C", "3")],
+        ),
+        ([("Connection", "close"), ("X-A", "1")], frozenset(), [("X-A", "1")]),
+        ([("Connection", ""), ("X-A", "1")], frozenset(), [("X-A", "1")]),
+        # tollgate's own headers never cross, in any case
+        (
+            [("x-tollgate-run-id", "r"), ("X-Tollgate-Agent", "a"), ("X-TOLLGATE-GRAMMAR", "g"),
+             ("X-A", "1")],
+            frozenset(),
+            [("X-A", "1")],
+        ),
+        (
+            [("x-tollgate", "1"), ("x-tollgatex", "2")],
+            frozenset(),
+            [("x-tollgate", "1"), ("x-tollgatex", "2")],
+        ),
+        # the drop set (lower-case names) matches any case
+        (
+            [("Traceparent", "t"), ("BAGGAGE", "b"), ("tracestate", "s"), ("X-A", "1")],
+            frozenset({"baggage", "traceparent", "tracestate"}),
+            [("X-A", "1")],
+        ),
+        ([("Authorization", "Bearer k"), ("X-Api-Key", "k")], frozenset({"authorization", "x-api-key"}), []),
+        ([("Authorization", "Bearer k")], frozenset({"x-api-key"}), [("Authorization", "Bearer k")]),
+        # repeated end-to-end headers are all kept, in order
+        (
+            [("Set-Cookie", "a=1"), ("X-A", "1"), ("set-cookie", "b=2"), ("Set-Cookie", "c=3")],
+            frozenset(),
+            [("Set-Cookie", "a=1"), ("X-A", "1"), ("set-cookie", "b=2"), ("Set-Cookie", "c=3")],
+        ),
+        (
+            [("Host", "h"), ("Content-Length", "3"), ("Accept-Encoding", "gzip"), ("Accept", "*/*")],
+            frozenset(),
+            [("Accept", "*/*")],
+        ),
+    ],
+)
+def test_forwardable(fields: Fields, drop: frozenset[str], expected: Fields) -> None:
+    assert fwd(fields, drop) == expected
+
+
+def test_forwardable_returns_a_case_insensitive_copy() -> None:
+    source = CIMultiDict([("X-A", "1")])
+    out = forwardable(source)
+    assert out["x-a"] == "1"
+    out["X-B"] = "2"
+    assert "X-B" not in source
+
+
+def test_forwardable_accepts_a_plain_mapping() -> None:
+    headers = {"connection": "x-a", "x-a": "1", "Accept": "*/*", "x-tollgate-run-id": "r"}
+    assert list(forwardable(headers).items()) == [("Accept", "*/*")]
+
+
+# -- check_target ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://up.test/v1/chat/completions",
+        "http://up.test/v1/models/gpt-4.1",  # a dot inside a segment is fine
+        "http://up.test/v1/files/file-abc.jsonl",
+        "http://up.test/v1/files/...",  # three dots are a name, not a dot segment
+        "http://up.test/v1/a%20b",
+        "http://up.test/v1/x?next=../../admin",  # the query is not the path
+        "http://up.test/v1/x#/../admin",
+        "http://up.test",
+    ],
+)
+def test_check_target_allows(url: str) -> None:
+    check_target(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://up.test/v1/../admin",
+        "http://up.test/v1/./models",
+        "http://up.test/v1/..",
+        "http://up.test/v1/%2e%2e/admin",
+        "http://up.test/v1/%2E%2E/admin",
+        "http://up.test/v1/.%2e/admin",
+        "http://up.test/v1/..%2f..%2fadmin",
+        "http://up.test/v1/%252e%252e/admin",  # encoded twice
+        "http://up.test/v1/%25252e%25252e/admin",  # three times
+        "http://up.test/v1/..\\admin",
+        "http://up.test/v1/%5c..%5cadmin",
+    ],
+)
+def test_check_target_refuses_dot_segments(url: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_target(url)
+    assert info.value.status == 400
+    assert info.value.message == "the request path may not contain '.' or '..' segments"
