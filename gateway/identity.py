@@ -13,8 +13,8 @@ from gateway.errors import InvalidApiKey, InvalidRequest
 
 RUN_ID_HEADER = "x-tollgate-run-id"
 AGENT_HEADER = "x-tollgate-agent"
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-_AGENT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+RUN_ID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # \Z: `$` would admit a final newline
+_AGENT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 DEFAULT_POLICY = Agent()
 
 

@@ -33,7 +33,7 @@ UPSTREAM_FAILED = -32000
 
 RequestId = str | int
 IDEMPOTENCY_META_KEY = "tollgate/idempotency_key"
-_B64 = re.compile(r"^=\?base64\?(.*)\?=$")
+_B64 = re.compile(r"=\?base64\?(.*)\?=\Z")
 NAME_BEARING = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
 

@@ -42,9 +42,11 @@ HOP_BY_HOP = frozenset(
 def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()) -> CIMultiDict[str]:
     """Headers minus hop-by-hop ones, those named in `Connection`, and `drop` (lower-case names)."""
     skip = HOP_BY_HOP | drop if drop else HOP_BY_HOP
-    connection = headers.get("connection")
-    if connection:
-        skip = skip | {h.strip().lower() for h in connection.split(",")}
+    getall = getattr(headers, "getall", None)  # repeated `Connection` fields form one list (RFC 9110)
+    fields = getall("connection", ()) if getall is not None else [v for k, v in headers.items()
+                                                                  if k.lower() == "connection"]
+    if fields:
+        skip = skip | {h.strip().lower() for value in fields for h in value.split(",")}
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
         lower = key.lower()

@@ -115,7 +115,7 @@ def test_identify_without_agent_keys(fields: dict[str, str], agent: str, policy:
     assert ident == Identity(agent, policy, f"{agent}:default")
 
 
-@pytest.mark.parametrize("name", ["a" * 65, "bad agent", "bot/x", "bot:1", "b\u00f6t", "bot;", "*"])
+@pytest.mark.parametrize("name", ["a" * 65, "bad agent", "bot/x", "bot:1", "b\u00f6t", "bot;", "*", "bot\n"])
 def test_identify_refuses_a_malformed_agent_header(name: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         identifier(UNKEYED).identify(CIMultiDict({"x-tollgate-agent": name}))
@@ -166,6 +166,8 @@ def test_run_id_from(fields: dict[str, str], run_id: str) -> None:
         ({"baggage": "tollgate.run_id=a%20b"}, "a b"),
         ({"baggage": "tollgate.run_id="}, ""),
         ({"baggage": "tollgate.run_id=a%0D%0Ab"}, "a\r\nb"),
+        ({"baggage": "tollgate.run_id=abc%0A"}, "abc\n"),  # a final newline too (`$` admitted it)
+        ({"x-tollgate-run-id": "abc\n"}, "abc\n"),
         ({"x-tollgate-run-id": "bad id", "baggage": "tollgate.run_id=good"}, "bad id"),  # no fallback
     ],
 )

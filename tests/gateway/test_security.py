@@ -92,6 +92,21 @@ async def test_undecodable_key_bytes_are_a_401_not_a_crash(gateway_factory: Gate
     assert orjson.loads(body)["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [{"baggage": "tollgate.run_id=abc%0A"}, {"baggage": "tollgate.run_id=abc%0D%0A"},
+     {"x-tollgate-agent": "bot", "baggage": "tollgate.run_id=%0A"}],
+)
+async def test_a_run_id_with_a_line_break_is_a_400_before_the_upstream(gw: Harness,
+                                                                       headers: dict[str, str]) -> None:
+    """A percent-encoded line break in baggage cannot become a run id (nor a response header)."""
+    async with gw.session.post(f"{gw.url}{CHAT}", json={"model": "gpt-4o-mini", "messages": USER},
+                               headers=headers) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == "invalid_request"
+    assert gw.fake.seen == []
+
+
 # -- provider keys are never emitted -------------------------------------------------------------------
 
 OPENAI_KEY = "sk-canary-openai-5b1f0e7d9c2a4e68"

@@ -95,6 +95,13 @@ def test_forwardable_returns_a_case_insensitive_copy() -> None:
     assert "X-B" not in source
 
 
+def test_every_connection_field_names_hop_by_hop_headers() -> None:
+    """Repeated `Connection` fields are one list (RFC 9110 section 5.3), not only the first."""
+    fields = [("Connection", "x-a"), ("Connection", "X-B, x-c"), ("X-A", "1"), ("X-B", "2"), ("x-c", "3"),
+              ("X-D", "4")]
+    assert fwd(fields, frozenset()) == [("X-D", "4")]
+
+
 def test_forwardable_accepts_a_plain_mapping() -> None:
     headers = {"connection": "x-a", "x-a": "1", "Accept": "*/*", "x-tollgate-run-id": "r"}
     assert list(forwardable(headers).items()) == [("Accept", "*/*")]
