@@ -189,6 +189,7 @@ class Limits(Frozen):
     max_tools: PosInt = 512
     max_header_bytes: PosInt = 16 * 1024
     max_headers: PosInt = 128
+    body_idle_s: PosFloat = 30  # a request body with no byte for this long: 408 request_timeout
 
 
 class Grammars(Frozen):

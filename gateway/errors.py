@@ -5,9 +5,11 @@
   x GatewayError               - answered to the caller in the wire format of the API it called
     + InvalidRequest           - 400 invalid_request
       - InvalidGrammar         - 400 invalid_request (a constraint that does not compile)
+      - UndecodableBody        - 400 invalid_request (broken body encoding or framing; closes the connection)
     + InvalidApiKey            - 401 invalid_api_key
     + ModelNotFound            - 404 model_not_found
     + RequestTooLarge          - 413 request_too_large
+    + RequestTimeout           - 408 request_timeout (the request body stopped arriving)
     + Stopped                  - 403 a guard stopped the run (budget_exhausted, loop_detected, ...)
       - ToolNotAllowed         - 403 tool_not_allowed
     + ApprovalDenied           - 403 approval_denied (a human denied a parked tool call)
@@ -20,8 +22,9 @@
     + StateUnavailable         - 503 state_unavailable
   x GuardFailure               - a guard raised; the pipeline turns it into a stop (fail closed)
 
-Statuses never use 408/409/429 and only use 5xx where the gateway or its dependencies failed, so
-official SDKs do not retry a decision that retrying cannot change.
+Statuses never use 409/429, use 408 only for a request body that stopped arriving (sending it again
+can help), and use 5xx only where the gateway or its dependencies failed, so official SDKs do not retry
+a decision that retrying cannot change.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class GatewayError(TollgateError):
     code: ClassVar[str] = "internal_error"
     openai_type: ClassVar[str] = "server_error"
     anthropic_type: ClassVar[str] = "api_error"
+    closes_connection: ClassVar[bool] = False  # the request's framing is lost: answer, then close
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -65,6 +69,12 @@ class InvalidRequest(GatewayError):
     code = "invalid_request"
     openai_type = "invalid_request_error"
     anthropic_type = "invalid_request_error"
+
+
+class UndecodableBody(InvalidRequest):
+    """The request body's encoding or chunked framing broke: 400, and the connection closes after it."""
+
+    closes_connection = True
 
 
 class InvalidGrammar(InvalidRequest):
@@ -90,6 +100,17 @@ class RequestTooLarge(GatewayError):
     code = "request_too_large"
     openai_type = "invalid_request_error"
     anthropic_type = "request_too_large"
+
+
+class RequestTimeout(GatewayError):
+    """No byte of the request body for `limits.body_idle_s`: a stalled client, or a body whose framing
+    broke after the headers (aiohttp's C parser then never ends the body it was reading)."""
+
+    status = 408
+    code = "request_timeout"
+    openai_type = "invalid_request_error"
+    anthropic_type = "timeout_error"
+    closes_connection = True
 
 
 class Stopped(GatewayError):

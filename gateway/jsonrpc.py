@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from gateway.call import canonical_json
-from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, RequestTooLarge
+from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, RequestTimeout, RequestTooLarge
 from gateway.providers.common import json_depth_ok
 
 PARSE_ERROR = -32700
@@ -133,7 +133,7 @@ def gateway_error(rpc_id: RequestId | None, exc: GatewayError) -> tuple[int, dic
                                   {"code": "invalid_arguments"})
     if isinstance(exc, BadMessage):
         code = exc.rpc_code
-    elif isinstance(exc, InvalidRequest | RequestTooLarge | InvalidApiKey):
+    elif isinstance(exc, InvalidRequest | RequestTooLarge | RequestTimeout | InvalidApiKey):
         code = INVALID_REQUEST
     else:
         code = UPSTREAM_FAILED

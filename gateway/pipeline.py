@@ -9,6 +9,7 @@ applies their claims and effects atomically.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -21,9 +22,11 @@ from gateway.config import Limits, Provider
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    RequestTimeout,
     RequestTooLarge,
     StateUnavailable,
     Stopped,
+    UndecodableBody,
     UpstreamUnavailable,
 )
 from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity
@@ -55,19 +58,29 @@ async def read_body(request: web.Request, limits: Limits) -> bytes:
 
     The limit applies to the decoded body (after any `Content-Encoding`), read chunk by chunk: a
     compression bomb stops at the limit. A body that cannot be decoded (bad chunked framing, a
-    `Content-Encoding` it does not have) is a 400 in the caller's format."""
+    `Content-Encoding` it does not have) is a 400 in the caller's format; a body that stops arriving
+    for `body_idle_s` is a 408 `request_timeout`. After either, the connection closes once answered."""
     limit = limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     parts: list[bytes] = []
     size = 0
+    content = request.content
     while True:
         try:
-            chunk = await request.content.readany()
+            if content.is_eof():  # all of it is buffered (the common case): reading cannot wait
+                chunk = await content.readany()
+            else:
+                async with asyncio.timeout(limits.body_idle_s):
+                    chunk = await content.readany()
+        except TimeoutError:
+            content.feed_eof()  # read no more: aiohttp would otherwise linger on it after the answer
+            raise RequestTimeout(f"no byte of the request body for {limits.body_idle_s:g} s") from None
         except web.RequestPayloadError as exc:
+            content.feed_eof()  # aiohttp would read the broken body again after the answer, and log it
             cause = exc.__cause__ or exc
             detail = getattr(cause, "message", None) or type(cause).__name__
-            raise InvalidRequest(f"request body cannot be decoded: {detail}") from None
+            raise UndecodableBody(f"request body cannot be decoded: {detail}") from None
         if not chunk:
             break
         size += len(chunk)
@@ -266,7 +279,10 @@ def echo_headers(request_headers: Mapping[str, str]) -> dict[str, str]:
 def error_response(adapter: Adapter, error: GatewayError, headers: dict[str, str]) -> web.Response:
     if error.stop_reason:
         headers = {**headers, STOP_HEADER: error.stop_reason}
-    return web.Response(status=error.status, body=adapter.error_body(error), content_type=JSON, headers=headers)
+    response = web.Response(status=error.status, body=adapter.error_body(error), content_type=JSON, headers=headers)
+    if error.closes_connection:
+        response.force_close()
+    return response
 
 
 def stop_response(step: Step, error: Stopped) -> web.Response:

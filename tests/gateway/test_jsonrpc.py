@@ -10,7 +10,14 @@ import orjson
 import pytest
 
 from gateway.approvals import AlreadyDecided, ApprovalQueue, UnknownApproval
-from gateway.errors import ApprovalTimeout, RequestTooLarge, ToolNotAllowed, UpstreamTimeout
+from gateway.errors import (
+    ApprovalTimeout,
+    RequestTimeout,
+    RequestTooLarge,
+    ToolNotAllowed,
+    UndecodableBody,
+    UpstreamTimeout,
+)
 from gateway.idempotency import ResultCache
 from gateway.jsonrpc import (
     BadArguments,
@@ -80,6 +87,10 @@ def test_errors_map_to_json_rpc_codes_and_statuses() -> None:
     assert gateway_error(None, RequestTooLarge("big"))[0] == 413
     status, body = gateway_error(None, UpstreamTimeout("slow"))
     assert status == 504 and body["error"]["data"] == {"code": "upstream_timeout"}
+    status, body = gateway_error(None, RequestTimeout("stalled"))  # the client's request, not the upstream
+    assert status == 408 and body["error"]["code"] == -32600
+    assert body["error"]["data"] == {"code": "request_timeout"}
+    assert gateway_error(None, UndecodableBody("gzip"))[1]["error"]["code"] == -32600
 
 
 def tools_page(*names: Any, **extra: Any) -> dict[str, Any]:

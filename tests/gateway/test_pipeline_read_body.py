@@ -15,7 +15,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.test_utils import TestServer, make_mocked_request
 
 from gateway.config import Limits
-from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
+from gateway.errors import GatewayError, InvalidRequest, RequestTimeout, RequestTooLarge, UndecodableBody
 from gateway.pipeline import read_body
 
 
@@ -88,6 +88,25 @@ async def test_undecodable_body_is_invalid_request(cause: BaseException | None, 
     assert info.value.status == 400
     assert info.value.message == f"request body cannot be decoded: {detail}"
     assert info.value.__cause__ is None  # the aiohttp exception is not chained into the answer
+
+
+@pytest.mark.parametrize("chunks", [(), (b"partial",)])
+async def test_a_body_that_stops_arriving_is_a_request_timeout(chunks: tuple[bytes, ...]) -> None:
+    reader = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+    for chunk in chunks:
+        reader.feed_data(chunk)  # and no EOF: the client went quiet
+    with pytest.raises(RequestTimeout) as info:
+        await read_body(request(reader), Limits(body_idle_s=0.01))
+    assert (info.value.status, info.value.code) == (408, "request_timeout")
+    assert info.value.closes_connection
+    assert reader.is_eof()  # ended here, so aiohttp does not linger reading it after the answer
+
+
+async def test_an_undecodable_body_ends_the_payload_and_closes_the_connection() -> None:
+    reader = payload(b"x", error=web.RequestPayloadError("payload"))
+    with pytest.raises(UndecodableBody) as info:
+        await read_body(request(reader), Limits())
+    assert info.value.closes_connection and reader.is_eof()
 
 
 # -- on loopback: aiohttp decodes Content-Encoding, the limit applies to the decoded bytes -------------
