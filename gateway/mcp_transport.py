@@ -20,7 +20,7 @@ from gateway.jsonrpc import RequestId, replace_event_data
 from gateway.providers.sse import SseParser
 from gateway.runtime import Gateway
 from gateway.tools import ToolPolicy, mcp_tool_name
-from gateway.upstream import UpstreamResponse, forwardable
+from gateway.upstream import UpstreamResponse, answer_headers, forwardable
 
 SERVICE = "mcp"
 MAX_SCHEMAS = 4096
@@ -66,7 +66,7 @@ class McpRequest:
     async def open(self, method: str, body: bytes | None) -> UpstreamResponse:
         """Send the request on to the MCP server (through `gateway.upstream`, the one network seam)."""
         drop = frozenset({"authorization", "x-api-key"}) if self.gw.config.keyed else frozenset()
-        headers = dict(forwardable(self.request.headers, drop=drop))
+        headers = forwardable(self.request.headers, drop=drop)  # repeated fields forwarded as they came
         headers.update(self.server.headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -102,9 +102,10 @@ async def relay(
                 data = data if changed is message else orjson.dumps(changed)
             elif require:
                 raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the call")
-            return web.Response(status=upstream.status, body=data, headers={**forwardable(upstream.headers),
-                                                                             **mcp.headers})
-        out = web.StreamResponse(status=upstream.status, headers={**forwardable(upstream.headers), **mcp.headers})
+            headers = answer_headers(upstream.headers, mcp.headers)
+            return web.Response(status=upstream.status, body=data, headers=headers)
+        headers = answer_headers(upstream.headers, mcp.headers)
+        out = web.StreamResponse(status=upstream.status, headers=headers)
         await out.prepare(mcp.request)
         if judged and kind == "text/event-stream":
             await _relay_events(mcp, upstream, out, rpc_id, transform)

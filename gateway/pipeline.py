@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway.call import Answer
 from gateway.config import Limits, Provider
@@ -201,14 +202,15 @@ def shape(step: Step) -> bytes:
     return orjson.dumps(step.body) if step.changed else step.raw
 
 
-def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, dict[str, str]]:
-    """URL and headers for the upstream: provider credentials replace the agent's own."""
+def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, CIMultiDict[str]]:
+    """URL and headers for the upstream: provider credentials replace the agent's own. A header the
+    agent repeated (two `anthropic-beta` lines) is forwarded as it came, every line of it."""
     provider = step.route.provider
     out = forwardable(headers, drop=_DROP_TRACE[not provider.passthrough_auth])
     add_credentials(provider, out)
     path = "/v1/messages" if provider.type == "anthropic" else "/chat/completions"
     out["Content-Type"] = JSON
-    return provider.base_url.rstrip("/") + path, dict(out)
+    return provider.base_url.rstrip("/") + path, out
 
 
 def add_credentials(provider: Provider, headers: MutableMapping[str, str]) -> None:
@@ -279,7 +281,8 @@ def echo_headers(request_headers: Mapping[str, str]) -> dict[str, str]:
 def error_response(adapter: Adapter, error: GatewayError, headers: dict[str, str]) -> web.Response:
     if error.stop_reason:
         headers = {**headers, STOP_HEADER: error.stop_reason}
-    response = web.Response(status=error.status, body=adapter.error_body(error), content_type=JSON, headers=headers)
+    body = adapter.error_body(error)
+    response = web.Response(status=error.status, body=body, content_type=JSON, headers=headers)
     if error.closes_connection:
         response.force_close()
     return response

@@ -45,7 +45,7 @@ from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
-from gateway.upstream import forwardable
+from gateway.upstream import answer_headers, forwardable
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
@@ -157,7 +157,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
             if upstream.status >= 300:
                 await settle(gw, step, None, charged=False)
                 step.error_type = str(upstream.status)
-                headers_out = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
+                headers_out = answer_headers(upstream.headers, base_headers(step.identity, step))
                 return web.Response(status=upstream.status, body=data, headers=headers_out)
             parsed = _parse_body(data)
             try:
@@ -196,7 +196,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         step.reasks += 1
         reask(gw, step, answer.text, verdict.instruction)
     await guard_after(gw, step, answer)
-    response_headers = {**forwardable(upstream.headers), **base_headers(step.identity, step)}
+    response_headers = answer_headers(upstream.headers, base_headers(step.identity, step))
     if step.call.stream:
         response_headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     return web.Response(status=upstream.status, body=data, headers=response_headers)
@@ -311,13 +311,13 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         if request.rel_url.raw_query_string:
             url += "?" + request.rel_url.raw_query_string
         drop = frozenset() if provider.passthrough_auth else CREDENTIALS
-        headers = dict(forwardable(request.headers, drop=drop))
+        headers = forwardable(request.headers, drop=drop)  # repeated fields forwarded as they came
         add_credentials(provider, headers)
         upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
     except GatewayError as exc:
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
-    out = web.StreamResponse(status=upstream.status, headers={**forwardable(upstream.headers),
-                                                              **base_headers(identity)})
+    headers_out = answer_headers(upstream.headers, base_headers(identity))
+    out = web.StreamResponse(status=upstream.status, headers=headers_out)
     try:
         await out.prepare(request)
         async for chunk in upstream.chunks():

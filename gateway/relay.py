@@ -22,7 +22,7 @@ from gateway.providers.tool_wire import drop_stream_calls
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, without
-from gateway.upstream import UpstreamResponse, forwardable
+from gateway.upstream import UpstreamResponse, answer_headers
 from grammars.checker import IncrementalChecker
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -32,7 +32,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     adapter = step.adapter
     reader = adapter.stream_reader(hide_usage=step.hide_usage)
     parser = SseParser()
-    headers = {**forwardable(upstream.headers), **SSE_HEADERS, **base_headers(step.identity, step)}
+    headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step))
     out = web.StreamResponse(status=200, headers=headers)
     await out.prepare(request)
     held: list[bytes] = []

@@ -56,6 +56,15 @@ def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset(
     return out
 
 
+def answer_headers(upstream: Mapping[str, str], *ours: Mapping[str, str]) -> CIMultiDict[str]:
+    """The headers of an answer relayed to the agent: the upstream's `forwardable` ones, every repeated
+    field kept, then ours in order, each replacing a field of the same name whatever its case."""
+    out = forwardable(upstream)
+    for headers in ours:
+        out.update(headers)
+    return out
+
+
 class UpstreamResponse(Protocol):
     """An open upstream response. Read it with `read()` or `chunks()`; always `release()` it."""
 

@@ -221,6 +221,17 @@ def test_upstream_request(prov: Provider, url: str, auth: dict[str, str]) -> Non
     assert lower(headers) == {**KEPT, **auth}
 
 
+def test_a_repeated_agent_header_is_forwarded_line_for_line() -> None:
+    """Two `anthropic-beta` lines stay two lines (a dict kept only the first); ours replace theirs."""
+    step = make_step("anthropic", provider=provider("anthropic", api_key="sk-a"))
+    agent = CIMultiDict([("anthropic-beta", "a-1"), ("Anthropic-Beta", "b-2"), ("x-api-key", "agent"),
+                         ("X-Api-Key", "agent-2"), ("content-type", "text/plain")])
+    _, headers = upstream_request(step, agent)
+    assert headers.getall("anthropic-beta") == ["a-1", "b-2"]
+    assert headers.getall("x-api-key") == ["sk-a"]
+    assert headers.getall("content-type") == ["application/json"]
+
+
 @pytest.mark.parametrize("spelling", ["anthropic-version", "Anthropic-Version"])
 def test_the_agents_anthropic_version_wins(spelling: str) -> None:
     step = make_step("anthropic", provider=provider("anthropic", api_key="sk-a"))

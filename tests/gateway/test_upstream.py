@@ -7,7 +7,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.errors import InvalidRequest
-from gateway.upstream import HOP_BY_HOP, check_target, forwardable
+from gateway.upstream import HOP_BY_HOP, answer_headers, check_target, forwardable
 
 Fields = list[tuple[str, str]]
 
@@ -105,6 +105,30 @@ def test_every_connection_field_names_hop_by_hop_headers() -> None:
 def test_forwardable_accepts_a_plain_mapping() -> None:
     headers = {"connection": "x-a", "x-a": "1", "Accept": "*/*", "x-tollgate-run-id": "r"}
     assert list(forwardable(headers).items()) == [("Accept", "*/*")]
+
+
+# -- answer_headers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("upstream", "ours", "expected"),
+    [
+        # repeated upstream fields all reach the agent
+        ([("Vary", "Accept"), ("vary", "Origin"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")], [],
+         [("Vary", "Accept"), ("vary", "Origin"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")]),
+        # ours replace theirs whatever the case, once: no second Content-Type line
+        ([("content-type", "text/event-stream; charset=utf-8"), ("x-request-id", "r1")],
+         [{"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}, {"x-tollgate-run-id": "run"}],
+         [("Content-Type", "text/event-stream"), ("x-request-id", "r1"), ("Cache-Control", "no-cache"),
+          ("x-tollgate-run-id", "run")]),
+        # the upstream's hop-by-hop and x-tollgate-* fields never pass; ours in order, the last wins
+        ([("Connection", "keep-alive"), ("Transfer-Encoding", "chunked"), ("X-Tollgate-Run-Id", "forged")],
+         [{"x-tollgate-run-id": "a"}, {"X-Tollgate-Run-Id": "b"}],
+         [("X-Tollgate-Run-Id", "b")]),
+    ],
+)
+def test_answer_headers(upstream: Fields, ours: list[dict[str, str]], expected: Fields) -> None:
+    assert list(answer_headers(CIMultiDict(upstream), *ours).items()) == expected
 
 
 # -- check_target ------------------------------------------------------------------------------------
