@@ -108,7 +108,8 @@ class RequestParams:
 class Call:
     """One request step in neutral form.
 
-    `model` is the name the agent sent without any `provider/` prefix. `input_bytes` is the UTF-8 size
+    `model` is the name as the agent sent it, a `provider/` prefix included (routing strips it:
+    `Route.model` is the name sent upstream). `input_bytes` is the UTF-8 size
     of the request body; byte-level BPE tokenizers never emit more tokens than bytes, so it bounds the
     input token count from above. `request_hash` identifies identical repeated requests.
     `raw` is the parsed wire body, kept for adapters (content capture, re-ask); stages other than
