@@ -63,7 +63,8 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
 
 def _error(exc: GatewayError, rpc_id: RequestId | None, headers: dict[str, str]) -> web.Response:
     status, body = gateway_error(rpc_id, exc)
-    response = web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+    response = web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                            headers=headers)
     if exc.closes_connection:
         response.force_close()
     return response
