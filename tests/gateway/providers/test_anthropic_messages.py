@@ -1,0 +1,273 @@
+"""gateway/providers/anthropic_messages.py: the Anthropic Messages adapter, wire JSON <-> Call/Answer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from anthropic.types import ErrorResponse, Message
+
+from gateway import errors
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
+from gateway.providers import anthropic_messages
+from gateway.providers.anthropic_messages import AnthropicMessages, usage_from
+from gateway.providers.sse import SseParser
+
+ADAPTER = AnthropicMessages()
+MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"name": "get", "description": "d", "input_schema": {"type": "object"}}
+
+
+def body_of(**fields: Any) -> dict[str, Any]:
+    """A Messages body; a field given as None is left out."""
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 256, "messages": MSG, **fields}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def parse(body: dict[str, Any], limits: Limits | None = None) -> Call:
+    return ADAPTER.parse_request(body, orjson.dumps(body), limits or Limits())
+
+
+def result(tool_use_id: str, content: Any, **extra: Any) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": tool_use_id, "content": content, **extra}
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}
+
+
+def use(name: str, payload: Any, bid: str = "toolu_1") -> dict[str, Any]:
+    return {"type": "tool_use", "id": bid, "name": name, "input": payload}
+
+
+def user(*blocks: Any) -> dict[str, Any]:
+    return {"role": "user", "content": list(blocks)}
+
+
+USE = {"role": "assistant", "content": [use("get", {})]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, {"stream": False, "max_tokens": 256, "tools": (), "tool_choice": None, "tool_results": (),
+              "params": RequestParams()}),
+        ({"stream": True, "max_tokens": None}, {"stream": True, "max_tokens": None}),  # clamped later
+        ({"temperature": 1, "top_p": 0.9, "top_k": 5}, {"params": RequestParams(temperature=1.0, top_p=0.9,
+                                                                                top_k=5.0)}),
+        ({"stop_sequences": ["\n\nH:", "END"]}, {"params": RequestParams(stop_sequences=("\n\nH:", "END"))}),
+        ({"stop_sequences": "END"}, {"params": RequestParams()}),
+        ({"tools": [TOOL]}, {"tools": (ToolSpec("get", "d", {"type": "object"}),)}),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+         {"tools": (ToolSpec("web_search", None, None),)}),
+        ({"tool_choice": {"type": "tool", "name": "get"}}, {"tool_choice": "get"}),
+        ({"tool_choice": {"type": "auto"}}, {"tool_choice": None}),
+        ({"tool_choice": {"type": "any", "disable_parallel_tool_use": True}}, {"tool_choice": None}),
+        ({"tool_choice": {"type": "none"}}, {"tool_choice": None}),
+        ({"messages": [*MSG, USE, user(result("toolu_1", "sunny"), text("and?"))]},
+         {"tool_results": (ToolResult("toolu_1", "sunny"),)}),
+        ({"messages": [*MSG, USE, user(result("a", [text("x")]), result("b", "no", is_error=True))]},
+         {"tool_results": (ToolResult("a", "x"), ToolResult("b", "no", True))}),
+        ({"messages": [user(result("a", "r")), {"role": "assistant", "content": "{"}]},
+         {"tool_results": (ToolResult("a", "r"),)}),  # a prefill after them: the last user message counts
+        ({"messages": [user(result("a", "r")), USE, *MSG]}, {"tool_results": ()}),  # string content: none
+        ({"messages": [user({"type": "tool_result"})]}, {"tool_results": (ToolResult("", ""),)}),
+        ({"messages": [{"role": "assistant", "content": "only"}]}, {"tool_results": ()}),
+    ],
+)
+def test_parse_request(fields: dict[str, Any], expected: dict[str, Any]) -> None:
+    body = body_of(**fields)
+    raw = orjson.dumps(body)
+    call = ADAPTER.parse_request(body, raw, Limits())
+    assert (call.protocol, call.operation, call.model) == ("anthropic", "chat", "claude-sonnet-4-5")
+    assert (call.input_bytes, call.request_hash, call.raw) == (len(raw), digest(raw), body)
+    assert {key: getattr(call, key) for key in expected} == expected
+
+
+SMALL = Limits(max_messages=2, max_tools=1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "limits", "cls", "param", "fragment"),
+    [
+        ({"model": None}, None, InvalidRequest, "model", "'model' is required"),
+        ({"model": 1}, None, InvalidRequest, "model", "non-empty string"),
+        ({"messages": None}, None, InvalidRequest, "messages", "'messages' is required"),
+        ({"messages": {"role": "user"}}, None, InvalidRequest, "messages", "'messages' must be an array"),
+        ({"messages": [{"role": "system", "content": "x"}]}, None, InvalidRequest, "messages",
+         "messages[0] role must be user or assistant"),
+        ({"messages": [*MSG, {"role": "tool"}]}, None, InvalidRequest, "messages", "messages[1] role must"),
+        ({"messages": [*MSG, "hi"]}, None, InvalidRequest, "messages", "messages[1] role must be"),
+        ({"messages": MSG * 3}, SMALL, RequestTooLarge, None, "3 messages exceed the limit of 2"),
+        ({"tools": [TOOL, TOOL]}, SMALL, RequestTooLarge, None, "2 tools exceed the limit of 1"),
+        ({"tools": TOOL}, None, InvalidRequest, "tools", "'tools' must be an array"),
+        ({"tools": [TOOL, {"description": "x"}]}, None, InvalidRequest, "tools", "tools.1 must be an object"),
+        ({"tools": ["get"]}, None, InvalidRequest, "tools", "tools.0 must be an object with a name"),
+        ({"stream": "true"}, None, InvalidRequest, "stream", "'stream' must be a boolean"),
+        ({"max_tokens": 0}, None, InvalidRequest, "max_tokens", "'max_tokens' must be an integer >= 1"),
+        ({"max_tokens": "5"}, None, InvalidRequest, "max_tokens", "integer"),
+        ({"temperature": "warm"}, None, InvalidRequest, "temperature", "'temperature' must be a number"),
+        ({"top_p": False}, None, InvalidRequest, "top_p", "number"),
+        ({"top_k": "5"}, None, InvalidRequest, "top_k", "'top_k' must be a number"),
+        ({"tool_choice": "auto"}, None, InvalidRequest, "tool_choice", "must be auto, any, tool or none"),
+        ({"tool_choice": {"type": "function"}}, None, InvalidRequest, "tool_choice", "any, tool or none"),
+        ({"tool_choice": {"type": "tool"}}, None, InvalidRequest, "tool_choice", "of type tool needs a name"),
+        ({"tool_choice": {"type": "tool", "name": 7}}, None, InvalidRequest, "tool_choice", "needs a name"),
+    ],
+)
+def test_parse_request_refuses(
+    fields: dict[str, Any], limits: Limits | None, cls: type[GatewayError], param: str | None, fragment: str
+) -> None:
+    with pytest.raises(GatewayError) as info:
+        parse(body_of(**fields), limits)
+    assert (type(info.value), info.value.param) == (cls, param)
+    assert fragment in info.value.message
+
+
+def test_limits_are_inclusive() -> None:
+    assert len(parse(body_of(messages=MSG * 2, tools=[TOOL]), SMALL).tools) == 1
+
+
+def message(*content: dict[str, Any], stop: str | None = "end_turn", **extra: Any) -> dict[str, Any]:
+    head = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x"}
+    usage = {"input_tokens": 10, "output_tokens": 7}
+    tail = {"stop_reason": stop, "stop_sequence": None, "usage": usage}
+    return {**head, "content": list(content), **tail, **extra}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (message(text("Hel"), text("lo")),
+         Answer("msg_1", "claude-x", "Hello", (), ("end_turn",), Usage(10, 7))),
+        (message(text("Let me look."), use("get", {"q": 1}), use("f", {}, "toolu_2"), stop="tool_use"),
+         Answer("msg_1", "claude-x", "Let me look.",
+                (ToolCall("toolu_1", "get", '{"q":1}'), ToolCall("toolu_2", "f", "{}")), ("tool_use",),
+                Usage(10, 7))),
+        (message({"type": "thinking", "thinking": "hm", "signature": "s"}, text("ok"), stop="max_tokens"),
+         Answer("msg_1", "claude-x", "ok", (), ("max_tokens",), Usage(10, 7))),
+        (message(stop=None), Answer("msg_1", "claude-x", "", (), (), Usage(10, 7))),
+        ({"content": [{"type": "text"}, {"type": "tool_use", "input": None}]},
+         Answer(tool_calls=(ToolCall("", "", "{}"),))),
+        ({"content": None, "usage": "none"}, Answer()),
+        ({}, Answer()),
+    ],
+)
+def test_parse_answer(body: dict[str, Any], expected: Answer) -> None:
+    assert ADAPTER.parse_answer(body) == expected
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        (None, None),
+        (7, None),
+        ({}, Usage()),
+        ({"input_tokens": 10, "output_tokens": 7}, Usage(10, 7)),
+        ({"input_tokens": 10, "output_tokens": 7, "cache_read_input_tokens": 3,
+          "cache_creation_input_tokens": 2},
+         Usage(input_tokens=15, output_tokens=7, cache_read_tokens=3, cache_creation_tokens=2)),
+        ({"input_tokens": 4, "cache_read_input_tokens": None, "cache_creation_input_tokens": None,
+          "output_tokens": None}, Usage(4, 0)),
+    ],
+)
+def test_usage_from_counts_the_cache_as_input(usage: Any, expected: Usage | None) -> None:
+    assert usage_from(usage) == expected
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "code", "sdk"),
+    [
+        (InvalidRequest("bad", param="model"), "invalid_request_error", "invalid_request", True),
+        (errors.InvalidApiKey("who"), "authentication_error", "invalid_api_key", True),
+        (errors.ModelNotFound("no"), "not_found_error", "model_not_found", True),
+        (RequestTooLarge("big"), "request_too_large", "request_too_large", False),  # not in the SDK's union
+        (errors.OutputNonconforming("no"), "invalid_request_error", "output_nonconforming", True),
+        (errors.Stopped("time_cap", "late"), "permission_error", "time_cap", True),
+        (errors.ToolNotAllowed("rm"), "permission_error", "tool_not_allowed", True),
+        (errors.ApprovalDenied("no"), "permission_error", "approval_denied", True),
+        (errors.UpstreamUnavailable("down"), "api_error", "upstream_unavailable", True),
+        (errors.UpstreamTimeout("slow"), "timeout_error", "upstream_timeout", True),
+        (errors.ShuttingDown("bye"), "overloaded_error", "shutting_down", True),
+    ],
+)
+def test_error_body_and_event(error: GatewayError, kind: str, code: str, sdk: bool) -> None:
+    body = ADAPTER.error_body(error)
+    expected = {"type": kind, "message": error.message, "code": code}
+    assert orjson.loads(body) == {"type": "error", "error": expected}
+    if sdk:
+        parsed = ErrorResponse.model_validate_json(body)
+        assert (parsed.error.type, parsed.error.message) == (kind, error.message)
+    [event] = SseParser().feed(ADAPTER.error_event(error))
+    assert (event.event, event.data.encode()) == ("error", body)
+    assert event.raw == b"event: error\ndata: " + body + b"\n\n"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(anthropic_messages, "time", SimpleNamespace(time=lambda: 1_700_000_000.25))
+
+
+CALL = Call("anthropic", "chat", "claude-sonnet-4-5")
+
+
+REASONS = [("budget_exhausted", "spent $2.00"), ("no_progress", 'a "b"\nü')]
+
+
+@pytest.mark.parametrize(("reason", "detail"), REASONS)
+def test_stop_answer_is_a_message(clock: None, reason: str, detail: str) -> None:
+    raw = ADAPTER.stop_answer(CALL, reason, detail)
+    parsed = Message.model_validate_json(raw)
+    said = f"tollgate stopped this run ({reason}): {detail}"
+    assert (parsed.id, parsed.model, parsed.role, parsed.stop_reason) == (
+        "msg_tollgate_1700000000250", "claude-sonnet-4-5", "assistant", "end_turn"
+    )
+    assert [(b.type, getattr(b, "text", None)) for b in parsed.content] == [("text", said)]
+    assert (parsed.usage.input_tokens, parsed.usage.output_tokens) == (0, 0)
+    expected = Answer("msg_tollgate_1700000000250", "claude-sonnet-4-5", said, (), ("end_turn",), Usage())
+    assert ADAPTER.parse_answer(orjson.loads(raw)) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "prefer", "field", "after"),
+    [
+        ({}, True, None, {"max_tokens": 9}),
+        ({}, False, None, {"max_tokens": 9}),  # Anthropic has one field whatever the preference
+        ({"max_tokens": 4096}, True, "max_tokens", {"max_tokens": 9}),
+        ({"max_tokens": None}, False, None, {"max_tokens": 9}),
+    ],
+)
+def test_max_tokens_field_and_set(
+    body: dict[str, Any], prefer: bool, field: str | None, after: dict[str, Any]
+) -> None:
+    assert ADAPTER.max_tokens_field(body) == field
+    ADAPTER.set_max_tokens(body, 9, prefer_completion_field=prefer)
+    assert body == after
+
+
+@pytest.mark.parametrize("body", [{"stream": True}, {"stream": True, "stream_options": {"include_usage": 0}}])
+def test_ask_usage_changes_nothing(body: dict[str, Any]) -> None:
+    before = dict(body)
+    assert ADAPTER.ask_usage(body) is False  # Anthropic streams always carry usage
+    assert body == before
+
+
+@pytest.mark.parametrize(
+    ("body", "answer", "said"),
+    [
+        (body_of(temperature=0), "{bad", "{bad"),
+        (body_of(), "", "(empty)"),  # Anthropic refuses an empty assistant turn
+        ({"model": "m", "max_tokens": 5}, "x", "x"),
+    ],
+)
+def test_with_instruction(body: dict[str, Any], answer: str, said: str) -> None:
+    before = orjson.dumps(body)
+    out = ADAPTER.with_instruction(body, answer, "Answer with JSON only.")
+    turns = [{"role": "assistant", "content": said}, {"role": "user", "content": "Answer with JSON only."}]
+    assert out == {**body, "messages": [*body.get("messages", []), *turns]}
+    assert orjson.dumps(body) == before
+    assert parse(out).tool_results == ()  # still a request the adapter accepts

@@ -1,0 +1,274 @@
+"""gateway/providers/common.py: request-shape checks and small conversions shared by the adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_code
+from gateway.providers.common import (
+    check_counts,
+    content_text,
+    json_depth_ok,
+    opt_int,
+    opt_number,
+    request_basics,
+    require_list,
+    require_model,
+    stop_text,
+)
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def nested(depth: int) -> list[Any]:
+    """`depth` lists inside each other, built without recursion."""
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def refused(error: GatewayError, cls: type[GatewayError], param: str | None, fragment: str) -> None:
+    assert type(error) is cls
+    assert error.param == param
+    assert fragment in error.message
+
+
+@pytest.mark.parametrize(
+    ("value", "limit", "ok"),
+    [
+        (5, 1, True),  # a scalar has no nesting
+        ("text", 1, True),
+        ({}, 1, True),
+        ({}, 0, False),
+        ([], 1, True),
+        ([1, "x", None], 1, True),  # scalars inside the container add no depth
+        ({"a": {"b": 1}}, 2, True),
+        ({"a": {"b": 1}}, 1, False),
+        ([[[]]], 3, True),
+        ([[[]]], 2, False),
+        ({"a": [1, {"b": [2]}]}, 4, True),  # object, list, object, list
+        ({"a": [1, {"b": [2]}]}, 3, False),
+        ({"flat": [], "deep": [[[]]]}, 4, True),  # the deepest branch counts, not the first
+        ({"flat": [], "deep": [[[]]]}, 3, False),
+        ([{}, [], {"a": {}}], 3, True),
+        (nested(64), 64, True),
+        (nested(65), 64, False),
+        (nested(20_000), 20_000, True),  # iterative: no RecursionError far past Python's stack
+        (nested(20_000), 64, False),
+    ],
+)
+def test_json_depth_ok(value: Any, limit: int, ok: bool) -> None:
+    assert json_depth_ok(value, limit) is ok
+
+
+@pytest.mark.parametrize(
+    ("body", "required", "expected"),
+    [
+        ({"k": [1, 2]}, True, [1, 2]),
+        ({"k": []}, True, []),
+        ({"k": [1]}, False, [1]),
+        ({}, False, []),
+        ({"k": None}, False, []),
+    ],
+)
+def test_require_list_accepts(body: dict[str, Any], required: bool, expected: list[Any]) -> None:
+    got = require_list(body, "k", required=required)
+    assert got == expected
+    if "k" in body and body["k"] is not None:
+        assert got is body["k"]  # the body's own list, not a copy
+
+
+@pytest.mark.parametrize(
+    ("body", "required", "fragment"),
+    [
+        ({}, True, "'k' is required"),
+        ({"k": None}, True, "'k' is required"),
+        ({"k": "x"}, True, "'k' must be an array"),
+        ({"k": {"a": 1}}, False, "'k' must be an array"),
+        ({"k": 0}, False, "'k' must be an array"),
+        ({"k": (1, 2)}, False, "'k' must be an array"),
+    ],
+)
+def test_require_list_refuses(body: dict[str, Any], required: bool, fragment: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        require_list(body, "k", required=required)
+    refused(info.value, InvalidRequest, "k", fragment)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [({"model": "gpt-4o"}, "gpt-4o"), ({"model": "openai/gpt-4o"}, "openai/gpt-4o"), ({"model": "x"}, "x")],
+)
+def test_require_model_accepts(body: dict[str, Any], expected: str) -> None:
+    assert require_model(body) == expected
+
+
+@pytest.mark.parametrize("body", [{}, {"model": None}, {"model": ""}, {"model": 4}, {"model": ["gpt-4o"]}])
+def test_require_model_refuses(body: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        require_model(body)
+    refused(info.value, InvalidRequest, "model", "'model' is required and must be a non-empty string")
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "message"),
+    [
+        (2, 1, None),  # at the limits: accepted
+        (0, 0, None),
+        (3, 0, "3 messages exceed the limit of 2"),
+        (0, 2, "2 tools exceed the limit of 1"),
+        (3, 2, "3 messages exceed the limit of 2"),  # messages are checked first
+    ],
+)
+def test_check_counts(messages: int, tools: int, message: str | None) -> None:
+    limits = Limits(max_messages=2, max_tools=1)
+    if message is None:
+        check_counts([{}] * messages, [{}] * tools, limits)
+        return
+    with pytest.raises(RequestTooLarge) as info:
+        check_counts([{}] * messages, [{}] * tools, limits)
+    assert info.value.message == message
+    assert (info.value.status, error_code(info.value)) == (413, "request_too_large")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [({}, None), ({"k": None}, None), ({"k": 1}, 1.0), ({"k": 0}, 0.0), ({"k": -2}, -2.0),
+     ({"k": 0.25}, 0.25)],
+)
+def test_opt_number_accepts(body: dict[str, Any], expected: float | None) -> None:
+    got = opt_number(body, "k")
+    assert got == expected
+    assert got is None or type(got) is float
+
+
+@pytest.mark.parametrize("value", [True, False, "1", [1], {"v": 1}])
+def test_opt_number_refuses(value: Any) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        opt_number({"k": value}, "k")
+    refused(info.value, InvalidRequest, "k", "'k' must be a number")
+
+
+@pytest.mark.parametrize(
+    ("body", "minimum", "expected"),
+    [
+        ({}, 0, None),
+        ({"k": None}, 1, None),
+        ({"k": 0}, 0, 0),
+        ({"k": 1}, 1, 1),
+        ({"k": -5}, -10, -5),
+        ({"k": 2**70}, 1, 2**70),
+    ],
+)
+def test_opt_int_accepts(body: dict[str, Any], minimum: int, expected: int | None) -> None:
+    assert opt_int(body, "k", minimum=minimum) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "minimum"),
+    [(0, 1), (-1, 0), (1.0, 0), (1.5, 0), (True, 0), (False, 0), ("3", 0), ([3], 0)],
+)
+def test_opt_int_refuses(value: Any, minimum: int) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        opt_int({"k": value}, "k", minimum=minimum)
+    refused(info.value, InvalidRequest, "k", f"'k' must be an integer >= {minimum}")
+
+
+def test_opt_int_default_minimum_is_zero() -> None:
+    assert opt_int({"k": 0}, "k") == 0
+    with pytest.raises(InvalidRequest, match="'k' must be an integer >= 0"):
+        opt_int({"k": -1}, "k")
+
+
+@pytest.mark.parametrize(
+    ("reason", "detail", "expected"),
+    [
+        ("budget_exhausted", "spent $2.00", "tollgate stopped this run (budget_exhausted): spent $2.00"),
+        ("loop_detected", "", "tollgate stopped this run (loop_detected): "),
+    ],
+)
+def test_stop_text(reason: str, detail: str, expected: str) -> None:
+    assert stop_text(reason, detail) == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("plain", "plain"),
+        ("", ""),
+        (None, ""),
+        (5, "5"),
+        ([], ""),
+        ([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "a\nb"),
+        (["x", {"text": "y"}], "x\ny"),  # bare strings and parts without a type
+        ([{"type": "image_url", "image_url": {"url": "u"}}, {"type": "text", "text": "t"}], "t"),
+        ([{"type": "text", "text": 5}, 1, None], ""),  # non-text parts are skipped
+        ([{"type": "tool_result", "content": "r"}], "r"),
+        ([{"type": "tool_result", "content": [{"type": "text", "text": "p"}, "q"]}], "p\nq"),
+        ([{"type": "tool_result", "text": "t", "content": "c"}], "t"),  # a part's own text wins
+        ([{"type": "text", "text": "a"}, {"type": "tool_result", "content": [{"text": "b"}]}], "a\nb"),
+    ],
+)
+def test_content_text(content: Any, expected: str) -> None:
+    assert content_text(content) == expected
+
+
+def any_role(role: Any) -> bool:
+    return isinstance(role, str)
+
+
+def user_only(role: Any) -> bool:
+    return bool(role == "user")
+
+
+def req(**fields: Any) -> dict[str, Any]:
+    """A chat body; a field given as None is left out."""
+    return {k: v for k, v in {"model": "m", "messages": MSG, **fields}.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (req(), ("m", MSG, [], False)),
+        (req(stream=True), ("m", MSG, [], True)),
+        (req(stream=False, tools=[{"name": "t"}]), ("m", MSG, [{"name": "t"}], False)),
+        (req(messages=[]), ("m", [], [], False)),
+    ],
+)
+def test_request_basics_accepts(body: dict[str, Any], expected: tuple[Any, ...]) -> None:
+    assert request_basics(body, Limits(), user_only, "must be user") == expected
+
+
+SMALL = Limits(max_messages=2, max_tools=1)
+
+
+@pytest.mark.parametrize(
+    ("body", "role_ok", "limits", "cls", "param", "fragment"),
+    [
+        (req(model=None), any_role, Limits(), InvalidRequest, "model", "'model' is required"),
+        (req(model="", messages="x"), any_role, Limits(), InvalidRequest, "model", "'model'"),  # model first
+        (req(messages=None), any_role, Limits(), InvalidRequest, "messages", "'messages' is required"),
+        (req(messages={}), any_role, Limits(), InvalidRequest, "messages", "must be an array"),
+        (req(tools="t"), any_role, Limits(), InvalidRequest, "tools", "must be an array"),
+        (req(messages=MSG * 3), any_role, SMALL, RequestTooLarge, None, "3 messages"),
+        (req(tools=[{}, {}]), any_role, SMALL, RequestTooLarge, None, "2 tools"),
+        (req(messages=MSG * 3, model=3), any_role, SMALL, InvalidRequest, "model", "'model'"),
+        (req(messages=[*MSG, "hi"]), any_role, Limits(), InvalidRequest, "messages", "messages[1] RULE"),
+        (req(messages=[{"content": "x"}]), any_role, Limits(), InvalidRequest, "messages", "[0] RULE"),
+        (req(messages=[{"role": "system"}]), user_only, Limits(), InvalidRequest, "messages", "[0] RULE"),
+        (req(stream="true"), any_role, Limits(), InvalidRequest, "stream", "'stream' must be a boolean"),
+        (req(stream=1), any_role, Limits(), InvalidRequest, "stream", "'stream' must be a boolean"),
+    ],
+)
+def test_request_basics_refuses(
+    body: dict[str, Any], role_ok: Callable[[Any], bool], limits: Limits, cls: type[GatewayError],
+    param: str | None, fragment: str,
+) -> None:
+    with pytest.raises(GatewayError) as info:
+        request_basics(body, limits, role_ok, "RULE")
+    refused(info.value, cls, param, fragment)

@@ -1,0 +1,308 @@
+"""gateway/providers/openai_chat.py: the OpenAI Chat Completions adapter, wire JSON <-> Call/Answer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types import ErrorObject
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from gateway import errors
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
+from gateway.providers import openai_chat
+from gateway.providers.openai_chat import OpenAIChat, usage_from
+from gateway.providers.sse import SseParser
+
+ADAPTER = OpenAIChat()
+MSG = [{"role": "user", "content": "hi"}]
+FN = {"type": "function", "function": {"name": "get", "description": "d", "parameters": {"type": "object"}}}
+
+
+def body_of(**fields: Any) -> dict[str, Any]:
+    return {"model": "gpt-4o-mini", "messages": MSG, **fields}
+
+
+def parse(body: dict[str, Any], limits: Limits | None = None) -> Call:
+    return ADAPTER.parse_request(body, orjson.dumps(body), limits or Limits())
+
+
+def tool_msg(call_id: str, content: Any) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+ASSISTANT: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": []}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, {"stream": False, "max_tokens": None, "tools": (), "tool_choice": None, "tool_results": (),
+              "params": RequestParams()}),
+        ({"stream": True}, {"stream": True}),
+        ({"max_tokens": 100}, {"max_tokens": 100}),
+        ({"max_completion_tokens": 50, "max_tokens": 100}, {"max_tokens": 50}),  # the newer field wins
+        ({"max_completion_tokens": None, "max_tokens": 7}, {"max_tokens": 7}),
+        ({"temperature": 0, "top_p": 0.5, "frequency_penalty": -1, "presence_penalty": 1.5, "seed": -(2**63),
+          "n": 2}, {"params": RequestParams(temperature=0.0, top_p=0.5, frequency_penalty=-1.0,
+                                            presence_penalty=1.5, seed=-(2**63), choice_count=2)}),
+        ({"stop": "END"}, {"params": RequestParams(stop_sequences=("END",))}),
+        ({"stop": ["a", "b"]}, {"params": RequestParams(stop_sequences=("a", "b"))}),
+        ({"tools": [FN]}, {"tools": (ToolSpec("get", "d", {"type": "object"}),)}),
+        ({"tools": [{"function": {"name": "f", "parameters": "x"}}]},
+         {"tools": (ToolSpec("f", None, None),)}),
+        ({"tool_choice": {"type": "function", "function": {"name": "get"}}}, {"tool_choice": "get"}),
+        ({"tool_choice": "auto"}, {"tool_choice": None}),
+        ({"tool_choice": "none"}, {"tool_choice": None}),
+        ({"tool_choice": "required"}, {"tool_choice": None}),
+        ({"messages": [*MSG, ASSISTANT, tool_msg("a", "r1"), tool_msg("b", [{"type": "text", "text": "p"}])]},
+         {"tool_results": (ToolResult("a", "r1"), ToolResult("b", "p"))}),
+        ({"messages": [tool_msg("old", "x"), ASSISTANT, {"role": "tool", "content": "r"}]},
+         {"tool_results": (ToolResult("", "r"),)}),  # only the round after the last assistant message
+        ({"messages": [tool_msg("a", "r"), ASSISTANT, *MSG]}, {"tool_results": ()}),
+        ({"messages": [{"role": "developer", "content": "be brief"}, *MSG]}, {"tool_results": ()}),
+    ],
+)
+def test_parse_request(fields: dict[str, Any], expected: dict[str, Any]) -> None:
+    body = body_of(**fields)
+    raw = orjson.dumps(body)
+    call = ADAPTER.parse_request(body, raw, Limits())
+    assert (call.protocol, call.operation, call.model) == ("openai", "chat", "gpt-4o-mini")
+    assert (call.input_bytes, call.request_hash, call.raw) == (len(raw), digest(raw), body)
+    assert {key: getattr(call, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "limits", "cls", "param", "fragment"),
+    [
+        ({"model": None}, None, InvalidRequest, "model", "'model' is required"),
+        ({"model": ""}, None, InvalidRequest, "model", "non-empty string"),
+        ({"messages": None}, None, InvalidRequest, "messages", "'messages' is required"),
+        ({"messages": "hi"}, None, InvalidRequest, "messages", "'messages' must be an array"),
+        ({"messages": ["hi"]}, None, InvalidRequest, "messages", "messages[0] must be an object with a role"),
+        ({"messages": [*MSG, {"content": "x"}]}, None, InvalidRequest, "messages", "messages[1] must be"),
+        ({"messages": [{"role": 1}]}, None, InvalidRequest, "messages", "messages[0]"),
+        ({"messages": MSG * 3}, Limits(max_messages=2), RequestTooLarge, None, "3 messages exceed the limit"),
+        ({"tools": [FN, FN]}, Limits(max_tools=1), RequestTooLarge, None, "2 tools exceed the limit of 1"),
+        ({"tools": {"get": FN}}, None, InvalidRequest, "tools", "'tools' must be an array"),
+        ({"tools": [FN, {"type": "function"}]}, None, InvalidRequest, "tools", "tools[1] must be {type: fu"),
+        ({"tools": [{"function": {"name": 3}}]}, None, InvalidRequest, "tools", "tools[0]"),
+        ({"tools": ["get"]}, None, InvalidRequest, "tools", "tools[0]"),
+        ({"stream": "yes"}, None, InvalidRequest, "stream", "'stream' must be a boolean"),
+        ({"max_tokens": 0}, None, InvalidRequest, "max_tokens", "'max_tokens' must be an integer >= 1"),
+        ({"max_tokens": 1.5}, None, InvalidRequest, "max_tokens", "integer"),
+        ({"max_tokens": True}, None, InvalidRequest, "max_tokens", "integer"),
+        ({"max_completion_tokens": -1}, None, InvalidRequest, "max_completion_tokens", "integer >= 1"),
+        ({"temperature": "hot"}, None, InvalidRequest, "temperature", "'temperature' must be a number"),
+        ({"top_p": True}, None, InvalidRequest, "top_p", "number"),
+        ({"frequency_penalty": [0]}, None, InvalidRequest, "frequency_penalty", "number"),
+        ({"presence_penalty": "0"}, None, InvalidRequest, "presence_penalty", "number"),
+        ({"seed": "1"}, None, InvalidRequest, "seed", "integer"),
+        ({"n": 0}, None, InvalidRequest, "n", "'n' must be an integer >= 1"),
+        ({"tool_choice": "any"}, None, InvalidRequest, "tool_choice", "auto, none, required or a func"),
+        ({"tool_choice": {"type": "function"}}, None, InvalidRequest, "tool_choice", "must name a function"),
+        ({"tool_choice": {"function": {"name": 1}}}, None, InvalidRequest, "tool_choice", "must name a func"),
+    ],
+)
+def test_parse_request_refuses(
+    fields: dict[str, Any], limits: Limits | None, cls: type[GatewayError], param: str | None, fragment: str
+) -> None:
+    body = {k: v for k, v in body_of(**fields).items() if v is not None}
+    with pytest.raises(GatewayError) as info:
+        parse(body, limits)
+    assert (type(info.value), info.value.param) == (cls, param)
+    assert fragment in info.value.message
+
+
+def test_limits_are_inclusive() -> None:
+    call = parse(body_of(messages=MSG * 2, tools=[FN]), Limits(max_messages=2, max_tools=1))
+    assert len(call.tools) == 1
+
+
+def completion(*messages: dict[str, Any], finish: str | None = "stop", **extra: Any) -> dict[str, Any]:
+    choices = [{"index": i, "message": m, "finish_reason": finish} for i, m in enumerate(messages)]
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "gpt-4o",
+            "choices": choices, **extra}
+
+
+def calls(*pairs: tuple[str, str]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{n}", "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in pairs]
+
+
+USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (completion({"role": "assistant", "content": "Hello"}, usage=USAGE),
+         Answer("chatcmpl-1", "gpt-4o", "Hello", (), ("stop",), Usage(10, 5))),
+        (completion({"role": "assistant", "content": None,
+                     "tool_calls": calls(("get", '{"q":1}'), ("f", "{}"))}, finish="tool_calls"),
+         Answer("chatcmpl-1", "gpt-4o", "",
+                (ToolCall("call_get", "get", '{"q":1}'), ToolCall("call_f", "f", "{}")), ("tool_calls",))),
+        (completion({"role": "assistant", "content": "first"},
+                    {"role": "assistant", "content": "second", "tool_calls": calls(("g", "{}"))}),
+         Answer("chatcmpl-1", "gpt-4o", "first", (ToolCall("call_g", "g", "{}"),), ("stop", "stop"))),
+        (completion({"role": "assistant", "content": "cut"}, finish="length"),
+         Answer("chatcmpl-1", "gpt-4o", "cut", (), ("length",))),
+        (completion({"role": "assistant", "content": "x"}, finish=None),
+         Answer("chatcmpl-1", "gpt-4o", "x")),
+        (completion({"role": "assistant", "content": [{"type": "text", "text": "odd"}]}),
+         Answer("chatcmpl-1", "gpt-4o", "", (), ("stop",))),  # content that is not a string gives no text
+        ({"choices": [{"message": None}, {}]}, Answer()),
+        ({"choices": [{"message": {"tool_calls": [{}]}}]}, Answer(tool_calls=(ToolCall("", "", ""),))),
+        ({"choices": None, "usage": None}, Answer()),
+        ({}, Answer()),
+    ],
+)
+def test_parse_answer(body: dict[str, Any], expected: Answer) -> None:
+    assert ADAPTER.parse_answer(body) == expected
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        (None, None),
+        ("10", None),
+        ([10, 5], None),
+        ({}, Usage()),
+        (USAGE, Usage(10, 5)),
+        ({**USAGE, "prompt_tokens_details": {"cached_tokens": 4},
+          "completion_tokens_details": {"reasoning_tokens": 2}},
+         Usage(input_tokens=10, output_tokens=5, cache_read_tokens=4, reasoning_tokens=2)),
+        ({"prompt_tokens": None, "completion_tokens": 3, "prompt_tokens_details": None,
+          "completion_tokens_details": None}, Usage(0, 3)),
+    ],
+)
+def test_usage_from(usage: Any, expected: Usage | None) -> None:
+    assert usage_from(usage) == expected
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "param", "code"),
+    [
+        (InvalidRequest("bad", param="model"), "invalid_request_error", "model", "invalid_request"),
+        (errors.InvalidGrammar("no regex"), "invalid_request_error", None, "invalid_request"),
+        (errors.InvalidApiKey("who"), "invalid_request_error", None, "invalid_api_key"),
+        (errors.ModelNotFound("no"), "invalid_request_error", None, "model_not_found"),
+        (RequestTooLarge("big"), "invalid_request_error", None, "request_too_large"),
+        (errors.OutputNonconforming("no"), "invalid_request_error", None, "output_nonconforming"),
+        (errors.Stopped("budget_exhausted", "spent"), "permission_error", None, "budget_exhausted"),
+        (errors.ToolNotAllowed("rm"), "permission_error", None, "tool_not_allowed"),
+        (errors.ApprovalTimeout("late"), "permission_error", None, "approval_timeout"),
+        (errors.UpstreamUnavailable("down"), "server_error", None, "upstream_unavailable"),
+        (errors.UpstreamTimeout("slow"), "server_error", None, "upstream_timeout"),
+        (errors.ShuttingDown("bye"), "server_error", None, "shutting_down"),
+    ],
+)
+def test_error_body_and_event(error: GatewayError, kind: str, param: str | None, code: str) -> None:
+    body = ADAPTER.error_body(error)
+    expected = {"type": kind, "param": param, "code": code}
+    assert orjson.loads(body) == {"error": {"message": error.message, **expected}}
+    parsed = ErrorObject.model_validate(orjson.loads(body)["error"])
+    assert (parsed.code, parsed.message) == (expected["code"], error.message)
+    [event] = SseParser().feed(ADAPTER.error_event(error))
+    assert (event.event, event.data.encode(), event.raw) == (None, body, b"data: " + body + b"\n\n")
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(openai_chat, "time", SimpleNamespace(time=lambda: 1_700_000_000.25))
+
+
+CALL = Call("openai", "chat", "gpt-4o-mini")
+REASONS = [("budget_exhausted", "spent $2.00"), ("loop_detected", 'said "again"\nand ü')]
+
+
+@pytest.mark.parametrize(("reason", "detail"), REASONS)
+def test_stop_answer_is_a_chat_completion(clock: None, reason: str, detail: str) -> None:
+    raw = ADAPTER.stop_answer(CALL, reason, detail)
+    completion_ = ChatCompletion.model_validate_json(raw)
+    assert (completion_.id, completion_.created, completion_.model) == (
+        "chatcmpl-tollgate-1700000000250", 1_700_000_000, "gpt-4o-mini"
+    )
+    [choice] = completion_.choices
+    text = f"tollgate stopped this run ({reason}): {detail}"
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", text, "stop")
+    assert completion_.usage is not None and completion_.usage.total_tokens == 0
+    expected = Answer(completion_.id, "gpt-4o-mini", text, (), ("stop",), Usage())
+    assert ADAPTER.parse_answer(orjson.loads(raw)) == expected
+
+
+@pytest.mark.parametrize(("reason", "detail"), REASONS)
+def test_stop_stream_is_one_chunk_then_done(clock: None, reason: str, detail: str) -> None:
+    raw = ADAPTER.stop_stream(CALL, reason, detail)
+    events = SseParser().feed(raw)
+    assert [e.data for e in events][1:] == ["[DONE]"] and raw.endswith(b"\n\ndata: [DONE]\n\n")
+    chunk = ChatCompletionChunk.model_validate_json(events[0].data)
+    assert (chunk.id, chunk.object, chunk.model) == (
+        "chatcmpl-tollgate-1700000000250", "chat.completion.chunk", "gpt-4o-mini"
+    )
+    state = ChatCompletionStreamState()
+    state.handle_chunk(chunk)
+    [choice] = state.get_final_completion().choices
+    text = f"tollgate stopped this run ({reason}): {detail}"
+    assert (choice.message.content, choice.finish_reason) == (text, "stop")
+    assert ADAPTER.stream_stop_tail(CALL, object(), reason, detail) == raw  # whatever was relayed before
+
+
+@pytest.mark.parametrize(
+    ("body", "prefer", "field", "after"),
+    [
+        ({}, True, None, {"max_completion_tokens": 9}),
+        ({}, False, None, {"max_tokens": 9}),
+        ({"max_tokens": 100}, True, "max_tokens", {"max_tokens": 9}),
+        ({"max_completion_tokens": 100}, False, "max_completion_tokens", {"max_completion_tokens": 9}),
+        ({"max_completion_tokens": 100, "max_tokens": 200}, False, "max_completion_tokens",
+         {"max_completion_tokens": 9, "max_tokens": 200}),  # the field the upstream reads first
+        ({"max_tokens": None}, True, None, {"max_tokens": None, "max_completion_tokens": 9}),
+        ({"max_completion_tokens": None, "max_tokens": 5}, True, "max_tokens",
+         {"max_completion_tokens": None, "max_tokens": 9}),
+    ],
+)
+def test_max_tokens_field_and_set(
+    body: dict[str, Any], prefer: bool, field: str | None, after: dict[str, Any]
+) -> None:
+    assert ADAPTER.max_tokens_field(body) == field
+    ADAPTER.set_max_tokens(body, 9, prefer_completion_field=prefer)
+    assert body == after
+    assert parse(body_of(**body)).max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("options", "hidden", "after"),
+    [
+        (None, True, {"include_usage": True}),
+        ({"include_usage": True}, False, {"include_usage": True}),
+        ({"include_usage": False}, True, {"include_usage": True}),
+        ({"include_usage": 1}, True, {"include_usage": True}),
+        ({"include_obfuscation": False}, True, {"include_obfuscation": False, "include_usage": True}),
+        ("on", True, {"include_usage": True}),
+    ],
+)
+def test_ask_usage(options: Any, hidden: bool, after: dict[str, Any]) -> None:
+    body: dict[str, Any] = {"stream": True, **({} if options is None else {"stream_options": options})}
+    assert ADAPTER.ask_usage(body) is hidden
+    assert body == {"stream": True, "stream_options": after}
+
+
+@pytest.mark.parametrize(
+    ("body", "answer", "expected"),
+    [
+        (body_of(temperature=0), "{bad", [*MSG, {"role": "assistant", "content": "{bad"}]),
+        (body_of(), "", [*MSG, {"role": "assistant", "content": ""}]),
+        ({"model": "m"}, "x", [{"role": "assistant", "content": "x"}]),
+    ],
+)
+def test_with_instruction(body: dict[str, Any], answer: str, expected: list[dict[str, Any]]) -> None:
+    before = orjson.dumps(body)
+    out = ADAPTER.with_instruction(body, answer, "Answer with JSON only.")
+    assert out == {**body, "messages": [*expected, {"role": "user", "content": "Answer with JSON only."}]}
+    assert orjson.dumps(body) == before  # the original body is not touched

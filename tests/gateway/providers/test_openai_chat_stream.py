@@ -1,0 +1,149 @@
+"""gateway/providers/openai_chat.py, streaming half: OpenAIStreamReader accumulates chunks, hides usage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+
+from gateway.call import Answer, ToolCall, Usage
+from gateway.providers.openai_chat import OpenAIChat
+from gateway.providers.sse import SseEvent, SseParser, format_event
+
+ADAPTER = OpenAIChat()
+USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+
+
+def sse(data: Any) -> SseEvent:
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    [event] = SseParser().feed(format_event(payload))
+    return event
+
+
+def chunk(choices: list[dict[str, Any]] | None, **extra: Any) -> dict[str, Any]:
+    base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o"}
+    return {**base, "choices": choices, **extra}
+
+
+def delta(index: int = 0, finish: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {"index": index, "delta": fields, "finish_reason": finish}
+
+
+def tc(index: int, cid: str | None = None, name: str | None = None, args: str | None = "") -> dict[str, Any]:
+    fn = {"arguments": args, **({"name": name} if name else {})}
+    return {"index": index, **({"id": cid, "type": "function"} if cid else {}), "function": fn}
+
+
+TEXT = [
+    chunk([delta(role="assistant", content="")]), chunk([delta(content="Hel")]), chunk([delta(content="lo")]),
+    chunk([delta(finish="stop")]), chunk([], usage=USAGE), "[DONE]",
+]
+TOOLS = [
+    chunk([delta(role="assistant", content=None, tool_calls=[tc(0, "call_a", "get", '{"q"')])]),
+    chunk([delta(tool_calls=[tc(0, args=":1}"), tc(1, "call_b", "f", "{}")])]),
+    chunk([delta(finish="tool_calls")]), "[DONE]",
+]
+SPLIT_NAME = [  # a name in pieces; an id repeated later; arguments null
+    chunk([delta(tool_calls=[tc(0, "call_x", "look", None)])]),
+    chunk([delta(tool_calls=[tc(0, "call_y", "_up", '{"a":')])]),
+    chunk([delta(tool_calls=[tc(0, args="2}")])]), chunk([delta(finish="tool_calls")], usage=USAGE),
+]
+TWO = [  # n=2: text only from choice 0; every choice's characters count
+    chunk([delta(0, content="ab"), delta(1, content="xyz")]),
+    chunk([delta(1, "length"), delta(0, "stop")], usage=USAGE),
+]
+NULL_CHOICES = [chunk([delta(content="ok", finish="stop")]), chunk(None, usage=USAGE), "[DONE]"]
+TEXT_ANSWER = Answer("c1", "gpt-4o", "Hello", (), ("stop",), Usage(10, 5))
+CUT_TOOLS = Answer("c1", "gpt-4o", "", (ToolCall("call_a", "get", '{"q"'),))
+SPLIT_ANSWER = Answer(
+    "c1", "gpt-4o", "", (ToolCall("call_x", "look_up", '{"a":2}'),), ("tool_calls",), Usage(10, 5)
+)
+TWO_ANSWER = Answer("c1", "gpt-4o", "ab", (), ("stop", "length"), Usage(10, 5))
+NULL_ANSWER = Answer("c1", "gpt-4o", "ok", (), ("stop",), Usage(10, 5))
+TOOLS_ANSWER = Answer(
+    "c1", "gpt-4o", "", (ToolCall("call_a", "get", '{"q":1}'), ToolCall("call_b", "f", "{}")), ("tool_calls",)
+)
+
+
+@pytest.mark.parametrize(
+    ("events", "hide", "relayed", "answer", "chars", "holding", "complete"),
+    [
+        (TEXT, True, [1, 1, 1, 1, 0, 1], TEXT_ANSWER, 5, False, True),  # usage tollgate asked for: hidden
+        (TEXT, False, [1, 1, 1, 1, 1, 1], TEXT_ANSWER, 5, False, True),
+        (TEXT[:3], True, [1, 1, 1], Answer("c1", "gpt-4o", "Hello"), 5, False, False),  # cut short
+        (TOOLS, True, [1, 1, 1, 1], TOOLS_ANSWER, 9, True, True),
+        (TOOLS[:1], True, [1], CUT_TOOLS, 4, True, False),
+        (SPLIT_NAME, True, [1, 1, 1, 1], SPLIT_ANSWER, 7, True, True),  # usage beside choices: relayed
+        (TWO, True, [1, 1], TWO_ANSWER, 5, False, True),
+        (NULL_CHOICES, True, [1, 0, 1], NULL_ANSWER, 2, False, True),
+    ],
+)
+def test_stream_reader(
+    events: list[Any], hide: bool, relayed: list[int], answer: Answer, chars: int, holding: bool,
+    complete: bool,
+) -> None:
+    reader = ADAPTER.stream_reader(hide_usage=hide)
+    steps = [reader.feed(sse(e)) for e in events]
+    assert [s.out for s in steps] == [sse(e).raw if r else b"" for e, r in zip(events, relayed, strict=True)]
+    assert [s.done for s in steps] == [e == "[DONE]" for e in events]
+    assert reader.answer() == answer
+    assert (reader.output_chars, reader.holding, reader.complete) == (chars, holding, complete)
+
+
+@pytest.mark.parametrize("events", [TEXT, TOOLS, SPLIT_NAME, TWO])
+def test_fixtures_are_real_chunks(events: list[Any]) -> None:
+    for event in events:
+        if event != "[DONE]":
+            ChatCompletionChunk.model_validate(event)
+
+
+@pytest.mark.parametrize(("events", "text"), [(TEXT, "Hello"), (TOOLS, None)])
+def test_relayed_bytes_still_assemble_in_the_sdk(events: list[Any], text: str | None) -> None:
+    reader = ADAPTER.stream_reader(hide_usage=True)
+    relayed = b"".join(reader.feed(sse(e)).out for e in events)
+    state = ChatCompletionStreamState()
+    for event in SseParser().feed(relayed):
+        if event.data != "[DONE]":
+            state.handle_chunk(ChatCompletionChunk.model_validate_json(event.data))
+    final = state.get_final_completion()
+    assert final.usage is None  # hidden from an agent that did not ask for it
+    message = final.choices[0].message
+    assert message.content == text
+    calls = [c for c in message.tool_calls or [] if c.type == "function"]
+    got = [(c.id, c.function.name, c.function.arguments) for c in calls]
+    assert got == [(c.id, c.name, c.arguments) for c in reader.answer().tool_calls]
+
+
+def test_delta_is_the_first_choice_text_of_the_last_event() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    deltas = [(reader.feed(sse(e)), reader.delta)[1] for e in [*TWO, *TEXT]]
+    assert deltas == ["ab", "", "", "Hel", "lo", "", "", ""]
+
+
+def test_first_id_and_model_are_kept() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    events = [{"id": "", "model": None}, {"id": "c1", "model": "m1"}, {"id": "c2", "model": "m2"}]
+    for event in events:
+        reader.feed(sse(event))
+    assert (reader.answer().response_id, reader.answer().model) == ("c1", "m1")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [("{nope", "not valid JSON"), ("[1]", "not a JSON object"), ('"text"', "not a JSON object")],
+)
+def test_malformed_events_are_refused(data: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ADAPTER.stream_reader(hide_usage=False).feed(sse(data))
+
+
+@pytest.mark.parametrize("raw", [b": keep-alive\n\n", b"event: ping\n\n", b"data:\n\n"])
+def test_events_without_data_are_relayed(raw: bytes) -> None:
+    [event] = SseParser().feed(raw)
+    reader = ADAPTER.stream_reader(hide_usage=True)
+    step = reader.feed(event)
+    assert (step.out, step.done, reader.complete) == (raw, False, False)
+    assert reader.answer() == Answer()

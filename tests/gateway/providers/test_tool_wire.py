@@ -1,0 +1,255 @@
+"""gateway/providers/tool_wire.py: allow-list edits on wire bodies and held stream events, per protocol."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import orjson
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import TypeAdapter
+
+from gateway.providers.sse import SseParser, format_event
+from gateway.providers.tool_wire import drop_calls, drop_stream_calls, filter_request_tools
+
+OPENAI = [{"type": "function", "function": {"name": n}} for n in ("search", "delete")]
+ANTHROPIC = [{"name": n, "input_schema": {"type": "object"}} for n in ("search", "delete")]
+EVENT = TypeAdapter[RawMessageStreamEvent](RawMessageStreamEvent)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "body", "allowed", "changed", "after"),
+    [
+        ("openai", {"tools": OPENAI, "tool_choice": "auto"}, {"search"}, True,
+         {"tools": OPENAI[:1], "tool_choice": "auto"}),
+        ("openai", {"tools": OPENAI}, {"search", "delete"}, False, {"tools": OPENAI}),
+        ("openai", {"model": "m", "tools": OPENAI, "tool_choice": "required", "parallel_tool_calls": False},
+         set(), True, {"model": "m"}),  # no tools left: tool_choice and parallel_tool_calls go too
+        ("openai", {"tools": [{"type": "function"}, *OPENAI]}, {"search", "delete"}, True, {"tools": OPENAI}),
+        ("openai", {"tools": ANTHROPIC}, {"search"}, True, {}),  # the other protocol's shape names nothing
+        ("anthropic", {"tools": ANTHROPIC, "tool_choice": {"type": "any"}}, {"delete"}, True,
+         {"tools": ANTHROPIC[1:], "tool_choice": {"type": "any"}}),
+        ("anthropic", {"tools": ANTHROPIC, "tool_choice": {"type": "auto"}}, set(), True, {}),
+        ("anthropic", {"tools": ["search"]}, {"search"}, True, {}),
+        ("openai", {"tools": []}, set(), False, {"tools": []}),
+        ("openai", {"tools": None}, set(), False, {"tools": None}),
+        ("anthropic", {"tools": "search"}, set(), False, {"tools": "search"}),
+        ("anthropic", {}, set(), False, {}),
+    ],
+)
+def test_filter_request_tools(
+    protocol: str, body: dict[str, Any], allowed: set[str], changed: bool, after: dict[str, Any]
+) -> None:
+    body = copy.deepcopy(body)
+    assert filter_request_tools(protocol, body, lambda name: name in allowed) is changed
+    assert body == after
+
+
+def oa_call(name: str) -> dict[str, Any]:
+    return {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+def completion(*choices: tuple[str | None, list[str], str]) -> dict[str, Any]:
+    listed = [
+        {"index": i, "finish_reason": finish,
+         "message": {"role": "assistant", "content": text, **({"tool_calls": [oa_call(n) for n in names]}
+                                                               if names else {})}}
+        for i, (text, names, finish) in enumerate(choices)
+    ]
+    head = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "gpt-4o"}
+    return {**head, "choices": listed}
+
+
+@pytest.mark.parametrize(
+    ("before", "names", "left", "after"),
+    [
+        (completion((None, ["a", "b"], "tool_calls")), {"a"}, True, completion((None, ["b"], "tool_calls"))),
+        (completion((None, ["a", "b"], "tool_calls")), {"a", "b"}, False, completion((None, [], "stop"))),
+        (completion(("Let me.", ["a"], "tool_calls")), {"a"}, True, completion(("Let me.", [], "stop"))),
+        (completion(("", ["a"], "tool_calls")), {"a"}, False, completion(("", [], "stop"))),
+        (completion((None, ["a"], "length")), {"a"}, False, completion((None, [], "length"))),
+        (completion((None, ["a"], "tool_calls")), {"x"}, True, completion((None, ["a"], "tool_calls"))),
+        (completion(("hi", [], "stop")), {"a"}, True, completion(("hi", [], "stop"))),
+        (completion(("", [], "stop")), {"a"}, False, completion(("", [], "stop"))),
+        (completion((None, ["a"], "tool_calls"), (None, ["b", "a"], "tool_calls")), {"a"}, True,
+         completion((None, [], "stop"), (None, ["b"], "tool_calls"))),
+        ({"choices": [{"message": None}]}, {"a"}, False, {"choices": [{"message": None}]}),
+        ({}, {"a"}, False, {}),
+    ],
+)
+def test_drop_calls_openai(
+    before: dict[str, Any], names: set[str], left: bool, after: dict[str, Any]
+) -> None:
+    body = copy.deepcopy(before)
+    assert drop_calls("openai", body, frozenset(names)) is left
+    assert body == after
+    if body.get("object"):
+        ChatCompletion.model_validate(body)  # still a chat completion the SDK accepts
+
+
+def message(*blocks: dict[str, Any], stop: str | None = "tool_use") -> dict[str, Any]:
+    head = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x"}
+    usage = {"input_tokens": 1, "output_tokens": 1}
+    return {**head, "content": list(blocks), "stop_reason": stop, "stop_sequence": None, "usage": usage}
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}
+
+
+def use(name: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{name}", "name": name, "input": {}}
+
+
+THINK = {"type": "thinking", "thinking": "hm", "signature": "s"}
+
+
+@pytest.mark.parametrize(
+    ("before", "names", "left", "after"),
+    [
+        (message(text("hi"), use("a"), use("b")), {"a"}, True, message(text("hi"), use("b"))),
+        (message(use("a")), {"a"}, False, message(stop="end_turn")),
+        (message(text(""), use("a")), {"a"}, False, message(text(""), stop="end_turn")),
+        (message(text("ok"), use("a")), {"a"}, True, message(text("ok"), stop="end_turn")),
+        (message(THINK, use("a")), {"a"}, True, message(THINK, stop="end_turn")),  # a non-text block is left
+        (message(use("a"), stop="max_tokens"), {"a"}, False, message(stop="max_tokens")),
+        (message(use("a"), use("b")), {"x"}, True, message(use("a"), use("b"))),
+        (message(text("hi"), stop="end_turn"), {"a"}, True, message(text("hi"), stop="end_turn")),
+        ({"stop_reason": "tool_use"}, {"a"}, False, {"content": [], "stop_reason": "end_turn"}),
+    ],
+)
+def test_drop_calls_anthropic(
+    before: dict[str, Any], names: set[str], left: bool, after: dict[str, Any]
+) -> None:
+    body = copy.deepcopy(before)
+    assert drop_calls("anthropic", body, frozenset(names)) is left
+    assert body == after
+    if "id" in body:
+        Message.model_validate(body)
+
+
+def chunk(*choices: tuple[int, dict[str, Any], str | None], usage: Any = None) -> bytes:
+    listed = [{"index": i, "delta": d, "finish_reason": f} for i, d, f in choices]
+    body = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": listed}
+    return format_event(orjson.dumps({**body, **({"usage": usage} if usage else {})}))
+
+
+def tc(index: int, name: str | None = None, args: str = "") -> dict[str, Any]:
+    head = {"id": f"call_{name}", "type": "function"} if name else {}
+    return {"index": index, **head, "function": {**({"name": name} if name else {}), "arguments": args}}
+
+
+DONE = b"data: [DONE]\n\n"
+ROLE = chunk((0, {"role": "assistant", "content": None}, None))
+A0 = chunk((0, {"tool_calls": [tc(0, "a")]}, None))
+A1 = chunk((0, {"tool_calls": [tc(0, args='{"x":1}')]}, None))
+B1, B2 = chunk((0, {"tool_calls": [tc(1, "b")]}, None)), chunk((0, {"tool_calls": [tc(1, args="{}")]}, None))
+FINISH = chunk((0, {}, "tool_calls"))
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+STREAM = ROLE + A0 + A1 + B1 + B2 + FINISH + DONE
+
+
+@pytest.mark.parametrize(
+    ("raw", "names", "expected"),
+    [
+        (STREAM, {"x"}, STREAM),  # nothing to drop: the same bytes
+        (STREAM, {"a"}, ROLE + chunk((0, {"tool_calls": [tc(0, "b")]}, None))
+         + chunk((0, {"tool_calls": [tc(0, args="{}")]}, None)) + FINISH + DONE),  # b moves to index 0
+        (STREAM, {"b"}, ROLE + A0 + A1 + FINISH + DONE),
+        (STREAM, {"a", "b"}, ROLE + chunk((0, {}, "stop")) + DONE),
+        (ROLE + chunk((0, {"tool_calls": [tc(0, "a"), tc(1, "b")]}, None)) + FINISH, {"a"},
+         ROLE + chunk((0, {"tool_calls": [tc(0, "b")]}, None)) + FINISH),  # both in one chunk
+        (A0 + chunk((0, {"content": "x", "tool_calls": [tc(0, args="{}")]}, None)), {"a"},
+         chunk((0, {"content": "x"}, None))),  # the chunk keeps what is not the call
+        (A0 + chunk((0, {"tool_calls": [tc(0, args="{}")]}, "tool_calls"), usage=USAGE), {"a"},
+         chunk((0, {}, "stop"), usage=USAGE)),
+        (A0 + chunk((0, {"tool_calls": [tc(0, args="{}")]}, None), usage=USAGE), {"a"},
+         chunk((0, {}, None), usage=USAGE)),  # an emptied chunk that carries usage stays
+        (b": ping\n\n" + A0 + b"data: {oops\n\n", {"a"}, b": ping\n\n" + b"data: {oops\n\n"),
+    ],
+)
+def test_drop_stream_calls_openai(raw: bytes, names: set[str], expected: bytes) -> None:
+    assert drop_stream_calls("openai", raw, frozenset(names)) == expected
+
+
+def test_drop_stream_calls_openai_renumbers_per_choice() -> None:
+    raw = chunk(
+        (0, {"tool_calls": [tc(0, "a"), tc(1, "b")]}, None), (1, {"tool_calls": [tc(0, "c")]}, None),
+        (2, {"tool_calls": [tc(0, "a")]}, None),
+    ) + chunk((0, {"tool_calls": [tc(1, args="{}")]}, "tool_calls"), *[(i, {}, "tool_calls") for i in (1, 2)])
+    out = drop_stream_calls("openai", raw, frozenset({"a"}))
+    assert out == chunk(
+        (0, {"tool_calls": [tc(0, "b")]}, None), (1, {"tool_calls": [tc(0, "c")]}, None), (2, {}, None)
+    ) + chunk((0, {"tool_calls": [tc(0, args="{}")]}, "tool_calls"), (1, {}, "tool_calls"), (2, {}, "stop"))
+    state = ChatCompletionStreamState()
+    for event in SseParser().feed(out):
+        state.handle_chunk(ChatCompletionChunk.model_validate_json(event.data))
+    choices = state.get_final_completion().choices
+    names = [[c.function.name for c in ch.message.tool_calls or []] for ch in choices]
+    assert names == [["b"], ["c"], []]
+    assert [ch.finish_reason for ch in choices] == ["tool_calls", "tool_calls", "stop"]
+
+
+def an(event: dict[str, Any]) -> bytes:
+    return format_event(orjson.dumps(event), str(event["type"]))
+
+
+def start(i: int, block: dict[str, Any]) -> bytes:
+    return an({"type": "content_block_start", "index": i, "content_block": block})
+
+
+def part(i: int, piece: str) -> bytes:
+    piece_delta = {"type": "input_json_delta", "partial_json": piece}
+    return an({"type": "content_block_delta", "index": i, "delta": piece_delta})
+
+
+def end(i: int) -> bytes:
+    return an({"type": "content_block_stop", "index": i})
+
+
+def closing(reason: str) -> bytes:
+    return an({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+               "usage": {"output_tokens": 9}})
+
+
+HEAD = an({"type": "message_start", "message": message()}) + start(0, text("")) + an(
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Look."}}
+) + end(0)
+STOP = an({"type": "message_stop"})
+USE_A = start(1, use("a")) + part(1, '{"q":') + part(1, "1}") + end(1)
+USE_B = start(2, use("b")) + part(2, "{}") + end(2)
+FULL = HEAD + USE_A + USE_B + closing("tool_use") + STOP
+
+
+@pytest.mark.parametrize(
+    ("raw", "names", "expected", "uses"),
+    [
+        (FULL, {"x"}, FULL, ["a", "b"]),
+        (FULL, {"b"}, HEAD + USE_A + closing("tool_use") + STOP, ["a"]),
+        (FULL, {"a"}, HEAD + start(1, use("b")) + part(1, "{}") + end(1) + closing("tool_use") + STOP, ["b"]),
+        (FULL, {"a", "b"}, HEAD + closing("end_turn") + STOP, []),
+        (HEAD + USE_A + an({"type": "ping"}) + closing("tool_use") + STOP, {"a"},
+         HEAD + an({"type": "ping"}) + closing("end_turn") + STOP, []),
+    ],
+)
+def test_drop_stream_calls_anthropic(raw: bytes, names: set[str], expected: bytes, uses: list[str]) -> None:
+    out = drop_stream_calls("anthropic", raw, frozenset(names))
+    assert out == expected
+    snapshot = None
+    for event in SseParser().feed(out):
+        if event.event != "ping":
+            parsed = EVENT.validate_json(event.data)
+            assert parsed.type == event.event
+            snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs={})
+    assert snapshot is not None
+    assert [getattr(b, "name", None) for b in snapshot.content] == [None, *uses]
+    assert snapshot.stop_reason == ("tool_use" if uses else "end_turn")
+
+
+def test_drop_stream_calls_anthropic_keeps_what_it_cannot_read() -> None:
+    raw = b": comment\n\n" + b"event: x\ndata: {oops\n\n" + b"data: [1]\n\n"
+    assert drop_stream_calls("anthropic", raw, frozenset({"a"})) == raw
