@@ -102,7 +102,9 @@ def request_basics(
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not role_ok(message.get("role")):
             raise InvalidRequest(f"messages[{index}] {role_rule}", param="messages")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is None:  # absent, or null (the OpenAI SDK sends `stream=None` as null): not streaming
+        stream = False
+    elif not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", param="stream")
     return model, messages, raw_tools, stream

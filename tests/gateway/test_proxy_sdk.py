@@ -27,6 +27,16 @@ async def test_openai_non_stream(gw: Harness) -> None:
     assert "agent-key" not in str(seen.headers)
 
 
+async def test_openai_stream_none_is_a_plain_answer(gw: Harness) -> None:
+    """`stream=None` is in the SDK's signature; it sends `"stream": null`, which is not streaming."""
+    gw.fake.queue(Reply(body=openai_completion("plain")))
+    async with oa(gw) as client:
+        result = await client.chat.completions.create(model="gpt-4o-mini", stream=None,
+                                                      messages=[{"role": "user", "content": "hi"}])
+    assert result.choices[0].message.content == "plain"
+    assert b'"stream":null' in gw.fake.seen[-1].body.replace(b" ", b"")
+
+
 async def test_openai_stream_chunks_identical(gw: Harness) -> None:
     gw.fake.queue(Reply(chunks=openai_stream(["Hel", "lo", " wor", "ld"])))
     async with oa(gw) as client:

@@ -236,6 +236,7 @@ def req(**fields: Any) -> dict[str, Any]:
     [
         (req(), ("m", MSG, [], False)),
         (req(stream=True), ("m", MSG, [], True)),
+        (req(stream=None), ("m", MSG, [], False)),  # null is "not streaming", as the OpenAI SDK sends it
         (req(stream=False, tools=[{"name": "t"}]), ("m", MSG, [{"name": "t"}], False)),
         (req(messages=[]), ("m", [], [], False)),
     ],
