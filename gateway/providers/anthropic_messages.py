@@ -223,7 +223,7 @@ class AnthropicStreamReader:
         self._reason: str | None = None
         self._usage: dict[str, int] = {}
         self._chars = 0
-        self.next_index = 0
+        self.next_index = 0  # the first content block index the agent has not been shown
         self.started = False  # message_start was relayed
         self.holding = False  # a tool_use block started: hold events until the answer is judged
         self.complete = False
@@ -250,10 +250,11 @@ class AnthropicStreamReader:
         elif kind == "content_block_start":
             index = int(data.get("index") or 0)
             block = data.get("content_block") or {}
-            self.next_index = max(self.next_index, index + 1)
             if block.get("type") == "tool_use":
                 self.holding = True
                 self._blocks[index] = [str(block.get("id", "")), str(block.get("name", "")), ""]
+            if not self.holding:  # relayed now; held blocks may never reach the agent (a stop)
+                self.next_index = max(self.next_index, index + 1)
         elif kind == "content_block_delta":
             delta = data.get("delta") or {}
             if delta.get("type") == "text_delta":

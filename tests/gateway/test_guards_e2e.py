@@ -237,6 +237,26 @@ async def test_on_stop_message_answers_200(gateway_factory: GatewayFactory) -> N
         assert "llm_call_cap" in msg.content[0].text  # type: ignore[union-attr]
 
 
+async def test_anthropic_stream_stop_after_a_held_tool_use_is_readable_by_the_sdk_stream_helper(
+        gateway_factory: GatewayFactory) -> None:
+    """Text block 0 reaches the agent, the tool_use block is held, the loop guard stops: the stop's
+    message continues at block 1, which `client.messages.stream()` accumulates without an IndexError."""
+    h = await gateway_factory(agents=agent(loop={"window": 2, "max_distinct": 1}, on_stop="message"))
+    uses = [{"id": "toolu_1", "name": "search", "input": {"q": 1}}]
+    h.fake.queue(Reply(chunks=anthropic_stream(["thinking"], tool_uses=uses)),
+                 Reply(chunks=anthropic_stream(["again"], tool_uses=uses)))
+    headers = {"x-tollgate-agent": "bot", "x-tollgate-run-id": "hs"}
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0, default_headers=headers) as ac:
+        async with ac.messages.stream(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG) as stream:
+            first = await stream.get_final_message()
+        assert [b.type for b in first.content] == ["text", "tool_use"]
+        async with ac.messages.stream(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG) as stream:
+            final = await stream.get_final_message()
+    assert [b.type for b in final.content] == ["text", "text"]  # the held tool_use never reached the agent
+    assert final.content[0].text == "again"  # type: ignore[union-attr]
+    assert "loop_detected" in final.content[1].text  # type: ignore[union-attr]
+
+
 async def test_anthropic_stop_raises_permission_error(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
     async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,

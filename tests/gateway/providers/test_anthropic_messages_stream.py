@@ -69,9 +69,10 @@ CALLS = (ToolCall("toolu_1", "get", '{"q":1}'), ToolCall("toolu_2", "f", "{}"))
     ("events", "answer", "chars", "next_index", "holding", "complete"),
     [
         (TEXT, Answer("msg_1", "claude-x", "Hello", (), ("end_turn",), USAGE), 5, 1, False, True),
-        (TOOL, Answer("msg_1", "claude-x", "Look.", CALLS, ("tool_use",), Usage(12, 9, 2)), 12, 3, True,
+        # next_index counts the blocks relayed: from the first tool_use block on, events are held
+        (TOOL, Answer("msg_1", "claude-x", "Look.", CALLS, ("tool_use",), Usage(12, 9, 2)), 12, 1, True,
          True),
-        (TOOL[:5], LOOK, 5, 2, True, False),  # a tool_use block without input deltas: arguments {}
+        (TOOL[:5], LOOK, 5, 1, True, False),  # a tool_use block without input deltas: arguments {}
         (TEXT[:5], Answer("msg_1", "claude-x", "Hello"), 5, 1, False, False),  # no stop reason: no usage
         ([FIRST, ending("end_turn", None)],  # the output count of message_start stands
          Answer("msg_1", "claude-x", "", (), ("end_turn",), Usage(12, 1, 2)), 0, 0, False, False),
@@ -194,6 +195,21 @@ def test_stream_stop_tail_continues_what_was_relayed(
     message = assemble(sent + tail)
     assert [getattr(b, "text", None) for b in message.content] == blocks
     assert message.stop_reason == "end_turn"
+
+
+def test_stream_stop_tail_after_held_tool_blocks_follows_the_blocks_shown() -> None:
+    """As the relay does: from the first tool_use block on, events are held; a stop then drops them,
+    so the stop's text block takes the next index the agent has seen, or the SDK's accumulator fails."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    sent = b""
+    for event in TOOL[:-2]:  # text block 0 relayed, tool blocks 1 and 2 held
+        out = reader.feed(ev(event)).out
+        if not reader.holding:
+            sent += out
+    tail = ADAPTER.stream_stop_tail(CALL, reader, "loop_detected", "same call")
+    assert [orjson.loads(e.data).get("index") for e in SseParser().feed(tail)][:3] == [1, 1, 1]
+    message = assemble(sent + tail)
+    assert [getattr(b, "text", None) for b in message.content] == ["Look.", SAID]
 
 
 def test_stream_stop_tail_with_a_reader_of_another_shape_sends_a_whole_message(clock: None) -> None:
