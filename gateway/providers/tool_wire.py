@@ -90,16 +90,39 @@ def _events(raw: bytes) -> list[tuple[str | None, str, bytes]]:
     return [(e.event, e.data, e.raw) for e in parser.feed(raw)]
 
 
-def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
-    out: list[bytes] = []
-    index_names: dict[tuple[int, int], str] = {}
-    renumber: dict[tuple[int, int], int] = {}
+def _openai_chunks(raw: bytes) -> list[tuple[bytes, dict[str, Any] | None]]:
+    """Each held event's bytes, and its JSON chunk (None for `[DONE]` and what is not a JSON object)."""
+    out: list[tuple[bytes, dict[str, Any] | None]] = []
     for _, data, original in _events(raw):
         try:
             chunk = orjson.loads(data) if data and data != "[DONE]" else None
         except orjson.JSONDecodeError:
             chunk = None
-        if not isinstance(chunk, dict):
+        out.append((original, chunk if isinstance(chunk, dict) else None))
+    return out
+
+
+def _openai_call_names(chunks: list[tuple[bytes, dict[str, Any] | None]]) -> dict[tuple[int, int], str]:
+    """Each streamed call's whole name, by (choice index, call index): a name may come in pieces, and
+    a call is judged by its whole name, never by a prefix."""
+    names: dict[tuple[int, int], str] = {}
+    for _, chunk in chunks:
+        for choice in (chunk or {}).get("choices") or ():
+            for tc in (choice.get("delta") or {}).get("tool_calls") or ():
+                name = (tc.get("function") or {}).get("name")
+                if name:
+                    key = (int(choice.get("index") or 0), int(tc.get("index") or 0))
+                    names[key] = names.get(key, "") + name
+    return names
+
+
+def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
+    out: list[bytes] = []
+    chunks = _openai_chunks(raw)
+    call_names = _openai_call_names(chunks)
+    renumber: dict[tuple[int, int], int] = {}
+    for original, chunk in chunks:
+        if chunk is None:
             out.append(original)
             continue
         changed = False
@@ -110,10 +133,7 @@ def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
                 kept = []
                 for tc in calls:
                     key = (int(choice.get("index") or 0), int(tc.get("index") or 0))
-                    name = (tc.get("function") or {}).get("name")
-                    if name:
-                        index_names[key] = index_names.get(key, "") + name
-                    if index_names.get(key) in names:
+                    if call_names.get(key) in names:
                         continue
                     if key not in renumber:
                         renumber[key] = sum(1 for k in renumber if k[0] == key[0])
@@ -123,7 +143,8 @@ def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
                     delta["tool_calls"] = kept
                 else:
                     delta.pop("tool_calls")
-            if choice.get("finish_reason") == "tool_calls" and not any(k[0] == int(choice.get("index") or 0) for k in renumber):
+            index = int(choice.get("index") or 0)
+            if choice.get("finish_reason") == "tool_calls" and not any(k[0] == index for k in renumber):
                 choice["finish_reason"] = "stop"
                 changed = True
         if not changed:

@@ -176,6 +176,21 @@ def test_drop_stream_calls_openai(raw: bytes, names: set[str], expected: bytes) 
     assert drop_stream_calls("openai", raw, frozenset(names)) == expected
 
 
+@pytest.mark.parametrize(
+    ("names", "dropped"), [({"delete_all"}, True), ({"delete_"}, False), ({"all"}, False)]
+)
+def test_a_call_whose_name_comes_in_pieces_is_judged_by_its_whole_name(names: set[str],
+                                                                       dropped: bool) -> None:
+    """OpenAI-compatible servers may split a name across chunks: a prefix of a refused name is not
+    relayed while the rest is withheld, and a refused prefix does not drop a longer allowed name."""
+    first = chunk((0, {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                       "function": {"name": "delete_", "arguments": ""}}]}, None))
+    rest = chunk((0, {"tool_calls": [{"index": 0, "function": {"name": "all", "arguments": "{}"}}]}, None))
+    raw = ROLE + first + rest + FINISH + DONE
+    out = drop_stream_calls("openai", raw, frozenset(names))
+    assert out == (ROLE + chunk((0, {}, "stop")) + DONE if dropped else raw)
+
+
 def test_drop_stream_calls_openai_renumbers_per_choice() -> None:
     raw = chunk(
         (0, {"tool_calls": [tc(0, "a"), tc(1, "b")]}, None), (1, {"tool_calls": [tc(0, "c")]}, None),
