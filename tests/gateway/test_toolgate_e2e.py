@@ -122,6 +122,27 @@ async def test_openai_sdk_stream_drop_keeps_allowed_call(gateway_factory: Gatewa
     assert [t.function.name for t in final.choices[0].message.tool_calls or []] == ["search_kb"]
 
 
+async def test_a_streamed_name_split_across_chunks_is_dropped_whole(gateway_factory: GatewayFactory) -> None:
+    """An OpenAI-compatible server that splits `delete_db` into `delete_` + `db`: the agent sees no
+    piece of the refused call, and the allowed one arrives whole."""
+    h = await gateway_factory(agents=policy("drop"))
+    chunks = openai_stream([], tool_calls=[tool_call("delete_db", "{}", "a"), tool_call("search_kb", "{}", "b")])
+    first = orjson.loads(chunks[1].removeprefix(b"data: "))
+    call = first["choices"][0]["delta"]["tool_calls"][0]
+    call["function"]["name"] = "delete_"
+    rest = {**first, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
+        {"index": 0, "function": {"name": "db", "arguments": ""}}]}}]}
+    split = [chunks[0], b"data: " + orjson.dumps(first) + b"\n\n", b"data: " + orjson.dumps(rest) + b"\n\n",
+             *chunks[2:]]
+    h.fake.queue(Reply(chunks=split))
+    async with (
+        oa(h.url, "split") as c,
+        c.chat.completions.stream(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS) as stream,  # type: ignore[arg-type]
+    ):
+        final = await stream.get_final_completion()
+    assert [t.function.name for t in final.choices[0].message.tool_calls or []] == ["search_kb"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_anthropic_reject_and_drop(gateway_factory: GatewayFactory, stream: bool) -> None:
     uses = [{"id": "t1", "name": "delete_db", "input": {}}, {"id": "t2", "name": "search_kb", "input": {"q": 1}}]
