@@ -16,6 +16,7 @@ from gateway.providers.common import (
     content_text,
     opt_int,
     opt_number,
+    opt_strings,
     request_basics,
     stop_text,
 )
@@ -81,12 +82,12 @@ class AnthropicMessages:
 
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
-        stop = body.get("stop_sequences")
+        stop = body.get("stop_sequences")  # a list in Anthropic's API (a bare string is not one)
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
             top_k=opt_number(body, "top_k"),
-            stop_sequences=tuple(stop) if isinstance(stop, list) else None,
+            stop_sequences=opt_strings(stop) if isinstance(stop, list) else None,
         )
         return Call(
             protocol="anthropic",

@@ -68,6 +68,16 @@ def opt_int(body: Mapping[str, Any], key: str, *, minimum: int = 0) -> int | Non
     return value
 
 
+def opt_strings(value: Any) -> tuple[str, ...] | None:
+    """Stop sequences for telemetry: a string, or the strings of a list; None when absent. What is not
+    a string is left out here (the body goes upstream as it came, and the provider judges it)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(item for item in value if isinstance(item, str))
+    return None
+
+
 def stop_text(reason: str, detail: str) -> str:
     return f"tollgate stopped this run ({reason}): {detail}"
 

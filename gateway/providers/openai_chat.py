@@ -16,6 +16,7 @@ from gateway.providers.common import (
     content_text,
     opt_int,
     opt_number,
+    opt_strings,
     request_basics,
     stop_text,
 )
@@ -70,13 +71,12 @@ class OpenAIChat:
         max_tokens = opt_int(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = opt_int(body, "max_tokens", minimum=1)
-        stop = body.get("stop")
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
             frequency_penalty=opt_number(body, "frequency_penalty"),
             presence_penalty=opt_number(body, "presence_penalty"),
-            stop_sequences=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else None,
+            stop_sequences=opt_strings(body.get("stop")),
             seed=opt_int(body, "seed", minimum=-(2**63)),
             choice_count=opt_int(body, "n", minimum=1),
         )

@@ -61,6 +61,7 @@ USE = {"role": "assistant", "content": [use("get", {})]}
                                                                                 top_k=5.0)}),
         ({"stop_sequences": ["\n\nH:", "END"]}, {"params": RequestParams(stop_sequences=("\n\nH:", "END"))}),
         ({"stop_sequences": "END"}, {"params": RequestParams()}),
+        ({"stop_sequences": ["END", 1, None]}, {"params": RequestParams(stop_sequences=("END",))}),
         ({"tools": [TOOL]}, {"tools": (ToolSpec("get", "d", {"type": "object"}),)}),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
          {"tools": (ToolSpec("web_search", None, None),)}),

@@ -15,6 +15,7 @@ from gateway.providers.common import (
     json_depth_ok,
     opt_int,
     opt_number,
+    opt_strings,
     request_basics,
     require_list,
     require_model,
@@ -273,3 +274,12 @@ def test_request_basics_refuses(
     with pytest.raises(GatewayError) as info:
         request_basics(body, limits, role_ok, "RULE")
     refused(info.value, cls, param, fragment)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, None), ("END", ("END",)), ([], ()), (["a", "b"], ("a", "b")), (["a", 1, None, ["b"]], ("a",)),
+     (7, None), ({"a": 1}, None)],
+)
+def test_opt_strings(value: object, expected: tuple[str, ...] | None) -> None:
+    assert opt_strings(value) == expected

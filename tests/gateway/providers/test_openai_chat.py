@@ -53,6 +53,8 @@ ASSISTANT: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls":
                                             presence_penalty=1.5, seed=-(2**63), choice_count=2)}),
         ({"stop": "END"}, {"params": RequestParams(stop_sequences=("END",))}),
         ({"stop": ["a", "b"]}, {"params": RequestParams(stop_sequences=("a", "b"))}),
+        ({"stop": [1, None, "c"]}, {"params": RequestParams(stop_sequences=("c",))}),  # strings only
+        ({"stop": 7}, {"params": RequestParams()}),
         ({"tools": [FN]}, {"tools": (ToolSpec("get", "d", {"type": "object"}),)}),
         ({"tools": [{"function": {"name": "f", "parameters": "x"}}]},
          {"tools": (ToolSpec("f", None, None),)}),
