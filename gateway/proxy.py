@@ -283,9 +283,23 @@ async def list_models(request: web.Request) -> web.Response:
     return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
 
 
+# the guarded model-call paths, by the protocol their handler speaks
+GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic"}
+
+
+def canonical_path(path: str) -> str:
+    """`path` (decoded) without empty segments: `/v1//chat/completions/` is `/v1/chat/completions`."""
+    return "/" + "/".join(part for part in path.split("/") if part)
+
+
 async def forward_other(request: web.Request) -> web.StreamResponse:
     """Any other `/v1/...` call: routed by the body's `model` (or to the first OpenAI provider), streamed
-    back unchanged."""
+    back unchanged. A POST to a spelling of a guarded path (doubled or trailing slashes, an encoded
+    slash) is that model call, guards and all: an upstream that normalises paths must not make it a
+    way around them."""
+    protocol = GUARDED_PATHS.get(canonical_path(request.path)) if request.method == "POST" else None
+    if protocol is not None:
+        return await handle_chat(request, protocol)
     gw = request.app[GATEWAY]
     adapter: Adapter = gw.adapters["openai"]
     identity: Identity | None = None

@@ -219,6 +219,27 @@ async def test_no_progress_on_same_results(gateway_factory: GatewayFactory) -> N
     assert statuses == [200, 200, 200, 403]
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(p, {"model": "gpt-4o-mini", "messages": MSG})
+     for p in ("/v1/chat/completions/", "/v1//chat/completions", "/v1/chat/completions%2F",
+               "/v1/chat%2Fcompletions")]
+    + [(p, {"model": "claude-3-5-haiku-latest", "max_tokens": 8, "messages": MSG})
+       for p in ("/v1/messages/", "/v1//messages", "/v1/messages%2F")],
+)
+async def test_spellings_of_a_guarded_path_are_guarded(gateway_factory: GatewayFactory, path: str,
+                                                       body: dict[str, Any]) -> None:
+    """A doubled, trailing or encoded slash is the same model call (upstreams often normalise paths):
+    the stopped run stays stopped, and nothing more reaches the upstream."""
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
+    assert (await post(h, body, "pv", path=path))[0] == 200  # the variant is a counted model call
+    status, headers, raw = await post(h, body, "pv", path="/v1/chat/completions" if "gpt" in body["model"]
+                                      else "/v1/messages")
+    assert status == 403 and headers["x-tollgate-stop-reason"] == "llm_call_cap"
+    assert (await post(h, body, "pv", path=path))[0] == 403
+    assert len(h.fake.seen) == 1
+
+
 async def test_on_stop_message_answers_200(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents=agent(caps={"llm_calls": 1}, on_stop="message"))
     async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
