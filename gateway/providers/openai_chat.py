@@ -10,7 +10,7 @@ import orjson
 
 from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
 from gateway.config import Limits
-from gateway.errors import GatewayError, InvalidRequest, error_code
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_code
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
@@ -20,6 +20,7 @@ from gateway.providers.common import (
     request_basics,
     stop_text,
 )
+from gateway.providers.openai_functions import LEGACY, forced_function, functions, proposed
 from gateway.providers.sse import SseEvent, format_event
 
 DONE = b"data: [DONE]\n\n"
@@ -68,6 +69,9 @@ class OpenAIChat:
 
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: isinstance(role, str), "must be an object with a role")
+        legacy = functions(body.get("functions"))
+        if len(raw_tools) + len(legacy) > limits.max_tools:
+            raise RequestTooLarge(f"{len(raw_tools) + len(legacy)} tools exceed the limit of {limits.max_tools}")
         max_tokens = opt_int(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = opt_int(body, "max_tokens", minimum=1)
@@ -87,8 +91,8 @@ class OpenAIChat:
             stream=stream,
             max_tokens=max_tokens,
             input_bytes=len(raw),
-            tools=_tools(raw_tools),
-            tool_choice=_tool_choice(body.get("tool_choice")),
+            tools=_tools(raw_tools) + legacy,
+            tool_choice=_tool_choice(body.get("tool_choice")) or forced_function(body.get("function_call")),
             tool_results=_latest_results(messages),
             params=params,
             request_hash=digest(raw),
@@ -106,6 +110,9 @@ class OpenAIChat:
             for tc in message.get("tool_calls") or ():
                 fn = tc.get("function") or {}
                 calls.append(ToolCall(str(tc.get("id", "")), str(fn.get("name", "")), str(fn.get("arguments", ""))))
+            legacy = proposed(message)
+            if legacy is not None:
+                calls.append(ToolCall("", *legacy))
             if choice.get("finish_reason"):
                 reasons.append(str(choice["finish_reason"]))
         return Answer(
@@ -254,6 +261,13 @@ class OpenAIStreamReader:
                 if index == 0:
                     self._text.append(content)
                     self.delta += content
+            legacy = proposed(delta)
+            if legacy is not None:
+                self.holding = True
+                slot = self._calls.setdefault((index, LEGACY), ["", "", ""])
+                slot[1] += legacy[0]
+                slot[2] += legacy[1]
+                self._chars += len(legacy[1])
             for tc in delta.get("tool_calls") or ():
                 self.holding = True
                 slot = self._calls.setdefault((index, int(tc.get("index") or 0)), ["", "", ""])

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from gateway.providers.openai_functions import LEGACY, proposed
 from gateway.providers.sse import SseParser, format_event
 
 Allowed = Callable[[str], bool]
@@ -26,15 +27,33 @@ def _anthropic_tool_name(tool: Any) -> str:
     return str(tool.get("name", "")) if isinstance(tool, Mapping) else ""
 
 
+def _filter_functions(body: dict[str, Any], allowed: Allowed) -> bool:
+    """OpenAI's legacy `functions`, as `tools`: a function not allowed is not offered."""
+    offered = body.get("functions")
+    if not isinstance(offered, list) or not offered:
+        return False
+    kept = [f for f in offered if isinstance(f, Mapping) and allowed(str(f.get("name", "")))]
+    if len(kept) == len(offered):
+        return False
+    if kept:
+        body["functions"] = kept
+    else:
+        body.pop("functions", None)
+        body.pop("function_call", None)
+    return True
+
+
 def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) -> bool:
-    """Remove offered tools that are not allowed. True when the body changed."""
+    """Remove offered tools (and OpenAI's legacy functions) that are not allowed. True when the body
+    changed."""
+    changed = protocol == "openai" and _filter_functions(body, allowed)
     tools = body.get("tools")
     if not isinstance(tools, list) or not tools:
-        return False
+        return changed
     name_of = _openai_tool_name if protocol == "openai" else _anthropic_tool_name
     kept = [t for t in tools if allowed(name_of(t))]
     if len(kept) == len(tools):
-        return False
+        return changed
     if kept:
         body["tools"] = kept
     else:
@@ -51,6 +70,11 @@ def _drop_openai(body: dict[str, Any], names: frozenset[str]) -> bool:
     left = False
     for choice in body.get("choices") or ():
         message = choice.get("message") or {}
+        legacy = proposed(message)
+        if legacy is not None and legacy[0] in names:
+            message.pop("function_call")
+            if choice.get("finish_reason") == "function_call":
+                choice["finish_reason"] = "stop"
         calls = message.get("tool_calls") or []
         kept = [c for c in calls if (c.get("function") or {}).get("name") not in names]
         if calls and len(kept) != len(calls):
@@ -60,7 +84,7 @@ def _drop_openai(body: dict[str, Any], names: frozenset[str]) -> bool:
                 message.pop("tool_calls", None)
                 if choice.get("finish_reason") == "tool_calls":
                     choice["finish_reason"] = "stop"
-        left = left or bool(kept) or bool(message.get("content"))
+        left = left or bool(kept) or bool(message.get("content")) or "function_call" in message
     return left
 
 
@@ -108,6 +132,10 @@ def _openai_call_names(chunks: list[tuple[bytes, dict[str, Any] | None]]) -> dic
     names: dict[tuple[int, int], str] = {}
     for _, chunk in chunks:
         for choice in (chunk or {}).get("choices") or ():
+            legacy = proposed(choice.get("delta") or {})
+            if legacy is not None:
+                key = (int(choice.get("index") or 0), LEGACY)
+                names[key] = names.get(key, "") + legacy[0]
             for tc in (choice.get("delta") or {}).get("tool_calls") or ():
                 name = (tc.get("function") or {}).get("name")
                 if name:
@@ -128,6 +156,14 @@ def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
         changed = False
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            index = int(choice.get("index") or 0)
+            legacy_dropped = call_names.get((index, LEGACY)) in names
+            if legacy_dropped and "function_call" in delta:
+                delta.pop("function_call")
+                changed = True
+            if legacy_dropped and choice.get("finish_reason") == "function_call":
+                choice["finish_reason"] = "stop"
+                changed = True
             calls = delta.get("tool_calls")
             if calls:
                 kept = []
@@ -143,7 +179,6 @@ def _drop_openai_stream(raw: bytes, names: frozenset[str]) -> bytes:
                     delta["tool_calls"] = kept
                 else:
                     delta.pop("tool_calls")
-            index = int(choice.get("index") or 0)
             if choice.get("finish_reason") == "tool_calls" and not any(k[0] == index for k in renumber):
                 choice["finish_reason"] = "stop"
                 changed = True

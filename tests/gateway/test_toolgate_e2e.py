@@ -175,3 +175,73 @@ async def test_lookalike_tool_name_is_refused(gateway_factory: GatewayFactory) -
             await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)
     assert "U+043A" in info.value.body["message"]  # type: ignore[index]
     assert orjson.loads(h.fake.seen[0].body)["messages"] == MSG
+
+
+# -- OpenAI's legacy function calling is held to the same allow-list -----------------------------------
+
+OA_FUNCTIONS = [{"name": n, "parameters": {"type": "object"}} for n in ("search_kb", "delete_db")]
+
+
+def legacy_answer(name: str, arguments: str = "{}") -> dict[str, Any]:
+    body = openai_completion("")
+    body["choices"][0]["message"] = {"role": "assistant", "content": None,
+                                     "function_call": {"name": name, "arguments": arguments}}
+    body["choices"][0]["finish_reason"] = "function_call"
+    return body
+
+
+def legacy_stream(name: str) -> list[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+
+    return [chunk({"role": "assistant", "content": None}),
+            chunk({"function_call": {"name": name[:3], "arguments": ""}}),
+            chunk({"function_call": {"name": name[3:], "arguments": "{}"}}),
+            chunk({}, "function_call"), b"data: [DONE]\n\n"]
+
+
+async def test_legacy_functions_are_filtered_and_a_forced_one_refused(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy())
+    h.fake.queue(Reply(body=openai_completion("ok")))
+    async with oa(h.url, "lf") as c:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS)  # type: ignore[arg-type]
+        assert [f["name"] for f in h.fake.seen[-1].json["functions"]] == ["search_kb"]
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS,  # type: ignore[arg-type]
+                                            function_call={"name": "delete_db"})
+    assert info.value.body["code"] == "tool_not_allowed"  # type: ignore[index]
+    assert len(h.fake.seen) == 1
+
+
+async def test_a_proposed_legacy_call_of_a_refused_function_stops_the_run(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("reject"))
+    h.fake.queue(Reply(body=legacy_answer("delete_db")))
+    async with oa(h.url, "lr") as c:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS)  # type: ignore[arg-type]
+    assert info.value.body["code"] == "tool_not_allowed"  # type: ignore[index]
+    run = await h.run("lr")
+    assert (run["status"], run["stop_reason"]) == ("stopped", "tool_not_allowed")
+
+
+async def test_a_streamed_legacy_call_is_held_and_dropped(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy("drop"))
+    h.fake.queue(Reply(chunks=legacy_stream("delete_db")))
+    async with oa(h.url, "ls") as c:
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS,  # type: ignore[arg-type]
+                                                 stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert not any(ch.choices and ch.choices[0].delta.function_call for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+
+
+async def test_legacy_calls_count_against_the_tool_call_cap(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 1}}})
+    h.fake.queue(Reply(body=legacy_answer("search_kb", '{"q": 1}')), Reply(body=legacy_answer("search_kb", '{"q": 2}')))
+    async with oa(h.url, "lc") as c:
+        first = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS)  # type: ignore[arg-type]
+        assert first.choices[0].message.function_call.name == "search_kb"  # type: ignore[union-attr]
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS)  # type: ignore[arg-type]
+    assert info.value.body["code"] == "tool_call_cap"  # type: ignore[index]

@@ -1,0 +1,54 @@
+"""The OpenAI chat wire's legacy function calling (`functions`, `function_call`), in neutral terms.
+
+OpenAI still serves it, and agent frameworks still send it. tollgate treats it exactly as `tools`:
+an offered function is a tool (allow-list, telemetry), a forced `function_call` is a forced tool, and
+a proposed `message.function_call` (streamed as `delta.function_call`) is a tool call for the
+allow-list, the tool-call cap and loop detection. A legacy call has no id, and at most one per choice
+(its stream slot is call index `LEGACY`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from gateway.call import ToolSpec
+from gateway.errors import InvalidRequest
+
+LEGACY: Final = -1  # the call index of a choice's legacy function call in stream slots
+
+
+def functions(value: Any) -> tuple[ToolSpec, ...]:
+    """The offered `functions` as tools; absent or null is none."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidRequest("'functions' must be a list", param="functions")
+    specs: list[ToolSpec] = []
+    for index, fn in enumerate(value):
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"functions[{index}] must be {{name, ...}}", param="functions")
+        params = fn.get("parameters")
+        schema = params if isinstance(params, Mapping) else None
+        specs.append(ToolSpec(fn["name"], fn.get("description"), schema))
+    return tuple(specs)
+
+
+def forced_function(value: Any) -> str | None:
+    """The function a `function_call` forces, or None (`auto`, `none`, absent)."""
+    if isinstance(value, Mapping):
+        if isinstance(value.get("name"), str):
+            return str(value["name"])
+        raise InvalidRequest("function_call must name a function", param="function_call")
+    if value is None or value in ("auto", "none"):
+        return None
+    raise InvalidRequest("function_call must be auto, none or {name}", param="function_call")
+
+
+def proposed(message: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(name, arguments) of a message's or delta's legacy `function_call`, if it carries one."""
+    fn = message.get("function_call")
+    if not isinstance(fn, Mapping):
+        return None
+    args = fn.get("arguments")
+    return str(fn.get("name") or ""), args if isinstance(args, str) else ""
