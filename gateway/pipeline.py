@@ -238,7 +238,9 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         return
     step.reservation = None
     if charged:
-        actual = dict(settlement(answer.usage if answer else None, step.price, reservation, step.relayed_chars // 4))
+        usage = answer.usage if answer else None
+        choices = step.call.params.choice_count or 1
+        actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices))
     else:
         actual = {k: v for k, v in reservation.amounts.items() if k == "llm_calls"}
     step.cost_usd = actual.get("usd", 0.0)

@@ -1,10 +1,11 @@
 """Budget guard: USD and token budgets reserved before each call, settled after.
 
-Worst case of a step = input upper bound + output limit. The input bound is the UTF-8 size of the
-request body: byte-level BPE tokenizers emit at most one token per byte, and the JSON framing around
-each message outweighs the few template tokens a chat format adds. The output limit is the request's
-`max_tokens` or, when absent, what the remaining budget can pay for (clamped by the model's limit);
-the pipeline writes the granted value back into the request.
+Worst case of a step = input upper bound + output limit for each choice asked for (OpenAI's `n`). The
+input bound is the UTF-8 size of the request body: byte-level BPE tokenizers emit at most one token per
+byte, and the JSON framing around each message outweighs the few template tokens a chat format adds.
+The output limit is the request's `max_tokens` or, when absent, what the remaining budget can pay for
+(clamped by the model's limit); the pipeline writes the granted value back into the request. Every
+choice may use all of it, and the provider bills them all, so a unit of it is reserved `n` times.
 An MCP tool execution (`execute_tool`) spends no tokens: it claims nothing from either budget.
 """
 
@@ -26,7 +27,8 @@ class BudgetGuard(BaseGuard):
             return Decision.allow(self.name)
         budget = ctx.policy.budget
         bound = ctx.call.input_bytes
-        claims = [Claim("tokens", float(bound), 1.0, _f(budget.tokens), "token_budget_exhausted")]
+        choices = float(ctx.call.params.choice_count or 1)
+        claims = [Claim("tokens", float(bound), choices, _f(budget.tokens), "token_budget_exhausted")]
         price = ctx.price
         if price is None:
             if budget.usd is not None:
@@ -37,7 +39,8 @@ class BudgetGuard(BaseGuard):
                     "add it under `pricing:` in the config",
                 )
         else:
-            claims.append(Claim("usd", bound * price.worst_input, price.output.worst, budget.usd, "budget_exhausted"))
+            claims.append(Claim("usd", bound * price.worst_input, choices * price.output.worst, budget.usd,
+                                "budget_exhausted"))
         return Decision.allow(self.name, claims=tuple(claims))
 
 
@@ -46,20 +49,23 @@ def _f(value: int | float | None) -> float | None:
 
 
 def settlement(
-    usage: Usage | None, price: ModelPrice | None, reservation: Reservation, relayed_output: int = 0
+    usage: Usage | None, price: ModelPrice | None, reservation: Reservation, relayed_output: int = 0,
+    choices: int = 1,
 ) -> Mapping[str, float]:
     """Real amounts to settle a reservation with.
 
     Without provider-reported usage (missing usage chunk, broken stream) the step is charged its
     whole reservation: never zero, never below what was relayed. Output relayed beyond the reserved
-    units (an upstream that ignored `max_tokens`) is charged on top, at the worst output rate.
+    units of its `choices` (an upstream that ignored `max_tokens`) is charged on top, at the worst
+    output rate.
     """
     held = reservation.amounts
     if usage is None:
         out = dict(held)
-        excess = max(float(relayed_output) - float(reservation.units), 0.0)
-        out["output_tokens"] = float(reservation.units) + excess
-        out["input_tokens"] = max(held.get("tokens", 0.0) - float(reservation.units), 0.0)
+        reserved_output = float(reservation.units) * choices
+        excess = max(float(relayed_output) - reserved_output, 0.0)
+        out["output_tokens"] = reserved_output + excess
+        out["input_tokens"] = max(held.get("tokens", 0.0) - reserved_output, 0.0)
         if "tokens" in held:
             out["tokens"] = held["tokens"] + excess
         if "usd" in held and price is not None:

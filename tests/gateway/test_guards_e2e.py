@@ -219,6 +219,20 @@ async def test_no_progress_on_same_results(gateway_factory: GatewayFactory) -> N
     assert statuses == [200, 200, 200, 403]
 
 
+@pytest.mark.parametrize("n", [1, 4])
+async def test_n_choices_share_the_token_budget(gateway_factory: GatewayFactory, n: int) -> None:
+    """OpenAI bills every choice: with `n` choices, the output limit written upstream is what the
+    budget pays for `n` times over."""
+    h = await gateway_factory(agents=agent(budget={"tokens": 3000}))
+    body = {"model": "gpt-4o-mini", "messages": MSG, "n": n}
+    status, headers, _ = await post(h, body, f"n{n}")
+    assert status == 200
+    granted = int(headers["x-tollgate-max-tokens"])
+    sent = h.fake.seen[-1].json
+    assert granted == (3000 - len(orjson.dumps(body))) // n  # the input bound is the agent's body size
+    assert sent["n"] == n and granted in (sent.get("max_completion_tokens"), sent.get("max_tokens"))
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [(p, {"model": "gpt-4o-mini", "messages": MSG})

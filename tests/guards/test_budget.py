@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from gateway.call import Usage
+from gateway.call import RequestParams, Usage
 from gateway.pricing import ModelPrice, Rate
 from gateway.store import logic
 from gateway.store.base import Claim, Denial, Reservation
@@ -129,6 +130,40 @@ def test_reserve_grants_what_the_budget_pays_for(
     for counter, limit in (("usd", budget.get("usd")), ("tokens", budget.get("tokens"))):
         if limit is not None:
             assert state.reserved.get(counter, 0.0) <= limit + logic.EPS
+
+
+def choices(n: int | None, input_bytes: int = 1000) -> Any:
+    return dataclasses.replace(call(input_bytes=input_bytes), params=RequestParams(choice_count=n))
+
+
+@pytest.mark.parametrize("n", [None, 1, 2, 8])
+def test_every_choice_asked_for_reserves_the_output_limit(n: int | None) -> None:
+    """OpenAI bills `n` choices, each up to the output limit: a unit of output is claimed `n` times."""
+    decision = GUARD.before(ctx(choices(n), policy(budget={"usd": 1.0, "tokens": 5000})))
+    per_choice = {"tokens": 1.0, "usd": 4e-6}
+    for claim in decision.claims:
+        assert claim.per_unit == pytest.approx(per_choice[claim.counter] * (n or 1))
+
+
+@pytest.mark.parametrize(("n", "granted"), [(1, 2000), (8, 250), (200, None)])
+def test_n_choices_fit_the_token_budget_together(n: int, granted: int | None) -> None:
+    """3000 tokens, 1000 of input bound: 2000 output tokens for all choices (none, 16 each, at n=200)."""
+    state = run()
+    grant = reserve(state, GUARD.before(ctx(choices(n), policy(budget={"tokens": 3000}))), 10_000)
+    if granted is None:
+        assert isinstance(grant, Denial) and grant.reason == "token_budget_exhausted"
+        return
+    assert not isinstance(grant, Denial)
+    assert grant.units == granted
+    assert state.reserved["tokens"] <= 3000 + logic.EPS
+
+
+def test_settlement_without_usage_charges_every_choice_reserved() -> None:
+    reservation = Reservation("r1", "run-1", 1, 100, {"tokens": 1200.0, "llm_calls": 1.0})
+    actual = settlement(None, None, reservation, relayed_output=150, choices=2)  # 2 x 100 reserved
+    assert (actual["output_tokens"], actual["input_tokens"], actual["tokens"]) == (200.0, 1000.0, 1200.0)
+    beyond = settlement(None, None, reservation, relayed_output=260, choices=2)
+    assert (beyond["output_tokens"], beyond["tokens"]) == (260.0, 1260.0)
 
 
 # -- settlement ------------------------------------------------------------------------------------
