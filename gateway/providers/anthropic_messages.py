@@ -19,6 +19,7 @@ from gateway.providers.common import (
     opt_strings,
     request_basics,
     stop_text,
+    token_count,
 )
 from gateway.providers.sse import SseEvent, format_event
 
@@ -66,14 +67,17 @@ def usage_from(usage: Any) -> Usage | None:
     """Semconv usage: input tokens = input + cache read + cache creation (Anthropic excludes the cache)."""
     if not isinstance(usage, Mapping):
         return None
-    read = int(usage.get("cache_read_input_tokens") or 0)
-    created = int(usage.get("cache_creation_input_tokens") or 0)
-    return Usage(
-        input_tokens=int(usage.get("input_tokens") or 0) + read + created,
-        output_tokens=int(usage.get("output_tokens") or 0),
-        cache_read_tokens=read,
-        cache_creation_tokens=created,
-    )
+    try:
+        read = token_count(usage.get("cache_read_input_tokens"))
+        created = token_count(usage.get("cache_creation_input_tokens"))
+        return Usage(
+            input_tokens=token_count(usage.get("input_tokens")) + read + created,
+            output_tokens=token_count(usage.get("output_tokens")),
+            cache_read_tokens=read,
+            cache_creation_tokens=created,
+        )
+    except ValueError:  # counts no provider reports: settled at the reservation, never believed
+        return None
 
 
 class AnthropicMessages:

@@ -68,6 +68,22 @@ def opt_int(body: Mapping[str, Any], key: str, *, minimum: int = 0) -> int | Non
     return value
 
 
+MAX_TOKEN_COUNT = 1 << 53  # no answer uses more; a JSON number beyond it is not a count
+
+
+def token_count(value: Any) -> int:
+    """A usage count as a provider reports it: absent is 0, an integer (JSON may write `12.0`) from 0
+    to `MAX_TOKEN_COUNT` is itself. Raises ValueError for anything else (negative, fractional, huge,
+    not a number): such usage is not believed (the step settles at its reservation)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"token count {value!r} is not a number")
+    if not 0 <= value <= MAX_TOKEN_COUNT or int(value) != value:  # NaN fails the range test
+        raise ValueError(f"token count {value!r} is out of range")
+    return int(value)
+
+
 def opt_strings(value: Any) -> tuple[str, ...] | None:
     """Stop sequences for telemetry: a string, or the strings of a list; None when absent. What is not
     a string is left out here (the body goes upstream as it came, and the provider judges it)."""

@@ -19,6 +19,7 @@ from gateway.providers.common import (
     opt_strings,
     request_basics,
     stop_text,
+    token_count,
 )
 from gateway.providers.openai_functions import LEGACY, forced_function, functions, proposed
 from gateway.providers.sse import SseEvent, format_event
@@ -204,14 +205,21 @@ def _error(error: GatewayError) -> dict[str, Any]:
 def usage_from(usage: Any) -> Usage | None:
     if not isinstance(usage, Mapping):
         return None
-    prompt_details = usage.get("prompt_tokens_details") or {}
-    completion_details = usage.get("completion_tokens_details") or {}
-    return Usage(
-        input_tokens=int(usage.get("prompt_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens") or 0),
-        cache_read_tokens=int(prompt_details.get("cached_tokens") or 0),
-        reasoning_tokens=int(completion_details.get("reasoning_tokens") or 0),
-    )
+    prompt_details = usage.get("prompt_tokens_details")
+    completion_details = usage.get("completion_tokens_details")
+    try:
+        return Usage(
+            input_tokens=token_count(usage.get("prompt_tokens")),
+            output_tokens=token_count(usage.get("completion_tokens")),
+            cache_read_tokens=token_count(_detail(prompt_details, "cached_tokens")),
+            reasoning_tokens=token_count(_detail(completion_details, "reasoning_tokens")),
+        )
+    except ValueError:  # counts no provider reports: settled at the reservation, never believed
+        return None
+
+
+def _detail(details: Any, key: str) -> Any:
+    return details.get(key) if isinstance(details, Mapping) else None
 
 
 class OpenAIStreamReader:

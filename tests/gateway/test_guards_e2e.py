@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -217,6 +218,28 @@ async def test_no_progress_on_same_results(gateway_factory: GatewayFactory) -> N
                                {"role": "tool", "tool_call_id": f"c{i}", "content": "nothing found"}]
     # step 1: new request; step 2: first result (new); steps 3 and 4 bring the same result again
     assert statuses == [200, 200, 200, 403]
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+@pytest.mark.parametrize(
+    "usage",
+    [{"prompt_tokens": 1, "completion_tokens": 1e300}, {"prompt_tokens": 10**30, "completion_tokens": 1},
+     {"prompt_tokens": -100000, "completion_tokens": -5}],
+)
+async def test_usage_no_provider_reports_is_settled_at_the_reservation(
+        gateway_factory: GatewayFactory, backend: str, usage: dict[str, Any]) -> None:
+    """Huge or negative counts are not believed: the agent gets its answer, the run is charged the
+    whole reservation (never credited), and the run state stays readable."""
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 1.0}), state=state(backend, "u"))
+    h.fake.queue(Reply(body=json.dumps({**openai_completion("fine"), "usage": usage}).encode()))  # any int size
+    status, headers, raw = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 50}, "u")
+    assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"] == "fine"
+    run = await h.run("u")
+    input_bound = len(orjson.dumps({"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 50}))
+    assert run["spent_usd"] == pytest.approx((input_bound * 1.0 + 50 * 2.0) / 1e6)
+    assert (run["input_tokens"], run["output_tokens"], run["reserved_usd"]) == (input_bound, 50, 0)
+    async with h.session.get(f"{h.admin_url}/admin/runs") as resp:
+        assert resp.status == 200
 
 
 @pytest.mark.parametrize("n", [1, 4])

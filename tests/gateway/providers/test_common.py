@@ -20,6 +20,7 @@ from gateway.providers.common import (
     require_list,
     require_model,
     stop_text,
+    token_count,
 )
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -283,3 +284,16 @@ def test_request_basics_refuses(
 )
 def test_opt_strings(value: object, expected: tuple[str, ...] | None) -> None:
     assert opt_strings(value) == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 0), (0, 0), (12, 12), (12.0, 12), (2**53, 2**53)])
+def test_token_count(value: object, expected: int) -> None:
+    assert token_count(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value", [-1, -0.5, 1.5, 2**53 + 1, 10**30, 1e300, float("inf"), float("nan"), True, "12", [1], {}]
+)
+def test_token_count_refuses_what_is_not_a_count(value: object) -> None:
+    with pytest.raises(ValueError):
+        token_count(value)

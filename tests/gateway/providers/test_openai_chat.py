@@ -181,6 +181,13 @@ def test_parse_answer(body: dict[str, Any], expected: Answer) -> None:
          Usage(input_tokens=10, output_tokens=5, cache_read_tokens=4, reasoning_tokens=2)),
         ({"prompt_tokens": None, "completion_tokens": 3, "prompt_tokens_details": None,
           "completion_tokens_details": None}, Usage(0, 3)),
+        ({"prompt_tokens": 10.0, "completion_tokens": 5}, Usage(10, 5)),
+        # counts no provider reports are not believed: the step settles at its reservation
+        ({"prompt_tokens": 1, "completion_tokens": 1e300}, None),
+        ({"prompt_tokens": 10**30, "completion_tokens": 1}, None),
+        ({"prompt_tokens": -100000, "completion_tokens": -5}, None),
+        ({**USAGE, "prompt_tokens_details": {"cached_tokens": -4}}, None),
+        ({"prompt_tokens": "10", "completion_tokens": 5}, None),
     ],
 )
 def test_usage_from(usage: Any, expected: Usage | None) -> None:
