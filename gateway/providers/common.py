@@ -78,7 +78,7 @@ def token_count(value: Any) -> int:
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"token count {value!r} is not a number")
+        raise ValueError(f"token count {value!r} is not a number")  # noqa: TRY004 - one error for all
     if not 0 <= value <= MAX_TOKEN_COUNT or int(value) != value:  # NaN fails the range test
         raise ValueError(f"token count {value!r} is out of range")
     return int(value)

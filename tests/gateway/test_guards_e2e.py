@@ -232,7 +232,7 @@ async def test_usage_no_provider_reports_is_settled_at_the_reservation(
     whole reservation (never credited), and the run state stays readable."""
     h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 1.0}), state=state(backend, "u"))
     h.fake.queue(Reply(body=json.dumps({**openai_completion("fine"), "usage": usage}).encode()))  # any int size
-    status, headers, raw = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 50}, "u")
+    status, _, raw = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 50}, "u")
     assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"] == "fine"
     run = await h.run("u")
     input_bound = len(orjson.dumps({"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 50}))
@@ -270,7 +270,7 @@ async def test_spellings_of_a_guarded_path_are_guarded(gateway_factory: GatewayF
     the stopped run stays stopped, and nothing more reaches the upstream."""
     h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
     assert (await post(h, body, "pv", path=path))[0] == 200  # the variant is a counted model call
-    status, headers, raw = await post(h, body, "pv", path="/v1/chat/completions" if "gpt" in body["model"]
+    status, headers, _ = await post(h, body, "pv", path="/v1/chat/completions" if "gpt" in body["model"]
                                       else "/v1/messages")
     assert status == 403 and headers["x-tollgate-stop-reason"] == "llm_call_cap"
     assert (await post(h, body, "pv", path=path))[0] == 403
