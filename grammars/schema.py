@@ -19,15 +19,18 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import jsonschema
+import jsonschema.validators
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
+import regex  # type: ignore[import-untyped]
 from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.protocols import Validator
 from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignore[import-untyped]
 
 from gateway.errors import InvalidGrammar
+from grammars.regexes import PatternTimeout, compile_pattern, deadline, search
 from grammars.spec import Violation, parse_json
 
 __all__ = ["SchemaCheck", "build_check", "describe_errors", "format_checker", "parse_json"]
@@ -35,8 +38,48 @@ __all__ = ["SchemaCheck", "build_check", "describe_errors", "format_checker", "p
 _MAX_ERRORS_SCANNED: Final[int] = 100
 _MAX_ERRORS_SHOWN: Final[int] = 5
 _MAX_MESSAGE: Final[int] = 240
+
+
+def _pattern(validator: Validator, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator: Validator, patterns: dict[str, Any], instance: Any, schema: Any,
+                        ) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Validator, additional: Any, instance: Any, schema: Any,
+                           ) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    known, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+    extras = [k for k in instance if k not in known and not any(search(p, k) for p in patterns)]
+    if validator.is_type(additional, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], additional, path=extra)
+    elif not additional and extras:
+        listed = ", ".join(repr(e) for e in sorted(extras, key=str))
+        if patterns:
+            verb = "does" if len(extras) == 1 else "do"
+            regexes = ", ".join(repr(p) for p in sorted(patterns))
+            yield ValidationError(f"{listed} {verb} not match any of the regexes: {regexes}")
+        else:
+            verb = "was" if len(extras) == 1 else "were"
+            yield ValidationError(f"Additional properties are not allowed ({listed} {verb} unexpected)")
+
+
+# jsonschema's own keywords, with patterns run on model output in bounded time (grammars.regexes)
+_BOUNDED: Final = {"pattern": _pattern, "patternProperties": _pattern_properties,
+                   "additionalProperties": _additional_properties}
 _DRAFTS: Final[dict[str, type[Validator]]] = {
-    uri.rstrip("#"): cls
+    uri.rstrip("#"): jsonschema.validators.extend(cls, _BOUNDED)
     for cls in (
         jsonschema.Draft4Validator,
         jsonschema.Draft6Validator,
@@ -46,6 +89,7 @@ _DRAFTS: Final[dict[str, type[Validator]]] = {
     )
     for uri in (str(cls.META_SCHEMA.get("$id", cls.META_SCHEMA.get("id", ""))),)
 }
+_DEFAULT_DRAFT: Final = _DRAFTS[str(Draft202012Validator.META_SCHEMA["$id"]).rstrip("#")]
 _DATE_TIME = re.compile(
     r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.\d+)?(?:[Zz]|[+-](\d\d):(\d\d))", re.ASCII
 )
@@ -70,7 +114,10 @@ class SchemaCheck:
 
     def check_value(self, value: Any) -> Violation | None:
         try:
-            errors = list(itertools.islice(self.validator.iter_errors(value), _MAX_ERRORS_SCANNED))
+            with deadline():
+                errors = list(itertools.islice(self.validator.iter_errors(value), _MAX_ERRORS_SCANNED))
+        except PatternTimeout as exc:  # fail closed: an output that cannot be checked does not conform
+            return Violation(f"at <root>: {exc}")
         except RecursionError:
             return Violation("at <root>: the document is nested too deeply to validate")
         except referencing.exceptions.Unresolvable as exc:
@@ -112,14 +159,26 @@ def build_check(schema: Any) -> SchemaCheck:
     # client-supplied schema must never make tollgate open a connection).
     validator = cls(schema, format_checker=format_checker(), registry=_NO_RETRIEVAL)
     _check_refs(schema, cls)
+    _check_patterns(schema)
     return SchemaCheck(validator)
 
 
 def _validator_class(schema: Any) -> type[Validator]:
     declared = schema.get("$schema") if isinstance(schema, dict) else None
     if isinstance(declared, str):
-        return _DRAFTS.get(declared.rstrip("#"), Draft202012Validator)
-    return Draft202012Validator
+        return _DRAFTS.get(declared.rstrip("#"), _DEFAULT_DRAFT)
+    return _DEFAULT_DRAFT
+
+
+def _check_patterns(schema: Any) -> None:
+    """Compile every pattern now (`grammars.regexes`): one no engine accepts is a 400 at request time."""
+    patterns = [p for p in _walk(schema, "pattern") if isinstance(p, str)]
+    patterns += [k for props in _walk(schema, "patternProperties") if isinstance(props, dict) for k in props]
+    for pattern in patterns:
+        try:
+            compile_pattern(pattern)
+        except regex.error as exc:
+            raise InvalidGrammar(f"json_schema: pattern {pattern!r} does not compile: {exc}") from exc
 
 
 def _check_refs(schema: Any, cls: type[Validator]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anthropic
@@ -52,6 +53,22 @@ async def test_always_invalid_is_422_after_retries_and_charged(gateway_factory: 
     assert run["llm_calls"] == 3
     assert run["spent_usd"] == pytest.approx(3 * (10 + 10) / 1e6)
     assert run["reserved_usd"] == 0
+
+
+async def test_a_catastrophic_schema_pattern_never_stalls_the_gateway(gateway_factory: GatewayFactory) -> None:
+    """The agent's schema carries `^(a+)+$` and the model writes 40 `a`s and a `!`: Python's `re` would
+    stall the whole process for hours. The answer is judged at once, and other requests go on."""
+    h = await gateway_factory(agents={"default": {"output": {"retries": 1}}})
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    h.fake.default = Reply(body=openai_completion(orjson.dumps({"a": "a" * 40 + "!"}).decode()))
+    async with client(h.url, "redos") as c:
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            await asyncio.wait_for(
+                c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=rf),  # type: ignore[arg-type]
+                timeout=10)
+    assert info.value.body["code"] == "output_nonconforming"  # type: ignore[index]
+    assert "does not match '^(a+)+$'" in info.value.body["message"]  # type: ignore[index]
 
 
 async def test_agent_grammar_and_header_grammar(gateway_factory: GatewayFactory, tmp_path: Any) -> None:

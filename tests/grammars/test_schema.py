@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from typing import Any
 
@@ -116,3 +117,65 @@ def test_metaschema_refs_resolve_offline() -> None:
     check = build_check({"$ref": "https://json-schema.org/draft/2020-12/schema"})
     assert check.check_value({"type": "string"}) is None
     assert check.check_value({"type": 5}) is not None
+
+
+# -- patterns run in bounded time (grammars/regexes.py) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "document"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}},
+         {"a": "a" * 40 + "!"}),
+        ({"type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}, "additionalProperties": False},
+         {"a" * 40 + "!": 1}),
+        ({"type": "array", "items": {"type": "string", "pattern": "^(a|aa)+$"}}, ["a" * 60 + "!"] * 200),
+    ],
+)
+def test_catastrophic_patterns_are_checked_in_linear_time(schema: dict[str, Any], document: Any) -> None:
+    """Python's `re` would take hours over these (seconds at 28 characters, doubling with each)."""
+    started = time.perf_counter()
+    violation = build_check(schema).check_value(document)
+    assert violation is not None
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    ("schema", "document", "message"),
+    [
+        ({"type": "string", "pattern": "^[0-9]{5}$"}, "ABCDE", "at <root>: 'ABCDE' does not match '^[0-9]{5}$'"),
+        ({"type": "string", "pattern": "^(?=.*[A-Z]).{4,}$"}, "abcd",
+         "at <root>: 'abcd' does not match '^(?=.*[A-Z]).{4,}$'"),
+        ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}}, "additionalProperties": False},
+         {"x_a": 1, "b": 2, "c": 3}, "at <root>: 'b', 'c' do not match any of the regexes: '^x_'"),
+        ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}}}, {"x_a": "no"},
+         "at x_a: 'no' is not of type 'integer'"),
+        ({"type": "object", "properties": {"a": {}}, "additionalProperties": False}, {"a": 1, "b": 2},
+         "at <root>: Additional properties are not allowed ('b' was unexpected)"),
+        ({"type": "object", "additionalProperties": {"type": "integer"}}, {"a": 1, "b": "x"},
+         "at b: 'x' is not of type 'integer'"),
+    ],
+)
+def test_pattern_keywords_keep_jsonschemas_verdicts(schema: dict[str, Any], document: Any, message: str) -> None:
+    violation = build_check(schema).check_value(document)
+    assert violation is not None and violation.message == message
+
+
+@pytest.mark.parametrize(
+    ("schema", "document"),
+    [({"type": "string", "pattern": "^(?=.*[A-Z]).{4,}$"}, "abcD"),
+     ({"patternProperties": {"^x_": {"type": "integer"}}, "additionalProperties": False}, {"x_a": 1})],
+)
+def test_matching_documents_pass(schema: dict[str, Any], document: Any) -> None:
+    assert build_check(schema).check_value(document) is None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "string", "pattern": "(?<name>x)(?P=name"}, {"patternProperties": {"(unclosed": {}}},
+     {"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": {"pattern": "[z-a]"}}}],
+)
+def test_a_pattern_that_does_not_compile_is_an_invalid_grammar(schema: dict[str, Any]) -> None:
+    with pytest.raises(InvalidGrammar) as info:
+        build_check(schema)
+    assert "pattern" in info.value.message or "regex" in info.value.message
