@@ -73,9 +73,9 @@ class OpenAIChat:
         legacy = functions(body.get("functions"))
         if len(raw_tools) + len(legacy) > limits.max_tools:
             raise RequestTooLarge(f"{len(raw_tools) + len(legacy)} tools exceed the limit of {limits.max_tools}")
-        max_tokens = opt_int(body, "max_completion_tokens", minimum=1)
-        if max_tokens is None:
-            max_tokens = opt_int(body, "max_tokens", minimum=1)
+        # both may be sent, and upstreams differ in which they honour: the larger one is the worst case
+        limits_sent = [opt_int(body, key, minimum=1) for key in ("max_completion_tokens", "max_tokens")]
+        max_tokens = max((v for v in limits_sent if v is not None), default=None)
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
@@ -178,10 +178,12 @@ class OpenAIChat:
         return None
 
     def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
-        field = self.max_tokens_field(body)
-        if field is None:
-            field = "max_completion_tokens" if prefer_completion_field else "max_tokens"
-        body[field] = value
+        """Every output-limit field the agent sent gets `value` (whichever one the upstream honours)."""
+        fields = [key for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None]
+        if not fields:
+            fields = ["max_completion_tokens" if prefer_completion_field else "max_tokens"]
+        for field in fields:
+            body[field] = value
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         """Ask for the usage chunk; True when the agent had not asked for it (then it is hidden)."""

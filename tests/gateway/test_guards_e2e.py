@@ -242,6 +242,19 @@ async def test_usage_no_provider_reports_is_settled_at_the_reservation(
         assert resp.status == 200
 
 
+async def test_both_output_limit_fields_are_reserved_and_clamped(gateway_factory: GatewayFactory) -> None:
+    """`max_tokens` and `max_completion_tokens` together: the larger is reserved, and both are clamped
+    to the grant (an upstream that honours only `max_tokens` cannot run past the budget)."""
+    h = await gateway_factory(agents=agent(budget={"tokens": 3000}))
+    body = {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 1_000_000, "max_completion_tokens": 10}
+    status, headers, _ = await post(h, body, "both")
+    assert status == 200
+    granted = 3000 - len(orjson.dumps(body))
+    assert int(headers["x-tollgate-max-tokens"]) == granted
+    sent = h.fake.seen[-1].json
+    assert (sent["max_tokens"], sent["max_completion_tokens"]) == (granted, granted)
+
+
 @pytest.mark.parametrize("n", [1, 4])
 async def test_n_choices_share_the_token_budget(gateway_factory: GatewayFactory, n: int) -> None:
     """OpenAI bills every choice: with `n` choices, the output limit written upstream is what the

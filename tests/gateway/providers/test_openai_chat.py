@@ -46,7 +46,9 @@ ASSISTANT: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls":
               "params": RequestParams()}),
         ({"stream": True}, {"stream": True}),
         ({"max_tokens": 100}, {"max_tokens": 100}),
-        ({"max_completion_tokens": 50, "max_tokens": 100}, {"max_tokens": 50}),  # the newer field wins
+        # both sent: upstreams differ in which they honour, so the larger one is the worst case
+        ({"max_completion_tokens": 50, "max_tokens": 100}, {"max_tokens": 100}),
+        ({"max_completion_tokens": 100, "max_tokens": 50}, {"max_tokens": 100}),
         ({"max_completion_tokens": None, "max_tokens": 7}, {"max_tokens": 7}),
         ({"temperature": 0, "top_p": 0.5, "frequency_penalty": -1, "presence_penalty": 1.5, "seed": -(2**63),
           "n": 2}, {"params": RequestParams(temperature=0.0, top_p=0.5, frequency_penalty=-1.0,
@@ -270,7 +272,7 @@ def test_stop_stream_is_one_chunk_then_done(clock: None, reason: str, detail: st
         ({"max_tokens": 100}, True, "max_tokens", {"max_tokens": 9}),
         ({"max_completion_tokens": 100}, False, "max_completion_tokens", {"max_completion_tokens": 9}),
         ({"max_completion_tokens": 100, "max_tokens": 200}, False, "max_completion_tokens",
-         {"max_completion_tokens": 9, "max_tokens": 200}),  # the field the upstream reads first
+         {"max_completion_tokens": 9, "max_tokens": 9}),  # both: whichever the upstream honours
         ({"max_tokens": None}, True, None, {"max_tokens": None, "max_completion_tokens": 9}),
         ({"max_completion_tokens": None, "max_tokens": 5}, True, "max_tokens",
          {"max_completion_tokens": None, "max_tokens": 9}),
