@@ -244,6 +244,9 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
     else:
         actual = {k: v for k, v in reservation.amounts.items() if k == "llm_calls"}
     step.cost_usd = actual.get("usd", 0.0)
+    for key in ("usd", "input_tokens", "output_tokens"):
+        if key in actual:
+            step.spent[key] = step.spent.get(key, 0.0) + actual[key]
     await gw.store.settle(reservation, actual, time.time())
 
 

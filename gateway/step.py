@@ -41,7 +41,8 @@ class Step:
     answer: Answer | None = None
     attempts: int = 0
     status: int = 0
-    cost_usd: float = 0.0
+    cost_usd: float = 0.0  # the settled cost of the current attempt
+    spent: dict[str, float] = field(default_factory=dict)  # settled usd / input / output, every attempt
     stop_reason: str | None = None
     stop_detail: str | None = None
     error_type: str | None = None
@@ -62,7 +63,7 @@ class Step:
     def summary(self) -> dict[str, Any]:
         """The step as the admin API lists it under a run."""
         answer = self.answer
-        usage = answer.usage if answer is not None else None
+        spent = self.spent
         summary = {
             "at": self.started_wall,
             "operation": self.call.operation,
@@ -72,9 +73,9 @@ class Step:
             "status": self.status,
             "decision": "stop" if self.stop_reason else "allow",
             "stop_reason": self.stop_reason,
-            "cost_usd": round(self.cost_usd, 10),
-            "input_tokens": usage.input_tokens if usage else None,
-            "output_tokens": usage.output_tokens if usage else None,
+            "cost_usd": round(spent.get("usd", 0.0), 10),  # all attempts, as the run is charged
+            "input_tokens": int(spent["input_tokens"]) if "input_tokens" in spent else None,
+            "output_tokens": int(spent["output_tokens"]) if "output_tokens" in spent else None,
             "tool_calls": [c.name for c in answer.tool_calls] if answer else [],
             "attempts": self.attempts,
             "reasks": self.reasks,

@@ -53,6 +53,10 @@ async def test_always_invalid_is_422_after_retries_and_charged(gateway_factory: 
     assert run["llm_calls"] == 3
     assert run["spent_usd"] == pytest.approx(3 * (10 + 10) / 1e6)
     assert run["reserved_usd"] == 0
+    [step] = run["steps"]  # its three attempts add up to what the run was charged
+    assert (step["attempts"], step["reasks"]) == (3, 2)
+    assert step["cost_usd"] == pytest.approx(run["spent_usd"])
+    assert (step["input_tokens"], step["output_tokens"]) == (run["input_tokens"], run["output_tokens"]) == (30, 15)
 
 
 async def test_a_catastrophic_schema_pattern_never_stalls_the_gateway(gateway_factory: GatewayFactory) -> None:

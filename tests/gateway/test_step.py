@@ -35,8 +35,10 @@ def test_identity_shortcuts() -> None:
     [
         ({}, {"decision": "allow", "stop_reason": None, "input_tokens": None, "output_tokens": None,
               "tool_calls": [], "status": 0, "cost_usd": 0.0}),
+        # what the run was charged over every attempt (a re-asked step's two), not the last answer's usage
         ({"answer": Answer(usage=Usage(12, 3), tool_calls=(ToolCall("1", "ls", "{}"), ToolCall("2", "cat", "{}"))),
-          "status": 200, "cost_usd": 0.123456789012345, "attempts": 2, "reasks": 1},
+          "status": 200, "cost_usd": 0.1, "attempts": 2, "reasks": 1,
+          "spent": {"usd": 0.123456789012345, "input_tokens": 12.0, "output_tokens": 3.0}},
          {"decision": "allow", "input_tokens": 12, "output_tokens": 3, "tool_calls": ["ls", "cat"],
           "status": 200, "cost_usd": 0.123456789, "attempts": 2, "reasks": 1}),
         ({"stop_reason": "budget_exhausted", "status": 403},
