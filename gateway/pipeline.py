@@ -138,7 +138,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         await _state_failed(step, exc)
         return
     if isinstance(grant, Denial):
-        step.stop_reason, step.stop_detail = grant.reason, grant.detail
+        if not grant.held:  # the run stopped; a budget held by steps in flight refuses this step only
+            step.stop_reason, step.stop_detail = grant.reason, grant.detail
         raise Stopped(grant.reason, grant.detail)
     step.reservation = grant
     budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)

@@ -75,10 +75,13 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Denial:
-    """A claim that did not fit, or the run was already stopped. The run is stopped with `reason`."""
+    """A claim that did not fit, or the run was already stopped. The run is stopped with `reason`,
+    unless `held`: the claim fits what the run has spent, and only the reservations of its steps in
+    flight (which may settle lower) stand in the way. Then this step is refused and the run goes on."""
 
     reason: str
     detail: str
+    held: bool = False
 
 
 @dataclass(slots=True)

@@ -35,6 +35,8 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
         elif claim.fixed > available + EPS:
             return _deny(state, claim, request.min_units, now)
     if units < request.min_units and limiting is not None:
+        if _fits_spent(state, limiting, request.min_units):
+            return _held(state, limiting, request.min_units)
         return _deny(state, limiting, request.min_units, now)
     units = max(units, 0)
     amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
@@ -54,6 +56,22 @@ def _deny(state: RunState, claim: Claim, min_units: int, now: float) -> Denial:
     )
     stop(state, claim.code or f"{claim.counter}_limit", detail, now)
     return Denial(state.stop_reason or claim.code, detail)
+
+
+def _fits_spent(state: RunState, claim: Claim, min_units: int) -> bool:
+    """The smallest step fits the limit against what was spent: reservations alone refuse it."""
+    need = claim.fixed + claim.per_unit * min_units
+    return (claim.limit or 0.0) - state.used.get(claim.counter, 0.0) - need >= -EPS
+
+
+def _held(state: RunState, claim: Claim, min_units: int) -> Denial:
+    reserved = state.reserved.get(claim.counter, 0.0)
+    detail = (
+        f"{claim.counter} limit {_fmt(claim.limit)}: {_fmt(reserved)} is held by {len(state.open)} step(s) "
+        f"in flight and this step needs at least {_fmt(claim.fixed + claim.per_unit * min_units)}; "
+        "the run goes on: retry once they settle"
+    )
+    return Denial(claim.code or f"{claim.counter}_limit", detail, held=True)
 
 
 def _fmt(value: float | None) -> str:

@@ -196,7 +196,7 @@ class RedisRunStore:
             self._keep_unsettled(run_id, rid, [None, rid, float(now), []])
             raise
         if reply[0] == "deny":
-            return Denial(reply[1], reply[2])
+            return Denial(reply[1], reply[2], held=len(reply) > 3 and reply[3] == "held")
         amounts = {reply[i]: float(reply[i + 1]) for i in range(3, len(reply), 2)}
         return Reservation(rid, run_id, int(reply[1]), int(reply[2]), amounts)
 

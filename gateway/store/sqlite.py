@@ -194,6 +194,8 @@ class SqliteRunStore:
         saved = _copy(state, shared_open=True) if ahead else None  # memory holds changes the file lacks
         try:
             result = transition(state)
+            if isinstance(result, Denial) and result.held:
+                return result  # refused while steps in flight hold the budget: nothing changed
             if behind and not isinstance(result, Denial):
                 self._steps.mark(state, soon=soon)
                 return result
@@ -250,7 +252,7 @@ class SqliteRunStore:
             return self._change(state, lambda s: logic.reserve(s, request, now, rid))
         result = self._change(state, lambda s: logic.reserve(s, request, now, rid), behind=True, soon=True)
         if isinstance(result, Denial):
-            return result  # stopped the run: written through
+            return result  # stopped the run (written through), or refused with nothing to write
         try:
             await self._steps.wait(run_id)
         except BaseException:  # refused, or the caller is gone: nobody will settle it

@@ -242,6 +242,24 @@ async def test_usage_no_provider_reports_is_settled_at_the_reservation(
         assert resp.status == 200
 
 
+async def test_a_budget_held_by_a_step_in_flight_refuses_without_stopping(gateway_factory: GatewayFactory) -> None:
+    """No max_tokens: the first step reserves all the budget can pay for. A concurrent second step is
+    refused (403 budget_exhausted, saying it is held), but the run is not stopped: the first settles at
+    its real usage, and the next step goes through."""
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 0.01}))
+    h.fake.default = Reply(body=openai_completion(prompt_tokens=10, completion_tokens=5), delay=0.3)
+    body = {"model": "gpt-4o-mini", "messages": MSG}
+    first, second = await asyncio.gather(post(h, body, "held"), post(h, body, "held"))
+    statuses = sorted([first[0], second[0]])
+    assert statuses == [200, 403]
+    refused = orjson.loads((first if first[0] == 403 else second)[2])["error"]
+    assert refused["code"] == "budget_exhausted" and "held by 1 step(s) in flight" in refused["message"]
+    run = await h.run("held")
+    assert (run["status"], run["reserved_usd"]) == ("active", 0)
+    assert (await post(h, body, "held"))[0] == 200
+    assert len(h.fake.seen) == 2
+
+
 async def test_both_output_limit_fields_are_reserved_and_clamped(gateway_factory: GatewayFactory) -> None:
     """`max_tokens` and `max_completion_tokens` together: the larger is reserved, and both are clamped
     to the grant (an upstream that honours only `max_tokens` cannot run past the budget)."""

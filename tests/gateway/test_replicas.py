@@ -175,6 +175,10 @@ async def test_four_gateways_400_requests_one_run_budget_for_20(
         assert statuses.count(200) == len(fake.seen) == 20  # the budget pays for exactly 20, no more, no less
         codes = {body["error"]["code"] for status, body in results if status == 403}
         assert codes == {"token_budget_exhausted"}
+        # those were refused while the 20 held the budget in flight; it is spent now, and the run stops
+        status, body = await call(session, gateways[1], "shared")
+        assert (status, body["error"]["code"]) == (403, "token_budget_exhausted")
+        assert len(fake.seen) == 20
         for gateway in gateways:  # every sidecar sees the one shared run
             run = await gateway.run(session, "shared")
             assert run["input_tokens"] + run["output_tokens"] <= PER_CALL * 20

@@ -81,10 +81,17 @@ async def test_reserve_and_settle(store: RunStore) -> None:
 
 
 async def test_denial_stops_the_run_and_sticks(store: RunStore) -> None:
-    for _ in range(10):
-        await grant(store)
-    denial = await store.reserve("run-1", "bot", CALL, NOW)
-    assert isinstance(denial, Denial) and denial.reason == "budget_exhausted"
+    grants = [await grant(store) for _ in range(10)]
+    held = await store.reserve("run-1", "bot", CALL, NOW)  # in flight, not spent: refused, not stopped
+    assert isinstance(held, Denial) and held.held and held.reason == "budget_exhausted"
+    assert held.detail == ("usd limit 0.02: 0.02 is held by 10 step(s) in flight and this step needs at least "
+                           "0.001064; the run goes on: retry once they settle")
+    state = await store.get("run-1")
+    assert state is not None and state.status == "active"
+    for res in grants:  # settled at their reservations: now the budget is spent
+        await store.settle(res, res.amounts, NOW + 1)
+    denial = await store.reserve("run-1", "bot", CALL, NOW + 2)
+    assert isinstance(denial, Denial) and denial.reason == "budget_exhausted" and not denial.held
     cheap = ReserveRequest((Claim("llm_calls", 1.0),))
     again = await store.reserve("run-1", "bot", cheap, NOW)
     assert isinstance(again, Denial) and again.reason == "budget_exhausted"

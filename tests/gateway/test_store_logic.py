@@ -202,8 +202,31 @@ def test_a_budget_for_exactly_n_calls_grants_exactly_n(
             logic.settle(state, result, result.amounts, NOW)
     assert len(grants) == n
     assert [g.units for g in grants] == [units] * n
-    assert state.stop_reason == "budget_exhausted"
+    assert isinstance(result, Denial) and result.reason == "budget_exhausted"
     assert state.used.get("usd", 0.0) + state.reserved.get("usd", 0.0) <= limit + logic.EPS
+    if settle_each or per_unit == 0:
+        assert state.stop_reason == "budget_exhausted" and not result.held
+        return
+    # held by the steps in flight, not spent: this step is refused, the run goes on
+    assert result.held and not state.stopped
+    assert "held by" in result.detail and "retry once they settle" in result.detail
+    for grant in grants:  # they settle at their reservations: now it is spent, and the run stops
+        logic.settle(state, grant, grant.amounts, NOW)
+    result = reserve(state, request)
+    assert isinstance(result, Denial) and not result.held and state.stop_reason == "budget_exhausted"
+
+
+def test_a_held_budget_that_settles_lower_grants_again() -> None:
+    """Two steps in flight hold the whole budget; one settles at a tenth: the next step fits again."""
+    state = fresh()
+    request = req(Claim("usd", 0.0, 1.0, 100.0, "budget_exhausted"), min_units=16, max_units=50)
+    first, second = granted(reserve(state, request)), granted(reserve(state, request))
+    refused = reserve(state, request)
+    assert isinstance(refused, Denial) and refused.held and not state.stopped
+    assert refused.detail.startswith("usd limit 100: 100 is held by 2 step(s) in flight")
+    logic.settle(state, first, {"usd": 5.0}, NOW)
+    assert granted(reserve(state, request)).units == 45
+    logic.settle(state, second, {"usd": 50.0}, NOW)
 
 
 def test_started_at_is_the_first_step() -> None:
