@@ -1,7 +1,8 @@
 """`tollgate serve`: run the proxy and admin apps until SIGTERM/SIGINT, then drain gracefully.
 
-On a signal the gateway stops accepting connections, answers new requests on open connections with
-503 `shutting_down`, lets in-flight requests and streams finish within `shutdown_grace_s`, then exits 0.
+On a signal the gateway stops accepting connections, closes idle keep-alive connections, lets in-flight
+requests and streams finish within `shutdown_grace_s`, then exits 0; a request that still reaches a
+handler meanwhile gets 503 `shutting_down`.
 """
 
 from __future__ import annotations
