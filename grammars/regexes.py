@@ -1,80 +1,51 @@
-"""Regex searches on model output for JSON Schema (`pattern`, `patternProperties`), in bounded time.
+"""Regex searches on model output for JSON Schema (`pattern`, `patternProperties`), in linear time.
 
 Why: jsonschema runs Python's backtracking `re` on the event loop. A pattern the agent sends, such as
 `^(a+)+$`, over an answer the model was asked to write, such as 28 `a`s and a `!`, then stalls every
-request of the process for seconds, doubling with each character. Here a pattern runs on RE2, whose
-time is linear in the text. A pattern RE2 has no construct for (lookaround, backreference) runs on
-the `regex` module against the deadline of the current check (`deadline()`), and a check that cannot
-finish in time fails closed (`PatternTimeout`, a violation), never a stall.
+request of the process for seconds, doubling with each character. Here every pattern runs on RE2,
+whose time is linear in the text.
 
-Patterns are compiled when the schema is (`compile_pattern` via `check_patterns`), so one that neither
-engine accepts is a 400 at request time.
+What RE2 has no construct for (lookaround, backreferences) is refused when the schema compiles (a 400
+at request time), as are repetition counts over 1000: no backtracking engine runs in their place,
+because none is bounded (even compiling `(((a{50}){50}){50}){50}` takes seconds on one). Those
+constructs are outside the regex subset JSON Schema recommends to schema authors anyway.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any
 
 import re2  # type: ignore[import-untyped]
-import regex  # type: ignore[import-untyped]
 
-__all__ = ["PatternTimeout", "compile_pattern", "deadline", "search"]
+__all__ = ["UnsupportedPattern", "compile_pattern", "search"]
 
-CHECK_BUDGET_S: Final = 0.05  # what patterns RE2 cannot run may take, per output check
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("pattern_deadline", default=None)
 Search = Callable[[str], bool]
 
 
-class PatternTimeout(Exception):
-    """A pattern outside RE2's syntax did not finish within the check's budget."""
-
-    def __init__(self, pattern: str) -> None:
-        super().__init__(f"pattern {pattern!r} could not be checked within {CHECK_BUDGET_S * 1000:g} ms")
-        self.pattern = pattern
+class UnsupportedPattern(ValueError):
+    """A pattern RE2 cannot run: lookaround, a backreference, a repetition over 1000, or bad syntax."""
 
 
-def _re2_options() -> Any:
+def _options() -> Any:
     options = re2.Options()
-    options.log_errors = False  # a pattern RE2 lacks a construct for goes to `regex`, silently
+    options.log_errors = False  # refused patterns are reported to the caller, not logged by RE2
     options.never_capture = True
     return options
 
 
 @functools.lru_cache(maxsize=512)
 def compile_pattern(pattern: str) -> Search:
-    """`search(text)` for an ECMA-style JSON Schema pattern. Raises `regex.error` when neither engine
-    accepts it."""
+    """`search(text)` for a JSON Schema pattern. Raises `UnsupportedPattern` with RE2's reason."""
     try:
-        linear = re2.compile(pattern, _re2_options())
-    except re2.error:
-        backtracking = regex.compile(pattern)
-        return functools.partial(_bounded, backtracking, pattern)
-    return lambda text: linear.search(text) is not None
-
-
-def _bounded(compiled: Any, pattern: str, text: str) -> bool:
-    until = _DEADLINE.get()
-    left = CHECK_BUDGET_S if until is None else until - time.monotonic()
-    try:
-        return compiled.search(text, timeout=max(left, 0.0005)) is not None
-    except TimeoutError:
-        raise PatternTimeout(pattern) from None
+        compiled = re2.compile(pattern, _options())
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else exc
+        text = reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
+        raise UnsupportedPattern(text) from None
+    return lambda text: compiled.search(text) is not None
 
 
 def search(pattern: str, text: str) -> bool:
     return compile_pattern(pattern)(text)
-
-
-@contextmanager
-def deadline(budget_s: float = CHECK_BUDGET_S) -> Iterator[None]:
-    """Within: patterns RE2 cannot run share `budget_s` of time, from now."""
-    token = _DEADLINE.set(time.monotonic() + budget_s)
-    try:
-        yield
-    finally:
-        _DEADLINE.reset(token)

@@ -23,14 +23,13 @@ import jsonschema.validators
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
-import regex  # type: ignore[import-untyped]
 from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.protocols import Validator
 from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignore[import-untyped]
 
 from gateway.errors import InvalidGrammar
-from grammars.regexes import PatternTimeout, compile_pattern, deadline, search
+from grammars.regexes import UnsupportedPattern, compile_pattern, search
 from grammars.spec import Violation, parse_json
 
 __all__ = ["SchemaCheck", "build_check", "describe_errors", "format_checker", "parse_json"]
@@ -75,7 +74,7 @@ def _additional_properties(validator: Validator, additional: Any, instance: Any,
             yield ValidationError(f"Additional properties are not allowed ({listed} {verb} unexpected)")
 
 
-# jsonschema's own keywords, with patterns run on model output in bounded time (grammars.regexes)
+# jsonschema's own keywords, with patterns run on model output in linear time (grammars.regexes)
 _BOUNDED: Final = {"pattern": _pattern, "patternProperties": _pattern_properties,
                    "additionalProperties": _additional_properties}
 _DRAFTS: Final[dict[str, type[Validator]]] = {
@@ -114,10 +113,7 @@ class SchemaCheck:
 
     def check_value(self, value: Any) -> Violation | None:
         try:
-            with deadline():
-                errors = list(itertools.islice(self.validator.iter_errors(value), _MAX_ERRORS_SCANNED))
-        except PatternTimeout as exc:  # fail closed: an output that cannot be checked does not conform
-            return Violation(f"at <root>: {exc}")
+            errors = list(itertools.islice(self.validator.iter_errors(value), _MAX_ERRORS_SCANNED))
         except RecursionError:
             return Violation("at <root>: the document is nested too deeply to validate")
         except referencing.exceptions.Unresolvable as exc:
@@ -171,14 +167,22 @@ def _validator_class(schema: Any) -> type[Validator]:
 
 
 def _check_patterns(schema: Any) -> None:
-    """Compile every pattern now (`grammars.regexes`): one no engine accepts is a 400 at request time."""
+    """Compile every pattern now (`grammars.regexes`, RE2): one it cannot run is a 400 at request time.
+    `unevaluatedProperties` with `patternProperties` is refused too: jsonschema matches those with
+    Python's backtracking `re` inside its own helper, out of this module's reach."""
+    pattern_maps = [m for m in _walk(schema, "patternProperties") if isinstance(m, dict) and m]
+    if pattern_maps and any(True for _ in _walk(schema, "unevaluatedProperties")):
+        raise InvalidGrammar("json_schema: unevaluatedProperties together with patternProperties is not "
+                             "supported (use additionalProperties)")
     patterns = [p for p in _walk(schema, "pattern") if isinstance(p, str)]
-    patterns += [k for props in _walk(schema, "patternProperties") if isinstance(props, dict) for k in props]
-    for pattern in patterns:
+    for pattern in patterns + [k for m in pattern_maps for k in m]:
         try:
             compile_pattern(pattern)
-        except regex.error as exc:
-            raise InvalidGrammar(f"json_schema: pattern {pattern!r} does not compile: {exc}") from exc
+        except UnsupportedPattern as exc:
+            raise InvalidGrammar(
+                f"json_schema: pattern {pattern!r} cannot be checked in linear time ({exc}): "
+                "lookaround, backreferences and repetitions over 1000 are not supported"
+            ) from None
 
 
 def _check_refs(schema: Any, cls: type[Validator]) -> None:
