@@ -11,6 +11,8 @@
     + RequestTooLarge          - 413 request_too_large
     + RequestTimeout           - 408 request_timeout (the request body stopped arriving)
     + Stopped                  - 403 a guard stopped the run (budget_exhausted, loop_detected, ...)
+    + BudgetHeld               - 403 budget_exhausted / token_budget_exhausted, held by steps in flight
+                                 (this step refused; the run goes on)
       - ToolNotAllowed         - 403 tool_not_allowed
     + ApprovalDenied           - 403 approval_denied (a human denied a parked tool call)
       - ApprovalTimeout        - 403 approval_timeout (nobody decided within approval_timeout_s)
@@ -29,7 +31,7 @@ a decision that retrying cannot change.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
 
 class TollgateError(Exception):
@@ -128,6 +130,25 @@ class Stopped(GatewayError):
     @property
     def stop_reason(self) -> str | None:
         return self.reason
+
+
+class BudgetHeld(GatewayError):
+    """A budget claim that fits what the run spent, refused because its steps in flight hold the rest:
+    this step only. The run is not stopped (those steps may settle lower), so this is never a stop's
+    final message, whatever `on_stop` says."""
+
+    status = 403
+    code = "budget_exhausted"
+    openai_type = "permission_error"
+    anthropic_type = "permission_error"
+
+
+class TokenBudgetHeld(BudgetHeld):
+    code = "token_budget_exhausted"
+
+
+HELD: Final[dict[str, type[BudgetHeld]]] = {"budget_exhausted": BudgetHeld,
+                                             "token_budget_exhausted": TokenBudgetHeld}
 
 
 class ToolNotAllowed(Stopped):

@@ -10,6 +10,7 @@ applies their claims and effects atomically.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -21,6 +22,8 @@ from multidict import CIMultiDict
 from gateway.call import Answer
 from gateway.config import Limits, Provider
 from gateway.errors import (
+    HELD,
+    BudgetHeld,
     GatewayError,
     InvalidRequest,
     RequestTimeout,
@@ -126,7 +129,6 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         if verdict.stop.action == "reject":
             raise InvalidRequest(verdict.stop.detail)
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
-    await apply_effects(gw, step, verdict)
     call = step.call
     max_units = call.max_tokens or output_limit(step)
     if step.price is not None and step.price.max_output_tokens:
@@ -138,10 +140,20 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         await _state_failed(step, exc)
         return
     if isinstance(grant, Denial):
-        if not grant.held:  # the run stopped; a budget held by steps in flight refuses this step only
-            step.stop_reason, step.stop_detail = grant.reason, grant.detail
+        if grant.held:  # steps in flight hold the budget: this step alone is refused, the run goes on
+            raise HELD.get(grant.reason, BudgetHeld)(grant.detail)
+        step.stop_reason, step.stop_detail = grant.reason, grant.detail
         raise Stopped(grant.reason, grant.detail)
     step.reservation = grant
+    # the guards' effects (counters, histories) only for a step that goes on: a refused one, even
+    # refused by a held budget, must not count as a step (no_progress would stop an agent that retries)
+    try:
+        await apply_effects(gw, step, verdict)
+    except BaseException:
+        step.reservation = None
+        with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
+            await gw.store.settle(grant, {}, time.time())  # released: nothing went upstream
+        raise
     budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)
     if grant.units != call.max_tokens and (budgeted or call.max_tokens is not None):
         prefer = step.route.provider.dialect == "openai"

@@ -35,9 +35,10 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
         elif claim.fixed > available + EPS:
             return _deny(state, claim, request.min_units, now)
     if units < request.min_units and limiting is not None:
-        if _fits_spent(state, limiting, request.min_units):
+        spent = next((c for c in request.claims if not _fits_spent(state, c, request.min_units)), None)
+        if spent is None:  # every limit still has room against what was spent: reservations refuse
             return _held(state, limiting, request.min_units)
-        return _deny(state, limiting, request.min_units, now)
+        return _deny(state, spent, request.min_units, now)
     units = max(units, 0)
     amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
     for counter, amount in amounts.items():
@@ -59,7 +60,9 @@ def _deny(state: RunState, claim: Claim, min_units: int, now: float) -> Denial:
 
 
 def _fits_spent(state: RunState, claim: Claim, min_units: int) -> bool:
-    """The smallest step fits the limit against what was spent: reservations alone refuse it."""
+    """The smallest step fits the claim's limit (if any) against what was spent, reservations aside."""
+    if claim.limit is None:
+        return True
     need = claim.fixed + claim.per_unit * min_units
     return (claim.limit or 0.0) - state.used.get(claim.counter, 0.0) - need >= -EPS
 

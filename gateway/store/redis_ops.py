@@ -43,22 +43,27 @@ for _, c in ipairs(claims) do
     end
   end
 end
+local function fits_spent(c)  -- logic._fits_spent
+  if c.limit == nil then return true end
+  return c.limit - (getnum('u:' .. c.counter) or 0.0) - (c.fixed + c.per_unit * min_units) >= -EPS
+end
 if units < min_units and limiting ~= nil then
   local c = limiting
   local need = c.fixed + c.per_unit * min_units
-  if c.limit - (getnum('u:' .. c.counter) or 0.0) - need >= -EPS then  -- logic._fits_spent: logic._held
-    local open = 0
-    for _, field in ipairs(redis.call('HKEYS', K)) do
-      if string.sub(field, 1, 2) == 'o:' then open = open + 1 end
-    end
-    local code = c.code
-    if code == '' then code = c.counter .. '_limit' end
-    touch()
-    return cjson.encode({'deny', code, c.counter .. ' limit ' .. fmt(c.limit) .. ': '
-      .. fmt(getnum('r:' .. c.counter) or 0.0) .. ' is held by ' .. open .. ' step(s) in flight and this step'
-      .. ' needs at least ' .. fmt(need) .. '; the run goes on: retry once they settle', 'held'})
+  for _, other in ipairs(claims) do
+    if not fits_spent(other) then return deny(other) end  -- spent: the run stops on that limit
   end
-  return deny(limiting)
+  -- logic._held: only the reservations of steps in flight refuse it
+  local open = 0
+  for _, field in ipairs(redis.call('HKEYS', K)) do
+    if string.sub(field, 1, 2) == 'o:' then open = open + 1 end
+  end
+  local code = c.code
+  if code == '' then code = c.counter .. '_limit' end
+  touch()
+  return cjson.encode({'deny', code, c.counter .. ' limit ' .. fmt(c.limit) .. ': '
+    .. fmt(getnum('r:' .. c.counter) or 0.0) .. ' is held by ' .. open .. ' step(s) in flight and this step'
+    .. ' needs at least ' .. fmt(need) .. '; the run goes on: retry once they settle', 'held'})
 end
 if units < 0 then units = 0 end
 local amounts, order = {}, {}

@@ -135,6 +135,7 @@ class FakeProvider:
         self.disconnects = 0
         self.in_flight = 0
         self.models: list[dict[str, Any]] = [{"id": "gpt-4o-mini", "object": "model", "owned_by": "fake"}]
+        self._arrived = asyncio.Event()
 
     def queue(self, *replies: Reply) -> None:
         self.replies.extend(replies)
@@ -158,9 +159,16 @@ class FakeProvider:
             return Reply(body=anthropic_message())
         return Reply(body=openai_completion())
 
+    async def wait_seen(self, count: int) -> None:
+        """Until `count` requests have arrived (bound it with `asyncio.wait_for`)."""
+        while len(self.seen) < count:
+            self._arrived.clear()
+            await self._arrived.wait()
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.seen.append(Seen(request.method, request.path, dict(request.headers), body))
+        self._arrived.set()
         reply = self._next(request.path)
         self.in_flight += 1
         try:

@@ -260,6 +260,25 @@ async def test_a_budget_held_by_a_step_in_flight_refuses_without_stopping(gatewa
     assert len(h.fake.seen) == 2
 
 
+async def test_a_held_refusal_is_not_a_step_and_never_a_final_message(gateway_factory: GatewayFactory) -> None:
+    """Refused while the budget is held: the guards' effects are not applied (retrying as told cannot
+    trip no_progress), and with `on_stop: message` it is still a 403, since nothing stopped."""
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 0.01}, loop={"stall_steps": 2},
+                                                            on_stop="message"))
+    body = {"model": "gpt-4o-mini", "messages": MSG}
+    h.fake.queue(Reply(body=openai_completion(prompt_tokens=10, completion_tokens=5), delay=0.4))
+    slow = asyncio.create_task(post(h, body, "hr"))
+    await asyncio.wait_for(h.fake.wait_seen(1), 10)
+    for _ in range(2):
+        status, headers, raw = await post(h, body, "hr")
+        assert status == 403 and "x-tollgate-stop-reason" not in headers
+        assert orjson.loads(raw)["error"]["code"] == "budget_exhausted"
+    assert (await slow)[0] == 200
+    status, _, _ = await post(h, body, "hr")
+    assert status == 200
+    assert (await h.run("hr"))["status"] == "active"
+
+
 async def test_both_output_limit_fields_are_reserved_and_clamped(gateway_factory: GatewayFactory) -> None:
     """`max_tokens` and `max_completion_tokens` together: the larger is reserved, and both are clamped
     to the grant (an upstream that honours only `max_tokens` cannot run past the budget)."""

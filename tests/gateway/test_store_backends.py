@@ -80,6 +80,19 @@ async def test_reserve_and_settle(store: RunStore) -> None:
     )
 
 
+async def test_a_spent_limit_stops_the_run_though_another_is_only_held(store: RunStore) -> None:
+    """Tokens are held by a step in flight, USD is spent: the run stops on USD, in every backend."""
+    usd = Claim("usd", 0.0, 0.001, 0.1, "budget_exhausted")
+    tokens = Claim("tokens", 0.0, 1.0, 1000.0, "token_budget_exhausted")
+    spend = await grant(store, request=ReserveRequest((usd,), 16, 100))
+    await store.settle(spend, {"usd": 0.095}, NOW)  # 0.005 left: 16 units need 0.016
+    await grant(store, request=ReserveRequest((tokens,), 16, 1000))  # all tokens held, in flight
+    denial = await store.reserve("run-1", "bot", ReserveRequest((tokens, usd), 16, 100), NOW)
+    assert isinstance(denial, Denial) and not denial.held and denial.reason == "budget_exhausted"
+    state = await store.get("run-1")
+    assert state is not None and state.stop_reason == "budget_exhausted"
+
+
 async def test_denial_stops_the_run_and_sticks(store: RunStore) -> None:
     grants = [await grant(store) for _ in range(10)]
     held = await store.reserve("run-1", "bot", CALL, NOW)  # in flight, not spent: refused, not stopped

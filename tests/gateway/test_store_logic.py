@@ -216,6 +216,19 @@ def test_a_budget_for_exactly_n_calls_grants_exactly_n(
     assert isinstance(result, Denial) and not result.held and state.stop_reason == "budget_exhausted"
 
 
+def test_a_limit_already_spent_stops_the_run_even_when_another_is_held() -> None:
+    """USD is spent, tokens are only held: no settlement can bring USD back, so the run stops on it."""
+    state = fresh()
+    usd = Claim("usd", 0.0, 0.001, 1.0, "budget_exhausted")
+    tokens = Claim("tokens", 0.0, 1.0, 1000.0, "token_budget_exhausted")
+    state.used["usd"] = 0.99
+    state.reserved["tokens"] = 1000.0
+    state.open["r0"] = {"amounts": {"tokens": 1000.0}, "at": NOW}
+    denial = reserve(state, req(tokens, usd, min_units=16, max_units=100))
+    assert isinstance(denial, Denial) and not denial.held
+    assert (denial.reason, state.stop_reason) == ("budget_exhausted", "budget_exhausted")
+
+
 def test_a_held_budget_that_settles_lower_grants_again() -> None:
     """Two steps in flight hold the whole budget; one settles at a tenth: the next step fits again."""
     state = fresh()
