@@ -178,12 +178,13 @@ class OpenAIChat:
         return None
 
     def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
-        """Every output-limit field the agent sent gets `value` (whichever one the upstream honours)."""
-        fields = [key for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None]
-        if not fields:
-            fields = ["max_completion_tokens" if prefer_completion_field else "max_tokens"]
-        for field in fields:
-            body[field] = value
+        """Every output-limit field the agent sent is held to `value` (whichever one the upstream honours;
+        one the agent set lower stays lower)."""
+        sent = {key: body[key] for key in ("max_completion_tokens", "max_tokens") if body.get(key) is not None}
+        if not sent:
+            body["max_completion_tokens" if prefer_completion_field else "max_tokens"] = value
+        for field, limit in sent.items():
+            body[field] = min(int(limit), value)
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         """Ask for the usage chunk; True when the agent had not asked for it (then it is hidden)."""

@@ -280,8 +280,9 @@ async def test_a_held_refusal_is_not_a_step_and_never_a_final_message(gateway_fa
 
 
 async def test_both_output_limit_fields_are_reserved_and_clamped(gateway_factory: GatewayFactory) -> None:
-    """`max_tokens` and `max_completion_tokens` together: the larger is reserved, and both are clamped
-    to the grant (an upstream that honours only `max_tokens` cannot run past the budget)."""
+    """`max_tokens` and `max_completion_tokens` together: the larger is reserved, and both are held to
+    the grant (an upstream that honours only `max_tokens` cannot run past the budget); the one the
+    agent set lower stays as it was."""
     h = await gateway_factory(agents=agent(budget={"tokens": 3000}))
     body = {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 1_000_000, "max_completion_tokens": 10}
     status, headers, _ = await post(h, body, "both")
@@ -289,7 +290,7 @@ async def test_both_output_limit_fields_are_reserved_and_clamped(gateway_factory
     granted = 3000 - len(orjson.dumps(body))
     assert int(headers["x-tollgate-max-tokens"]) == granted
     sent = h.fake.seen[-1].json
-    assert (sent["max_tokens"], sent["max_completion_tokens"]) == (granted, granted)
+    assert (sent["max_tokens"], sent["max_completion_tokens"]) == (granted, 10)
 
 
 @pytest.mark.parametrize("n", [1, 4])

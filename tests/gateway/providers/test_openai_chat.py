@@ -273,8 +273,10 @@ def test_stop_stream_is_one_chunk_then_done(clock: None, reason: str, detail: st
         ({"max_completion_tokens": 100}, False, "max_completion_tokens", {"max_completion_tokens": 9}),
         ({"max_completion_tokens": 100, "max_tokens": 200}, False, "max_completion_tokens",
          {"max_completion_tokens": 9, "max_tokens": 9}),  # both: whichever the upstream honours
+        ({"max_completion_tokens": 5, "max_tokens": 200}, False, "max_completion_tokens",
+         {"max_completion_tokens": 5, "max_tokens": 9}),  # one the agent set lower stays lower
         ({"max_tokens": None}, True, None, {"max_tokens": None, "max_completion_tokens": 9}),
-        ({"max_completion_tokens": None, "max_tokens": 5}, True, "max_tokens",
+        ({"max_completion_tokens": None, "max_tokens": 12}, True, "max_tokens",
          {"max_completion_tokens": None, "max_tokens": 9}),
     ],
 )
