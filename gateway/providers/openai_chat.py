@@ -49,6 +49,15 @@ def _tool_choice(value: Any) -> str | None:
     raise InvalidRequest("tool_choice must be auto, none, required or a function", param="tool_choice")
 
 
+def _forced(body: Mapping[str, Any]) -> str | None:
+    """The tool a request forces, by `tool_choice` or the legacy `function_call` (one name at most: the
+    allow-list judges the one that is forced, so two different names are refused)."""
+    tool, function = _tool_choice(body.get("tool_choice")), forced_function(body.get("function_call"))
+    if tool is not None and function is not None and tool != function:
+        raise InvalidRequest("tool_choice and function_call force different tools", param="function_call")
+    return tool or function
+
+
 def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
     """Tool results of the latest round: the `role: tool` messages after the last assistant message."""
     results: list[ToolResult] = []
@@ -93,7 +102,7 @@ class OpenAIChat:
             max_tokens=max_tokens,
             input_bytes=len(raw),
             tools=_tools(raw_tools) + legacy,
-            tool_choice=_tool_choice(body.get("tool_choice")) or forced_function(body.get("function_call")),
+            tool_choice=_forced(body),
             tool_results=_latest_results(messages),
             params=params,
             request_hash=digest(raw),

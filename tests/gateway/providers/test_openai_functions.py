@@ -82,12 +82,6 @@ def test_the_adapter_offers_functions_as_tools_and_forces_by_function_call() -> 
     )
     assert [t.name for t in call.tools] == ["t", "f"]
     assert call.tool_choice == "f"
-    assert (
-        parse(
-            tool_choice={"type": "function", "function": {"name": "t"}}, function_call={"name": "f"}
-        ).tool_choice
-        == "t"
-    )
     with pytest.raises(RequestTooLarge):
         parse(
             tools=[{"type": "function", "function": {"name": "t"}}], functions=[{"name": "f"}, {"name": "g"}]
@@ -170,3 +164,12 @@ def test_drop_stream_calls_removes_a_refused_legacy_call_by_its_whole_name() -> 
         {}, "stop"
     )
     assert drop_stream_calls("openai", raw, frozenset({"de"})) == raw
+
+
+def test_tool_choice_and_function_call_cannot_force_different_tools() -> None:
+    forced = {"type": "function", "function": {"name": "t"}}
+    assert parse(tool_choice=forced, function_call={"name": "t"}).tool_choice == "t"
+    assert parse(tool_choice="auto", function_call={"name": "f"}).tool_choice == "f"
+    with pytest.raises(InvalidRequest) as info:
+        parse(tool_choice=forced, function_call={"name": "f"})
+    assert info.value.param == "function_call"
