@@ -15,6 +15,7 @@ from gateway.errors import (
     ModelNotFound,
     OutputNonconforming,
     ShuttingDown,
+    StateUnavailable,
     Stopped,
     UpstreamUnavailable,
 )
@@ -285,20 +286,24 @@ async def list_models(request: web.Request) -> web.Response:
 
 # the guarded model-call paths, by the protocol their handler speaks
 GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic"}
+_BLANKS = "".join(map(chr, range(33)))  # controls and space, trimmed off path segments
 
 
 def canonical_path(path: str) -> str:
-    """`path` (decoded) without empty segments: `/v1//chat/completions/` is `/v1/chat/completions`."""
-    return "/" + "/".join(part for part in path.split("/") if part)
+    """`path` (decoded) as a lenient server reads it: lower case, each segment without `;parameters`
+    and surrounding whitespace or control characters, no empty segments. `/v1//Chat/completions;x/`
+    is `/v1/chat/completions`."""
+    parts = (part.partition(";")[0].strip(_BLANKS).lower() for part in path.split("/"))
+    return "/" + "/".join(part for part in parts if part)
 
 
 async def forward_other(request: web.Request) -> web.StreamResponse:
     """Any other `/v1/...` call: routed by the body's `model` (or to the first OpenAI provider), streamed
-    back unchanged. A POST to a spelling of a guarded path (doubled or trailing slashes, an encoded
-    slash) is that model call, guards and all: an upstream that normalises paths must not make it a
-    way around them."""
-    protocol = GUARDED_PATHS.get(canonical_path(request.path)) if request.method == "POST" else None
-    if protocol is not None:
+    back unchanged, unless the run is stopped. A POST to a spelling of a guarded path (doubled or
+    trailing slashes, case, an encoded slash or space) is that model call, guards and all: an upstream
+    that normalises paths must not make it a way around them; other methods than GET there are refused."""
+    protocol = GUARDED_PATHS.get(canonical_path(request.path))
+    if protocol is not None and request.method == "POST":
         return await handle_chat(request, protocol)
     gw = request.app[GATEWAY]
     adapter: Adapter = gw.adapters["openai"]
@@ -307,6 +312,16 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         if gw.shutting_down:
             raise ShuttingDown("tollgate is shutting down")
         identity = gw.identifier.identify(request.headers)
+        if protocol is not None and request.method not in ("GET", "HEAD"):
+            raise InvalidRequest(f"{request.method} is not a method of {canonical_path(request.path)}")
+        try:
+            state = await gw.store.get(identity.run_id, steps=False, reservations=False)
+        except StateUnavailable:
+            if identity.policy.state_failure != "fail_open":
+                raise
+            state = None
+        if state is not None and state.stopped:  # a stopped run is stopped on every upstream path
+            raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
         raw = await read_body(request, gw.config.limits)
         route = None
         if raw and request.content_type == JSON:

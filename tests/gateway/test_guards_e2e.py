@@ -311,7 +311,8 @@ async def test_n_choices_share_the_token_budget(gateway_factory: GatewayFactory,
     ("path", "body"),
     [(p, {"model": "gpt-4o-mini", "messages": MSG})
      for p in ("/v1/chat/completions/", "/v1//chat/completions", "/v1/chat/completions%2F",
-               "/v1/chat%2Fcompletions")]
+               "/v1/chat%2Fcompletions", "/v1/Chat/Completions", "/v1/chat/completions;", "/v1/chat/completions%20",
+               "/v1/chat/completions%00")]
     + [(p, {"model": "claude-3-5-haiku-latest", "max_tokens": 8, "messages": MSG})
        for p in ("/v1/messages/", "/v1//messages", "/v1/messages%2F")],
 )
@@ -326,6 +327,24 @@ async def test_spellings_of_a_guarded_path_are_guarded(gateway_factory: GatewayF
     assert status == 403 and headers["x-tollgate-stop-reason"] == "llm_call_cap"
     assert (await post(h, body, "pv", path=path))[0] == 403
     assert len(h.fake.seen) == 1
+
+
+async def test_a_stopped_run_reaches_no_upstream_path(gateway_factory: GatewayFactory) -> None:
+    """Other /v1 paths pass through, but not for a stopped run; and a guarded path takes POST (or GET)."""
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
+    body = {"model": "gpt-4o-mini", "input": "hi"}
+    assert (await post(h, body, "ps", path="/v1/responses"))[0] == 200  # passes through while active
+    for method in ("PUT", "PATCH"):
+        async with h.session.request(method, f"{h.url}/v1/chat/completions", json=body,
+                                     headers={"x-tollgate-run-id": "ps", "x-tollgate-agent": "bot"}) as resp:
+            assert resp.status == 400
+    assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "ps"))[0] == 200
+    assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "ps"))[0] == 403  # the cap stops it
+    seen = len(h.fake.seen)
+    status, headers, raw = await post(h, body, "ps", path="/v1/responses")
+    assert status == 403 and headers["x-tollgate-stop-reason"] == "llm_call_cap"
+    assert orjson.loads(raw)["error"]["code"] == "llm_call_cap"
+    assert len(h.fake.seen) == seen
 
 
 async def test_on_stop_message_answers_200(gateway_factory: GatewayFactory) -> None:
