@@ -112,7 +112,8 @@ def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
 
 
 async def guard_before(gw: Gateway, step: Step) -> None:
-    """Run the guards, then reserve their claims atomically. Raises Stopped on a stop."""
+    """Run the guards, reserve their claims atomically, then apply their effects. Raises Stopped on a
+    stop, BudgetHeld when only the reservations of steps in flight refuse the claims."""
     ident = step.identity
     now = time.time()
     try:
