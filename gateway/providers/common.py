@@ -59,12 +59,14 @@ def opt_number(body: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def opt_int(body: Mapping[str, Any], key: str, *, minimum: int = 0) -> int | None:
+def opt_int(body: Mapping[str, Any], key: str, *, minimum: int = 0, maximum: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidRequest(f"'{key}' must be an integer >= {minimum}", param=key)
+    if maximum is not None and value > maximum:
+        raise InvalidRequest(f"'{key}' must be an integer from {minimum} to {maximum}", param=key)
     return value
 
 

@@ -25,6 +25,7 @@ from gateway.providers.openai_functions import LEGACY, forced_function, function
 from gateway.providers.sse import SseEvent, format_event
 
 DONE = b"data: [DONE]\n\n"
+MAX_CHOICES = 128  # OpenAI's bound on `n`; each choice is reserved, so a wild `n` is a 400, not a stop
 
 
 def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
@@ -92,7 +93,7 @@ class OpenAIChat:
             presence_penalty=opt_number(body, "presence_penalty"),
             stop_sequences=opt_strings(body.get("stop")),
             seed=opt_int(body, "seed", minimum=-(2**63)),
-            choice_count=opt_int(body, "n", minimum=1),
+            choice_count=opt_int(body, "n", minimum=1, maximum=MAX_CHOICES),
         )
         return Call(
             protocol="openai",

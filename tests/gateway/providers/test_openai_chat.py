@@ -108,6 +108,9 @@ def test_parse_request(fields: dict[str, Any], expected: dict[str, Any]) -> None
         ({"presence_penalty": "0"}, None, InvalidRequest, "presence_penalty", "number"),
         ({"seed": "1"}, None, InvalidRequest, "seed", "integer"),
         ({"n": 0}, None, InvalidRequest, "n", "'n' must be an integer >= 1"),
+        # every choice is reserved: a wild n would stop the run on its budget, so it is refused instead
+        ({"n": 129}, None, InvalidRequest, "n", "'n' must be an integer from 1 to 128"),
+        ({"n": 2**63}, None, InvalidRequest, "n", "'n' must be an integer from 1 to 128"),
         ({"tool_choice": "any"}, None, InvalidRequest, "tool_choice", "auto, none, required or a func"),
         ({"tool_choice": {"type": "function"}}, None, InvalidRequest, "tool_choice", "must name a function"),
         ({"tool_choice": {"function": {"name": 1}}}, None, InvalidRequest, "tool_choice", "must name a func"),
