@@ -17,7 +17,8 @@ MAX_STEPS = 50
 
 
 def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id: str) -> Reservation | Denial:
-    """Grant every claim of `request` with the most units that fit, or stop the run."""
+    """Grant every claim of `request` with the most units that fit. Else stop the run, unless only the
+    reservations of its steps in flight stand in the way: then refuse this step alone (`Denial.held`)."""
     if state.stopped:
         return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
     if state.started_at is None:
@@ -64,7 +65,7 @@ def _fits_spent(state: RunState, claim: Claim, min_units: int) -> bool:
     if claim.limit is None:
         return True
     need = claim.fixed + claim.per_unit * min_units
-    return (claim.limit or 0.0) - state.used.get(claim.counter, 0.0) - need >= -EPS
+    return claim.limit - state.used.get(claim.counter, 0.0) - need >= -EPS
 
 
 def _held(state: RunState, claim: Claim, min_units: int) -> Denial:
