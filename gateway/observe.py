@@ -55,7 +55,6 @@ _PARENT: Final = "trace_parent"  # the agent's trace context (Context), or None 
 _DECISIONS: Final = "span_decisions"  # step.decisions already put on an earlier attempt's span
 _OPENED: Final = "span_opened"  # len(step.decisions) when the current span opened (its guard.before ran)
 _VIOLATIONS: Final = "span_violations"  # step.violations already put on an earlier attempt's span
-_COSTS: Final = "attempt_costs"  # settled cost of the attempts whose spans already ended
 _RESERVED: Final = "reserved_usd"  # this step's contribution to the in-flight reserved-USD gauge
 _DROPS: Final = "span_drops"  # the tool-drop event is on a span already
 _PENDING: Final = "span_pending"  # (attempt, Reserved, time.time(), perf_counter()) of a span not yet built
@@ -172,7 +171,6 @@ def _end_reasked(gw: Gateway, telemetry: Telemetry, step: Step, span: StepSpan) 
         span.capture_output(step.answer, gw.services["redactor"])
     telemetry.metrics.upstream_request(step.route.provider_name, _upstream_status(step))
     _release(gw, telemetry.metrics, step)
-    step.extra[_COSTS] = step.extra.get(_COSTS, 0.0) + step.cost_usd
     span.finish(step.answer, cost_usd=step.cost_usd)
 
 
@@ -244,12 +242,12 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
         span.error(step.error_type, None, upstream=upstream)
     if not reached:
         span.end()
-        return float(step.extra.get(_COSTS, 0.0))
+        return step.spent.get("usd", 0.0)
     telemetry.metrics.upstream_request(step.route.provider_name, _upstream_status(step))
     if telemetry.capture_content and step.answer is not None:
         span.capture_output(step.answer, gw.services["redactor"])
     span.finish(step.answer, cost_usd=step.cost_usd)
-    return float(step.extra.get(_COSTS, 0.0)) + step.cost_usd
+    return step.spent.get("usd", 0.0)
 
 
 def _step_metrics(metrics: Metrics, step: Step, decision: str) -> None:
