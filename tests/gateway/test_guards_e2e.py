@@ -218,6 +218,8 @@ async def test_no_progress_on_same_results(gateway_factory: GatewayFactory) -> N
                                {"role": "tool", "tool_call_id": f"c{i}", "content": "nothing found"}]
     # step 1: new request; step 2: first result (new); steps 3 and 4 bring the same result again
     assert statuses == [200, 200, 200, 403]
+    run = await h.run("np")  # the stopped step counts no call and holds nothing
+    assert (run["llm_calls"], run["reserved_tokens"], run["reserved_usd"]) == (3, 0, 0)
 
 
 @pytest.mark.parametrize("backend", ["memory", "sqlite"])
