@@ -70,7 +70,7 @@ def check_headers(headers: Mapping[str, str], limits: Limits) -> None:
     """`limits.max_headers` and `limits.max_header_bytes` (names + values + separators, as on the wire).
 
     The HTTP server refuses a single field or request line over `max_header_bytes`, and more than
-    `max_headers` fields, before routing (a plain-text 400: see `gateway.server.handler_args`); this
+    `max_headers` fields, before routing (a 400 in JSON both formats read: see `gateway.runner`); this
     catches what the parser lets through, a total over the limit, with a 400 in the caller's format."""
     count = len(headers)
     if count > limits.max_headers:

@@ -20,15 +20,17 @@ from gateway.app import create_apps
 from gateway.config import Config, Limits
 from gateway.errors import ConfigError, StateUnavailable
 from gateway.proxy import GATEWAY
+from gateway.runner import GatewayRunner
 
 
 def handler_args(limits: Limits) -> dict[str, Any]:
-    """HTTP parser limits for `web.AppRunner(..., **handler_args(limits))` (or `TestServer.start_server`).
+    """HTTP parser limits for `GatewayRunner(..., **handler_args(limits))` (or `TestServer.start_server`).
 
     aiohttp's parser refuses a request line or a header field (name + value) over `max_header_bytes`
-    and more than `max_headers` fields before any routing, with its own plain-text 400 (not the
-    caller's wire format: no handler has run). Everything that passes the parser meets the same limits
-    again, as a total, in `gateway.identity.check_headers`, which answers 400 in the caller's format."""
+    and more than `max_headers` fields before any routing: a 400 whose JSON both wire formats read
+    (`gateway.runner`; no handler ran, so the API called is unknown). Everything that passes the parser
+    meets the same limits again, as a total, in `gateway.identity.check_headers`, which answers 400 in
+    the caller's format."""
     return {
         "max_line_size": limits.max_header_bytes,
         "max_field_size": limits.max_header_bytes,
@@ -58,11 +60,11 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
     proxy, admin = create_apps(config)
     # handler_cancellation: a client that goes away cancels its handler at once, and with it the
     # upstream request, even while the relay is holding events and has nothing to write
-    runner = web.AppRunner(
+    runner = GatewayRunner(
         proxy, shutdown_timeout=config.shutdown_grace_s, access_log=None, handler_cancellation=True,
         **handler_args(config.limits),
     )
-    admin_runner = web.AppRunner(admin, shutdown_timeout=1.0, access_log=None, **handler_args(config.limits))
+    admin_runner = GatewayRunner(admin, shutdown_timeout=1.0, access_log=None, **handler_args(config.limits))
     await runner.setup()
     await admin_runner.setup()
     try:

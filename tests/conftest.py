@@ -17,6 +17,7 @@ from gateway.app import create_apps
 from gateway.config import Config, parse_config
 from gateway.proxy import GATEWAY
 from gateway.runtime import Gateway
+from tests.fakes.gateway_server import GatewayTestServer
 from tests.fakes.upstream import FakeProvider
 
 
@@ -83,10 +84,10 @@ async def gateway_factory(fake: tuple[FakeProvider, str], tmp_path: Path) -> Asy
         data = base_config(fake_url, **overrides)
         config = parse_config(data, env={}, base_dir=str(tmp_path))
         proxy, admin = create_apps(config)
-        proxy_server = TestServer(proxy, host="127.0.0.1")
+        proxy_server = GatewayTestServer(proxy, config.limits)
         await proxy_server.start_server()
         servers.append(proxy_server)
-        admin_server = TestServer(admin, host="127.0.0.1")
+        admin_server = GatewayTestServer(admin, config.limits)
         await admin_server.start_server()
         servers.append(admin_server)
         session = ClientSession()
