@@ -156,6 +156,7 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", chat_handler("openai"))
     app.router.add_post("/v1/messages", chat_handler("anthropic"))
+    app.router.add_post("/v1/responses", chat_handler("openai_responses"))
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
     app.router.add_route("*", "/mcp/{server}", _mcp_route(config))

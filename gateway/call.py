@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import orjson
 
-Protocol_ = Literal["openai", "anthropic", "mcp"]
+Protocol_ = Literal["openai", "anthropic", "openai_responses", "mcp"]
 
 
 def canonical_json(value: Any) -> bytes:

@@ -8,7 +8,7 @@ them apply: an answer must satisfy each. Pure apart from compiling off the event
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +19,27 @@ from grammars.compile import Constraint, compile_async, validate_tool_arguments
 from grammars.library import GrammarLibrary
 from grammars.native import native_is_exact, native_params, validation_spec
 from grammars.reask import reask_instruction
-from grammars.requests import request_constraints, strip_guided_fields
+from grammars.requests import request_constraints, responses_constraints, strip_guided_fields
 from grammars.spec import ConstraintSpec, Violation
 
 GRAMMAR_HEADER = "x-tollgate-grammar"
 _GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs",
            "guided_decoding_backend", "guided_whitespace_pattern")
 _VLLM = ("vllm", "vllm-legacy")
+# what a request body asks for itself, by wire protocol
+_FROM_BODY: dict[str, Callable[[Mapping[str, Any]], tuple[ConstraintSpec, ...]]] = {
+    "openai": request_constraints,
+    "openai_responses": responses_constraints,
+}
+
+
+def _native_in_body(call: Call, dialect: str) -> bool:
+    """The request already asks the upstream for its first constraint in the upstream's own form."""
+    if call.protocol == "openai_responses":
+        fmt = (call.raw.get("text") or {}).get("format") or {}
+        return dialect == "openai" and fmt.get("type") in ("json_schema", "json_object")
+    return ("response_format" in call.raw and dialect == "openai") or (
+        any(k in call.raw for k in _GUIDED) and dialect in _VLLM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +97,13 @@ async def plan_outputs(
 ) -> OutputPlan | None:
     """The constraints of a step, compiled (cached by content). Raises InvalidGrammar (400)."""
     header = headers.get(GRAMMAR_HEADER)
-    from_request: tuple[ConstraintSpec, ...] = ()
-    if call.protocol == "openai":
-        from_request = request_constraints(call.raw)
+    body_constraints = _FROM_BODY.get(call.protocol)
+    from_request = body_constraints(call.raw) if body_constraints is not None else ()
     if not (grammar_ref or header or from_request):
         return None
-    body_has_guided = any(k in call.raw for k in _GUIDED)
+    if call.protocol == "openai_responses" and dialect != "openai":
+        dialect = "none"  # other dialects' native fields belong to Chat Completions bodies
+    body_has_guided = call.protocol == "openai" and any(k in call.raw for k in _GUIDED)
     # without constraints from the body, the plan depends only on these: an agent's steps share one
     key = (grammar_ref, header, retries, stream_check, dialect, body_has_guided)
     cached = None if from_request else library.plans.get(key)
@@ -104,9 +119,7 @@ async def plan_outputs(
     native: Mapping[str, Any] | None = None
     exact = False
     first = unique[0]
-    already_native = bool(from_request) and first in from_request and (
-        ("response_format" in call.raw and dialect == "openai") or (body_has_guided and dialect in _VLLM)
-    )
+    already_native = bool(from_request) and first in from_request and _native_in_body(call, dialect)
     if not already_native:
         native = native_params(dialect, first)
     exact = native_is_exact(dialect, first) and (native is not None or already_native)
@@ -122,7 +135,23 @@ async def plan_outputs(
     return plan
 
 
-def apply_native(plan: OutputPlan, body: dict[str, Any]) -> bool:
+def _into_text_format(body: dict[str, Any], native: Mapping[str, Any]) -> None:
+    """OpenAI's native `response_format` as a Responses `text.format` (flat: name, schema, strict)."""
+    rf = native.get("response_format")
+    if not isinstance(rf, Mapping):
+        raise TypeError(f"no Responses form for native fields {sorted(native)}")  # plan_outputs forbids it
+    text = body.get("text")
+    fmt = {"type": rf["type"], **rf.get("json_schema", {})}
+    body["text"] = {**(text if isinstance(text, Mapping) else {}), "format": fmt}
+
+
+# how native fields enter a body, by wire protocol (default: merged at the top level)
+_NATIVE_INTO: dict[str, Callable[[dict[str, Any], Mapping[str, Any]], None]] = {
+    "openai_responses": _into_text_format,
+}
+
+
+def apply_native(plan: OutputPlan, body: dict[str, Any], protocol: str) -> bool:
     """Merge native constraint fields into the request body; True when the body changed."""
     changed = False
     if plan.strip_guided:
@@ -131,7 +160,11 @@ def apply_native(plan: OutputPlan, body: dict[str, Any]) -> bool:
         body.update(stripped)
         changed = True
     if plan.native:
-        body.update(plan.native)
+        into = _NATIVE_INTO.get(protocol)
+        if into is not None:
+            into(body, plan.native)
+        else:
+            body.update(plan.native)
         changed = True
     return changed
 

@@ -222,7 +222,7 @@ def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, CIMul
     provider = step.route.provider
     out = forwardable(headers, drop=_DROP_TRACE[not provider.passthrough_auth])
     add_credentials(provider, out)
-    path = "/v1/messages" if provider.type == "anthropic" else "/chat/completions"
+    path = step.adapter.upstream_path
     out["Content-Type"] = JSON
     return provider.base_url.rstrip("/") + path, out
 

@@ -71,11 +71,13 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         body = parse_json(raw, limits)
         call = adapter.parse_request(body, raw, limits)
         route = gw.router.route(call.model)
-        if route.provider.type != protocol:
+        if route.provider.type != adapter.provider_type:
             raise InvalidRequest(
                 f"model {call.model!r} is served by a {route.provider.type} provider; "
                 f"call it through that provider's API"
             )
+        if route.provider.engine != "http" and protocol != "openai":
+            raise InvalidRequest(f"model {call.model!r} runs in-process and serves Chat Completions only")
         output = identity.policy.output
         plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)
@@ -86,7 +88,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
                 tools=gw.tool_policy(identity.agent, identity.policy))
     begin_step(gw, step, request.headers)
     if plan is not None:
-        step.changed = apply_native(plan, step.body)
+        step.changed = apply_native(plan, step.body, call.protocol)
     response: web.StreamResponse | None = None
     try:
         if step.tools is not None and shape_tools(step.tools, call, step.body):
@@ -221,7 +223,7 @@ def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:
     step.body, step.raw = dict(body), raw
     step.changed = True
     if step.outputs is not None:
-        apply_native(step.outputs, step.body)
+        apply_native(step.outputs, step.body, step.call.protocol)
 
 
 async def record(gw: Gateway, step: Step) -> None:
@@ -285,7 +287,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 # the guarded model-call paths, by the protocol their handler speaks
-GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic"}
+GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic", "/v1/responses": "openai_responses"}
 _BLANKS = "".join(map(chr, range(33)))  # controls and space, trimmed off path segments
 
 

@@ -55,6 +55,34 @@ def request_constraints(body: Mapping[str, Any]) -> tuple[ConstraintSpec, ...]:
     return tuple(unique.values())
 
 
+def responses_constraints(body: Mapping[str, Any]) -> tuple[ConstraintSpec, ...]:
+    """The constraint an OpenAI Responses request asks for in `text.format` (flat: `name`, `schema`)."""
+    text = body.get("text")
+    if text is None:
+        return ()
+    if not isinstance(text, Mapping):
+        raise _bad("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return ()
+    if not isinstance(fmt, Mapping):
+        raise _bad("text.format", "must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return ()
+    if kind == "json_object":
+        return (JSON_OBJECT,)
+    if kind != "json_schema":
+        raise _bad("text.format.type", f"{kind!r} is not supported (text, json_object, json_schema)")
+    name = fmt.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _bad("text.format.name", "must be a string")
+    schema = fmt.get("schema")
+    if not isinstance(schema, Mapping | bool):
+        raise _bad("text.format.schema", "must be an object")
+    return (json_schema_spec(_plain(schema), name),)
+
+
 def strip_guided_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """A shallow copy of `body` without the vLLM-only fields, for upstreams that reject them."""
     return {k: v for k, v in body.items() if k not in VLLM_ONLY_FIELDS}

@@ -81,6 +81,8 @@ TOLLGATE_GUARD_DETAIL: Final = "tollgate.guard.detail"
 """Event attribute: short human text; never user or model content."""
 
 CHAT_COMPLETIONS: Final = OpenAI.OpenaiApiTypeValues.CHAT_COMPLETIONS.value
+RESPONSES: Final = OpenAI.OpenaiApiTypeValues.RESPONSES.value
+_API_TYPES: Final[Mapping[str, str]] = {"openai": CHAT_COMPLETIONS, "openai_responses": RESPONSES}
 TOOLS_CALL: Final = Mcp.McpMethodNameValues.TOOLS_CALL.value
 EXECUTE_TOOL: Final = GenAI.GenAiOperationNameValues.EXECUTE_TOOL.value
 TOOL_ERROR: Final = "tool_error"  # error.type for `CallToolResult.isError` (mcp.md, v1.41)
@@ -146,6 +148,11 @@ def _openai_output_type(raw: Mapping[str, Any]) -> str | None:
     return {"json_object": _JSON, "json_schema": _JSON, "text": _TEXT}.get(kind) if kind else None
 
 
+def _responses_output_type(raw: Mapping[str, Any]) -> str | None:
+    text = raw.get("text")
+    return _openai_output_type({"response_format": text.get("format")}) if isinstance(text, Mapping) else None
+
+
 def _anthropic_output_type(raw: Mapping[str, Any]) -> str | None:
     fmt = raw.get("output_format")
     config = raw.get("output_config")
@@ -158,6 +165,7 @@ def _anthropic_output_type(raw: Mapping[str, Any]) -> str | None:
 _OUTPUT_TYPE: Final[Mapping[str, Callable[[Mapping[str, Any]], str | None]]] = {
     "openai": _openai_output_type,
     "anthropic": _anthropic_output_type,
+    "openai_responses": _responses_output_type,
 }
 
 
@@ -172,7 +180,7 @@ def _openai_extras(call: Call) -> Attributes:
     tier = call.raw.get("service_tier")
     return present(
         (
-            (OpenAI.OPENAI_API_TYPE, CHAT_COMPLETIONS if call.protocol == "openai" else None),
+            (OpenAI.OPENAI_API_TYPE, _API_TYPES.get(call.protocol)),
             (OpenAI.OPENAI_REQUEST_SERVICE_TIER, tier if isinstance(tier, str) and tier != "auto" else None),
         )
     )

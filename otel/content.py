@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple
 
 from gateway.call import Answer, Call
-from otel import _content_anthropic, _content_openai
+from otel import _content_anthropic, _content_openai, _content_responses
 from otel._content_common import Message, Part, compact, json_or_text, without_none
 
 # fmt: off
@@ -42,12 +42,19 @@ _DIALECTS: Final[Mapping[str, _Dialect]] = {
         _content_anthropic.system_instructions,
         _content_anthropic.tool_definitions,
     ),
+    "openai_responses": _Dialect(
+        _content_responses.input_messages,
+        _content_responses.system_instructions,
+        _content_responses.tool_definitions,
+    ),
 }
 
 # Output-message `finish_reason` uses the schema's enum (stop, length, content_filter, tool_call,
 # error); provider values map onto it, unknown values pass through (any string is allowed).
 _FINISH_REASONS: Final[Mapping[str, str]] = {
     "stop": "stop",
+    "completed": "stop",
+    "max_output_tokens": "length",
     "end_turn": "stop",
     "stop_sequence": "stop",
     "length": "length",

@@ -83,6 +83,8 @@ def usage_from(usage: Any) -> Usage | None:
 class AnthropicMessages:
     protocol = "anthropic"
     operation = "chat"
+    provider_type = "anthropic"
+    upstream_path = "/v1/messages"
 
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")

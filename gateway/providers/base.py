@@ -40,6 +40,8 @@ class StreamReader(Protocol):
 class Adapter(Protocol):
     protocol: str
     operation: str
+    provider_type: str  # the type of provider (`providers.*.type`) that serves this protocol
+    upstream_path: str  # appended to the provider's base_url
 
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call: ...
 

@@ -77,6 +77,8 @@ def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
 class OpenAIChat:
     protocol = "openai"
     operation = "chat"
+    provider_type = "openai"
+    upstream_path = "/chat/completions"
 
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: isinstance(role, str), "must be an object with a role")

@@ -12,7 +12,9 @@ from typing import Any
 
 import orjson
 
+from gateway.providers import responses_wire
 from gateway.providers.openai_functions import LEGACY, proposed
+from gateway.providers.openai_responses import tool_name as _responses_tool_name
 from gateway.providers.sse import SseParser, format_event
 
 Allowed = Callable[[str], bool]
@@ -43,6 +45,13 @@ def _filter_functions(body: dict[str, Any], allowed: Allowed) -> bool:
     return True
 
 
+TOOL_NAME: dict[str, Callable[[Any], str]] = {
+    "openai": _openai_tool_name,
+    "anthropic": _anthropic_tool_name,
+    "openai_responses": _responses_tool_name,
+}
+
+
 def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) -> bool:
     """Remove offered tools (and OpenAI's legacy functions) that are not allowed. True when the body
     changed."""
@@ -50,7 +59,7 @@ def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) 
     tools = body.get("tools")
     if not isinstance(tools, list) or not tools:
         return changed
-    name_of = _openai_tool_name if protocol == "openai" else _anthropic_tool_name
+    name_of = TOOL_NAME[protocol]
     kept = [t for t in tools if allowed(name_of(t))]
     if len(kept) == len(tools):
         return changed
@@ -100,6 +109,7 @@ def _drop_anthropic(body: dict[str, Any], names: frozenset[str]) -> bool:
 DROP_IN_BODY: dict[str, Callable[[dict[str, Any], frozenset[str]], bool]] = {
     "openai": _drop_openai,
     "anthropic": _drop_anthropic,
+    "openai_responses": responses_wire.drop_in_body,
 }
 
 
@@ -230,6 +240,7 @@ def _drop_anthropic_stream(raw: bytes, names: frozenset[str]) -> bytes:
 DROP_IN_STREAM: dict[str, Callable[[bytes, frozenset[str]], bytes]] = {
     "openai": _drop_openai_stream,
     "anthropic": _drop_anthropic_stream,
+    "openai_responses": responses_wire.drop_in_stream,
 }
 
 

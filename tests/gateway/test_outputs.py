@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 
 from gateway.call import Call
 from gateway.config import Limits
-from gateway.outputs import Resolver, plan_outputs
+from gateway.outputs import OutputPlan, Resolver, apply_native, plan_outputs
 from gateway.providers.openai_chat import OpenAIChat
+from gateway.providers.openai_responses import OpenAIResponses
 from grammars.library import GrammarLibrary
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -62,3 +64,33 @@ async def test_the_plan_cache_is_bounded() -> None:
     for i in range(10):
         await plan(resolver, call(), headers={"x-tollgate-grammar": f"regex:[a-z]{{{i + 1}}}"})
     assert len(resolver.plans) == 4
+
+
+def responses_call(**extra: Any) -> Call:
+    body = {"model": "gpt-4o-mini", "input": "hi", **extra}
+    return OpenAIResponses().parse_request(body, orjson.dumps(body), Limits())
+
+
+async def test_responses_text_format_is_already_native_for_openai() -> None:
+    fmt = {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}
+    planned = await plan(Resolver(GrammarLibrary.load()), responses_call(text={"format": fmt}), grammar=None)
+    assert planned.kinds == ("json_schema",) and planned.native is None
+
+
+@pytest.mark.parametrize(("dialect", "native"), [("openai", True), ("vllm", False), ("none", False)])
+async def test_responses_native_only_in_openai_s_form(dialect: str, native: bool) -> None:
+    grammar = "json_schema:" + orjson.dumps(SCHEMA).decode()
+    planned = await plan(Resolver(GrammarLibrary.load()), responses_call(), grammar=grammar, dialect=dialect)
+    assert (planned.native is not None) is native
+
+
+def test_apply_native_puts_a_schema_in_the_responses_text_format() -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": SCHEMA}}
+    planned = OutputPlan((), 1, "incremental", {"response_format": rf}, False, False)
+    body: dict[str, Any] = {"input": "hi", "text": {"verbosity": "low"}}
+    assert apply_native(planned, body, "openai_responses")
+    assert body == {"input": "hi", "text": {"verbosity": "low", "format": {"type": "json_schema", "name": "a",
+                                                                         "strict": True, "schema": SCHEMA}}}
+    chat: dict[str, Any] = {"messages": MSG}
+    assert apply_native(planned, chat, "openai")
+    assert chat == {"messages": MSG, "response_format": rf}

@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidGrammar
-from grammars.requests import VLLM_ONLY_FIELDS, grammar_kind, request_constraints, strip_guided_fields
+from grammars.requests import (
+    VLLM_ONLY_FIELDS,
+    grammar_kind,
+    request_constraints,
+    responses_constraints,
+    strip_guided_fields,
+)
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 
 SCHEMA = {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}
@@ -161,3 +167,39 @@ def test_strip_guided_fields() -> None:
 )
 def test_grammar_kind(text: str, kind: str) -> None:
     assert grammar_kind(text) == kind
+
+
+N_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, ()),
+        ({"text": {"verbosity": "low"}}, ()),
+        ({"text": {"format": {"type": "text"}}}, ()),
+        ({"text": {"format": {"type": "json_object"}}}, (JSON_OBJECT,)),
+        ({"text": {"format": {"type": "json_schema", "name": "n", "schema": N_SCHEMA, "strict": True}}},
+         (json_schema_spec(N_SCHEMA, "n"),)),
+        ({"response_format": {"type": "json_object"}}, ()),  # Chat Completions' field: not this API's
+    ],
+)
+def test_responses_constraints(body: dict[str, Any], expected: tuple[ConstraintSpec, ...]) -> None:
+    assert responses_constraints(body) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"text": "json"}, "text"),
+        ({"text": {"format": "json"}}, "text.format"),
+        ({"text": {"format": {"type": "regex"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": 3, "schema": N_SCHEMA}}}, "text.format.name"),
+        ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "schema": "{}"}}}, "text.format.schema"),
+    ],
+)
+def test_responses_constraints_malformed(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidGrammar) as caught:
+        responses_constraints(body)
+    assert caught.value.param == param

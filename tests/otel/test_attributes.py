@@ -91,6 +91,13 @@ def test_openai_specific_attributes_only_for_openai_flavour() -> None:
     assert attrs["gen_ai.provider.name"] == "local"
 
 
+@pytest.mark.parametrize(("protocol", "api_type"), [("openai", "chat_completions"), ("openai_responses", "responses")])
+def test_openai_api_type_names_the_api_called(protocol: str, api_type: str) -> None:
+    call = replace(openai_call(), protocol=protocol)  # type: ignore[arg-type]
+    attrs = inference_start_attributes(call, provider_name="openai", server_address="api.openai.com", server_port=443)
+    assert attrs["openai.api.type"] == api_type
+
+
 def test_service_tier_auto_is_not_reported() -> None:
     call = openai_call({**OPENAI_BODY, "service_tier": "auto"})
     attrs = inference_start_attributes(
@@ -109,6 +116,11 @@ def test_service_tier_auto_is_not_reported() -> None:
         (("anthropic", {"output_format": {"type": "json_schema", "schema": {}}}), "json"),
         (("anthropic", {"output_config": {"format": {"type": "json_schema"}}}), "json"),
         (("anthropic", {}), None),
+        (("openai_responses", {"text": {"format": {"type": "json_schema", "schema": {}}}}), "json"),
+        (("openai_responses", {"text": {"format": {"type": "json_object"}}}), "json"),
+        (("openai_responses", {"text": {"format": {"type": "text"}}}), "text"),
+        (("openai_responses", {"text": {"verbosity": "low"}}), None),
+        (("openai_responses", {"response_format": {"type": "json_object"}}), None),  # not this API's field
         (("mcp", {}), None),
     ],
 )

@@ -1,0 +1,372 @@
+"""OpenAI Responses wire protocol (`POST /v1/responses`), I/O-free.
+
+What tollgate cannot bound is refused with a 400 rather than forwarded unguarded: a request that
+continues state stored upstream (`previous_response_id`, `conversation`, `item_reference` inputs, a
+stored `prompt`) has an input the gateway never sees, so its reservation could be exceeded, and a
+`background` response is billed after the answer returned, so it could never be settled. Agents
+send the whole input instead, as the OpenAI Agents SDK does by default.
+
+Tools are named for the allow-list by `name` (function and custom tools) or by `type` for the tools
+OpenAI runs itself (`web_search_preview`, `file_search`, `code_interpreter`, `mcp`, ...): those
+run upstream before any answer, so they are only ever offered when allowed, never judged after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
+from gateway.config import Limits
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_code
+from gateway.providers.base import StreamStep
+from gateway.providers.common import content_text, opt_int, opt_number, require_model, stop_text, token_count
+from gateway.providers.sse import SseEvent, format_event
+
+# request fields whose input or cost tollgate cannot see, and why (each a 400 when set)
+UNBOUNDED: dict[str, str] = {
+    "previous_response_id": "continues a response stored upstream, whose input tollgate cannot see or bound",
+    "conversation": "continues a conversation stored upstream, whose input tollgate cannot see or bound",
+    "prompt": "uses a prompt stored upstream, whose input tollgate cannot see or bound",
+    "background": "runs after the answer returns, so its cost could not be settled",
+}
+CALL_ITEMS = frozenset({"function_call", "custom_tool_call"})  # calls the agent runs, judged by the guards
+_OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
+_FINAL = {"response.completed": True, "response.incomplete": True, "response.failed": False}
+
+
+def tool_name(tool: Any) -> str:
+    """The allow-list name of an offered tool: `name` for function and custom tools, else `type`."""
+    if not isinstance(tool, Mapping):
+        return ""
+    kind = tool.get("type")
+    if kind in ("function", "custom"):
+        return str(tool.get("name", ""))
+    return str(kind or "")
+
+
+def _tools(raw: Any, limits: Limits) -> tuple[ToolSpec, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    if len(raw) > limits.max_tools:
+        raise RequestTooLarge(f"{len(raw)} tools exceed the limit of {limits.max_tools}")
+    specs: list[ToolSpec] = []
+    for index, tool in enumerate(raw):
+        name = tool_name(tool)
+        if not name or (tool.get("type") in ("function", "custom") and not isinstance(tool.get("name"), str)):
+            raise InvalidRequest(f"tools[{index}] must be an object with a type (and a name for functions)",
+                                 param="tools")
+        params = tool.get("parameters")
+        description = tool.get("description")
+        specs.append(ToolSpec(name, description if isinstance(description, str) else None,
+                              params if isinstance(params, Mapping) else None))
+    return tuple(specs)
+
+
+def _tool_choice(value: Any) -> str | None:
+    if value is None or value in ("auto", "none", "required"):
+        return None
+    if isinstance(value, Mapping):
+        kind = value.get("type")
+        if kind in ("function", "custom"):
+            if isinstance(value.get("name"), str):
+                return str(value["name"])
+        elif kind == "allowed_tools":
+            return None  # a subset of `tools`, which the allow-list has already filtered
+        elif isinstance(kind, str) and kind:
+            return kind
+    raise InvalidRequest("tool_choice must be auto, none, required or name a tool", param="tool_choice")
+
+
+def _input(body: Mapping[str, Any], limits: Limits) -> list[Any]:
+    value = body.get("input")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'input' is required: a string or a non-empty array of items", param="input")
+    if len(value) > limits.max_messages:
+        raise RequestTooLarge(f"{len(value)} input items exceed the limit of {limits.max_messages}")
+    for index, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            raise InvalidRequest(f"input[{index}] must be an object", param="input")
+        if item.get("type") == "item_reference":
+            raise InvalidRequest(f"input[{index}] refers to an item stored upstream, whose content tollgate "
+                                 "cannot see or bound; send the item itself", param="input")
+    return value
+
+
+def _latest_results(items: list[Any]) -> tuple[ToolResult, ...]:
+    """Tool outputs of the latest round: the output items after the model's last message."""
+    results: list[ToolResult] = []
+    for item in reversed(items):
+        kind = item.get("type")
+        if kind in _OUTPUT_ITEMS:
+            results.append(ToolResult(str(item.get("call_id", "")), content_text(item.get("output"))))
+        elif kind not in CALL_ITEMS:
+            break
+    results.reverse()
+    return tuple(results)
+
+
+def _call(item: Mapping[str, Any]) -> ToolCall:
+    arguments = item.get("arguments") if item.get("type") == "function_call" else item.get("input")
+    return ToolCall(str(item.get("call_id", "")), str(item.get("name", "")), str(arguments or ""))
+
+
+def _message_text(item: Mapping[str, Any]) -> str:
+    parts = item.get("content") or ()
+    texts = (p.get("text") for p in parts if isinstance(p, Mapping) and p.get("type") == "output_text")
+    return "".join(str(text or "") for text in texts)
+
+
+def _now_id(prefix: str) -> str:
+    return f"{prefix}_tollgate_{int(time.time() * 1000)}"
+
+
+def _stop_item(reason: str, detail: str, *, status: str = "completed") -> dict[str, Any]:
+    return {"id": _now_id("msg"), "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": stop_text(reason, detail), "annotations": []}]}
+
+
+def _response(call: Call, output: list[Any], *, status: str = "completed") -> dict[str, Any]:
+    return {"id": _now_id("resp"), "object": "response", "created_at": int(time.time()), "status": status,
+            "model": call.model, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                   "input_tokens_details": {"cached_tokens": 0},
+                                   "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def _event(kind: str, sequence: int, **fields: Any) -> bytes:
+    return format_event(orjson.dumps({"type": kind, "sequence_number": sequence, **fields}), kind)
+
+
+def stop_events(call: Call, reason: str, detail: str, *, index: int, sequence: int, done: list[Any]) -> bytes:
+    """Events that add a message saying why the run stopped at output `index`, then complete the
+    response (whose output is `done`, the items already shown, and that message)."""
+    item = _stop_item(reason, detail)
+    text = item["content"][0]["text"]
+    empty = {**item, "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    events = [
+        ("response.output_item.added", {"output_index": index, "item": empty}),
+        ("response.content_part.added", {**where, "part": part}),
+        ("response.output_text.delta", {**where, "delta": text}),
+        ("response.output_text.done", {**where, "text": text}),
+        ("response.content_part.done", {**where, "part": {**part, "text": text}}),
+        ("response.output_item.done", {"output_index": index, "item": item}),
+        ("response.completed", {"response": _response(call, [*done, item])}),
+    ]
+    return b"".join(_event(kind, sequence + n, **fields) for n, (kind, fields) in enumerate(events))
+
+
+class OpenAIResponses:
+    protocol = "openai_responses"
+    operation = "chat"
+    provider_type = "openai"
+    upstream_path = "/responses"
+
+    def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
+        model = require_model(body)
+        for key, why in UNBOUNDED.items():
+            if body.get(key) not in (None, False):
+                raise InvalidRequest(f"'{key}' {why}; send the whole input instead", param=key)
+        items = _input(body, limits)
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean", param="stream")
+        return Call(
+            protocol="openai_responses",
+            operation="chat",
+            model=model,
+            stream=bool(stream),
+            max_tokens=opt_int(body, "max_output_tokens", minimum=1),
+            input_bytes=len(raw),
+            tools=_tools(body.get("tools"), limits),
+            tool_choice=_tool_choice(body.get("tool_choice")),
+            tool_results=_latest_results(items),
+            params=RequestParams(temperature=opt_number(body, "temperature"),
+                                 top_p=opt_number(body, "top_p")),
+            request_hash=digest(raw),
+            raw=body,
+        )
+
+    def parse_answer(self, body: Mapping[str, Any]) -> Answer:
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        for item in body.get("output") or ():
+            kind = item.get("type")
+            if kind == "message":
+                texts.append(_message_text(item))
+            elif kind in CALL_ITEMS:
+                calls.append(_call(item))
+        status = body.get("status")
+        return Answer(
+            response_id=body.get("id"),
+            model=body.get("model"),
+            text="".join(texts),
+            tool_calls=tuple(calls),
+            finish_reasons=(_finish(body),) if status else (),
+            usage=usage_from(body.get("usage")),
+        )
+
+    def stream_reader(self, *, hide_usage: bool) -> ResponsesStreamReader:
+        return ResponsesStreamReader()
+
+    def error_body(self, error: GatewayError) -> bytes:
+        return orjson.dumps({"error": _error(error)})
+
+    def error_event(self, error: GatewayError) -> bytes:
+        # `error` carries the object the SDK raises from (it raises on any event whose data has one)
+        inner = _error(error)
+        return format_event(orjson.dumps({"type": "error", "code": inner["code"], "message": error.message,
+                                          "param": error.param, "error": inner}), "error")
+
+    def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
+        return orjson.dumps(_response(call, [_stop_item(reason, detail)]))
+
+    def stop_stream(self, call: Call, reason: str, detail: str) -> bytes:
+        created = _response(call, [], status="in_progress")
+        head = (_event("response.created", 0, response=created)
+                + _event("response.in_progress", 1, response=created))
+        return head + stop_events(call, reason, detail, index=0, sequence=2, done=[])
+
+    def stream_stop_tail(self, call: Call, reader: Any, reason: str, detail: str) -> bytes:
+        """Stop events after part of the response was relayed: add a message saying why, complete it."""
+        if isinstance(reader, ResponsesStreamReader) and reader.started:
+            return stop_events(call, reason, detail, index=reader.shown_items, sequence=reader.next_sequence,
+                               done=reader.shown_done)
+        return self.stop_stream(call, reason, detail)
+
+    def max_tokens_field(self, body: Mapping[str, Any]) -> str | None:
+        return "max_output_tokens" if body.get("max_output_tokens") is not None else None
+
+    def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
+        sent = body.get("max_output_tokens")
+        body["max_output_tokens"] = value if sent is None else min(int(sent), value)
+
+    def ask_usage(self, body: dict[str, Any]) -> bool:
+        return False  # the final event of a stream always carries the usage
+
+    def with_instruction(self, body: Mapping[str, Any], answer_text: str, instruction: str) -> dict[str, Any]:
+        value = body.get("input")
+        items = [{"role": "user", "content": value}] if isinstance(value, str) else list(value or [])
+        items.append({"role": "assistant", "content": answer_text or "(empty)"})
+        items.append({"role": "user", "content": instruction})
+        return {**body, "input": items}
+
+
+def _finish(body: Mapping[str, Any]) -> str:
+    details = body.get("incomplete_details")
+    if body.get("status") == "incomplete" and isinstance(details, Mapping) and details.get("reason"):
+        return str(details["reason"])
+    return str(body.get("status"))
+
+
+def _error(error: GatewayError) -> dict[str, Any]:
+    return {"message": error.message, "type": error.openai_type, "param": error.param,
+            "code": error_code(error)}
+
+
+def usage_from(usage: Any) -> Usage | None:
+    if not isinstance(usage, Mapping):
+        return None
+    cached = usage.get("input_tokens_details")
+    reasoning = usage.get("output_tokens_details")
+    try:
+        return Usage(
+            input_tokens=token_count(usage.get("input_tokens")),
+            output_tokens=token_count(usage.get("output_tokens")),
+            cache_read_tokens=token_count(_detail(cached, "cached_tokens")),
+            reasoning_tokens=token_count(_detail(reasoning, "reasoning_tokens")),
+        )
+    except ValueError:  # counts no provider reports: settled at the reservation, never believed
+        return None
+
+
+def _detail(details: Any, key: str) -> Any:
+    return details.get(key) if isinstance(details, Mapping) else None
+
+
+class ResponsesStreamReader:
+    """Follows a streamed response. Text is relayed as it comes; from the first call item on
+    (`function_call`, `custom_tool_call`), events are held until the answer is judged. The final event
+    (`response.completed` / `response.incomplete`) carries the whole output and the usage."""
+
+    def __init__(self) -> None:
+        self._final: Mapping[str, Any] | None = None
+        self._text: list[str] = []
+        self._calls: dict[int, ToolCall] = {}
+        self._chars = 0
+        self.holding = False
+        self.complete = False
+        self.delta = ""
+        self.started = False  # an event reached the agent: a stop now completes what it has seen
+        self.shown_items = 0  # output items added before the events were held
+        self.shown_done: list[Any] = []  # those of them that are complete, as their done event had them
+        self.next_sequence = 0
+
+    @property
+    def output_chars(self) -> int:
+        return self._chars
+
+    def feed(self, event: SseEvent) -> StreamStep:
+        self.delta = ""
+        if not event.data:
+            return StreamStep(event.raw)
+        try:
+            data = orjson.loads(event.data)
+        except orjson.JSONDecodeError:
+            raise ValueError("an event's data is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise ValueError("an event's data is not a JSON object")  # noqa: TRY004 - the relay's one error
+        kind = data.get("type")
+        sequence = data.get("sequence_number")
+        if isinstance(sequence, int):
+            self.next_sequence = max(self.next_sequence, sequence + 1)
+        if kind == "error":
+            raise ValueError(f"the upstream stream failed: {data.get('message') or data.get('code')}")
+        if kind in _FINAL:
+            if not _FINAL[kind]:
+                raise ValueError("the upstream response failed")
+            self._final = data.get("response") or {}
+            self.complete = True
+            return self._relay(event, done=True)
+        item = data.get("item")
+        if kind == "response.output_item.added" and isinstance(item, Mapping):
+            if item.get("type") in CALL_ITEMS:
+                self.holding = True
+            elif not self.holding:
+                self.shown_items += 1
+        elif kind == "response.output_item.done" and isinstance(item, Mapping):
+            if item.get("type") in CALL_ITEMS:
+                self._calls[int(data.get("output_index") or 0)] = _call(item)
+                self._chars += len(_call(item).arguments)
+            elif not self.holding:
+                self.shown_done.append(item)
+        elif kind == "response.output_text.delta":
+            delta = data.get("delta")
+            if isinstance(delta, str):
+                self._text.append(delta)
+                self._chars += len(delta)
+                self.delta = delta
+        return self._relay(event)
+
+    def _relay(self, event: SseEvent, *, done: bool = False) -> StreamStep:
+        if not self.holding:
+            self.started = True
+        return StreamStep(event.raw, done=done)
+
+    def answer(self) -> Answer:
+        if self._final is not None:
+            final = OpenAIResponses().parse_answer(self._final)
+            if final.text or final.tool_calls or final.usage is not None:
+                return final
+        calls = tuple(call for _, call in sorted(self._calls.items()))
+        return Answer(text="".join(self._text), tool_calls=calls,
+                      usage=usage_from(self._final.get("usage")) if self._final else None)

@@ -1,0 +1,68 @@
+"""Tool allow-list edits on OpenAI Responses bodies and held stream events (pure); registered in
+`gateway.providers.tool_wire`.
+
+A dropped call item leaves the output list, and later items move up: the SDK's stream state indexes
+its output list by `output_index`, so every later event (and the final response's `output`) is
+renumbered to stay contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.providers.openai_responses import CALL_ITEMS
+from gateway.providers.sse import SseParser, format_event
+
+
+def _dropped(item: Any, names: frozenset[str]) -> bool:
+    return isinstance(item, Mapping) and item.get("type") in CALL_ITEMS and item.get("name") in names
+
+
+def drop_in_body(body: dict[str, Any], names: frozenset[str]) -> bool:
+    """Remove call items of `names` from a response's `output`. True when something is left."""
+    output = body.get("output")
+    if not isinstance(output, list):
+        return False
+    kept = [item for item in output if not _dropped(item, names)]
+    body["output"] = kept
+    return any(not (isinstance(i, Mapping) and i.get("type") == "message") or _has_text(i) for i in kept)
+
+
+def _has_text(item: Mapping[str, Any]) -> bool:
+    return any(isinstance(p, Mapping) and p.get("text") for p in item.get("content") or ())
+
+
+def drop_in_stream(raw: bytes, names: frozenset[str]) -> bytes:
+    """Held events without those about call items of `names`; later output indices renumbered."""
+    out: list[bytes] = []
+    dropped: set[int] = set()
+    for event in SseParser().feed(raw):
+        try:
+            data = orjson.loads(event.data) if event.data else None
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            out.append(event.raw)
+            continue
+        response = data.get("response")
+        if isinstance(response, dict) and isinstance(response.get("output"), list):
+            before = len(response["output"])
+            drop_in_body(response, names)
+            if len(response["output"]) != before:
+                out.append(format_event(orjson.dumps(data), event.event))
+                continue
+        index = data.get("output_index")
+        if not isinstance(index, int):
+            out.append(event.raw)
+            continue
+        if data.get("type") == "response.output_item.added" and _dropped(data.get("item"), names):
+            dropped.add(index)
+        if index in dropped:
+            continue
+        shift = sum(1 for d in dropped if d < index)
+        out.append(format_event(orjson.dumps({**data, "output_index": index - shift}), event.event)
+                   if shift else event.raw)
+    return b"".join(out)

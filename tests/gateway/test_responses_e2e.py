@@ -1,0 +1,168 @@
+"""`POST /v1/responses` through a running gateway, with the official `openai` SDK: the Responses API
+is a guarded model call like Chat Completions (budget, caps, allow-list, grammars, streams)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from tests.conftest import GatewayFactory, Harness
+from tests.fakes.responses import response_body, response_stream
+from tests.fakes.upstream import Reply
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+DELETE = {"type": "function", "name": "delete_all", "parameters": {"type": "object", "properties": {}}}
+
+
+def client(h: Harness, run: str = "r1") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                              default_headers={"x-tollgate-run-id": run})
+
+
+async def test_answer_is_relayed_budgeted_and_recorded(gw: Harness) -> None:
+    gw.fake.queue(Reply(body=response_body("hello there", usage=(12, 7))))
+    async with client(gw) as c:
+        response = await c.responses.create(model="gpt-4o-mini", input="hi", max_output_tokens=50)
+    assert response.output_text == "hello there"
+    seen = gw.fake.seen[-1]
+    assert seen.path == "/v1/responses"
+    assert seen.headers["Authorization"] == "Bearer sk-provider-openai"
+    run = await gw.run("r1")
+    assert run["llm_calls"] == 1
+    assert (run["input_tokens"], run["output_tokens"], run["reserved_tokens"]) == (12, 7, 0)
+
+
+async def test_stream_is_relayed_and_settled(gw: Harness) -> None:
+    gw.fake.queue(Reply(chunks=response_stream(["hel", "lo"], usage=(9, 3))))
+    async with client(gw) as c, c.responses.stream(model="gpt-4o-mini", input="hi") as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert deltas == ["hel", "lo"]
+    assert final.output_text == "hello"
+    run = await gw.run("r1")
+    assert (run["input_tokens"], run["output_tokens"], run["reserved_tokens"]) == (9, 3, 0)
+
+
+async def test_budget_stop_in_the_sdk_s_error(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"budget": {"tokens": 100}}})
+    async with client(h) as c:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="x" * 500)  # more than the budget holds
+    assert caught.value.code == "token_budget_exhausted"
+    assert h.fake.seen == []
+
+
+async def test_max_output_tokens_held_to_the_grant(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"budget": {"tokens": 400}}})
+    h.fake.queue(Reply(body=response_body("ok")))
+    async with client(h) as c:
+        await c.responses.create(model="gpt-4o-mini", input="hi")
+    sent = h.fake.seen[-1].json
+    assert 0 < sent["max_output_tokens"] < 400
+
+
+async def test_disallowed_tools_are_not_offered_and_not_relayed(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["get_weather"], "on_violation": "drop"}}})
+    h.fake.queue(Reply(body=response_body("", calls=[("delete_all", "{}", "c1"), ("get_weather", "{}", "c2")])))
+    async with client(h) as c:
+        response = await c.responses.create(model="gpt-4o-mini", input="hi",
+                                            tools=[WEATHER, DELETE, {"type": "web_search_preview"}])  # type: ignore[list-item]
+    offered = h.fake.seen[-1].json["tools"]
+    assert [t.get("name", t["type"]) for t in offered] == ["get_weather"]
+    assert [item.name for item in response.output if item.type == "function_call"] == ["get_weather"]
+
+
+async def test_disallowed_streamed_call_is_held_and_dropped(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["get_weather"], "on_violation": "drop"}}})
+    h.fake.queue(Reply(chunks=response_stream(["thinking"], calls=[("delete_all", "{}", "c1"),
+                                                                  ("get_weather", '{"city":"Oslo"}', "c2")])))
+    async with client(h) as c, c.responses.stream(model="gpt-4o-mini", input="hi",
+                                                  tools=[WEATHER]) as stream:  # type: ignore[list-item]
+        events = [e async for e in stream]
+        final = await stream.get_final_response()
+    names = [e.item.name for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert names == ["get_weather"]
+    assert [i.name for i in final.output if i.type == "function_call"] == ["get_weather"]
+    assert [i.type for i in final.output] == ["message", "function_call"]
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1]  # renumbered: the dropped call's slot is gone
+
+
+async def test_disallowed_call_rejected_stops_the_run(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["get_weather"]}}})
+    h.fake.queue(Reply(body=response_body("", calls=[("delete_all", "{}", "c1")])))
+    async with client(h) as c:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[WEATHER])  # type: ignore[list-item]
+    assert caught.value.code == "tool_not_allowed"
+
+
+async def test_forced_disallowed_tool_is_refused(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["get_weather"]}}})
+    async with client(h) as c:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search_preview"}],
+                                     tool_choice={"type": "web_search_preview"})
+    assert caught.value.code == "tool_not_allowed"
+    assert h.fake.seen == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"input": []}, "input"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
+async def test_unbounded_requests_are_400(gw: Harness, extra: dict[str, Any], param: str) -> None:
+    body = {"model": "gpt-4o-mini", "input": "hi", **extra}
+    async with gw.session.post(f"{gw.url}/v1/responses", data=orjson.dumps(body),
+                               headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", param)
+    assert gw.fake.seen == []
+
+
+async def test_schema_is_passed_natively_and_enforced(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"output": {"grammar": "choice:[\"yes\", \"no\"]", "retries": 1}}})
+    h.fake.queue(Reply(body=response_body("maybe")), Reply(body=response_body("yes")))
+    async with client(h) as c:
+        response = await c.responses.create(model="gpt-4o-mini", input="ok?")
+    assert response.output_text == "yes"
+    second = h.fake.seen[-1].json
+    assert second["input"][-2:] == [{"role": "assistant", "content": "maybe"}, second["input"][-1]]
+    assert second["input"][-1]["role"] == "user"
+
+
+async def test_text_format_schema_is_validated(gw: Harness) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    gw.fake.queue(Reply(body=response_body('{"n": "x"}')), Reply(body=response_body('{"n": 3}')))
+    async with client(gw) as c:
+        response = await c.responses.create(
+            model="gpt-4o-mini", input="n?",
+            text={"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}})
+    assert orjson.loads(response.output_text) == {"n": 3}
+    assert gw.fake.seen[0].json["text"]["format"]["schema"] == schema  # the agent's own, forwarded
+
+
+async def test_stop_message_is_a_response_the_sdk_reads(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 1}, "on_stop": "message"}})
+    h.fake.queue(Reply(body=response_body("first")))
+    async with client(h) as c:
+        await c.responses.create(model="gpt-4o-mini", input="hi")
+        stopped = await c.responses.create(model="gpt-4o-mini", input="again")
+        async with c.responses.stream(model="gpt-4o-mini", input="again") as stream:
+            final = await stream.get_final_response()
+    assert "llm_call_cap" in stopped.output_text
+    assert "llm_call_cap" in final.output_text
+    assert len(h.fake.seen) == 1
