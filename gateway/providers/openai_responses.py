@@ -33,19 +33,39 @@ UNBOUNDED: dict[str, str] = {
     "prompt": "uses a prompt stored upstream, whose input tollgate cannot see or bound",
     "background": "runs after the answer returns, so its cost could not be settled",
 }
-CALL_ITEMS = frozenset({"function_call", "custom_tool_call"})  # calls the agent runs, judged by the guards
-_OUTPUT_ITEMS = frozenset({"function_call_output", "custom_tool_call_output"})
+# the call items the agent runs (judged by the guards), by item type: the allow-list name of their tool,
+# or None for the item's own `name` (function and custom tools)
+AGENT_CALLS: dict[str, str | None] = {
+    "function_call": None, "custom_tool_call": None, "computer_call": "computer",
+    "local_shell_call": "local_shell", "shell_call": "shell", "apply_patch_call": "apply_patch",
+}
+CALL_ITEMS = frozenset(AGENT_CALLS)
+_OUTPUT_ITEMS = frozenset(f"{kind}_output" for kind in AGENT_CALLS)
+_TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
+_ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+               "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+               "output_tokens_details": {"reasoning_tokens": 0}}
 _FINAL = {"response.completed": True, "response.incomplete": True, "response.failed": False}
+
+
+def item_type(value: Any) -> str | None:
+    """The `type` of an item, tool or event when it is a string; anything else is no type tollgate knows
+    (and never reaches a set lookup, where a list would raise)."""
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    return kind if isinstance(kind, str) else None
 
 
 def tool_name(tool: Any) -> str:
     """The allow-list name of an offered tool: `name` for function and custom tools, else `type`."""
-    if not isinstance(tool, Mapping):
-        return ""
-    kind = tool.get("type")
+    kind = item_type(tool)
     if kind in ("function", "custom"):
         return str(tool.get("name", ""))
-    return str(kind or "")
+    return _TOOL_ALIASES.get(kind, kind) if kind else ""
+
+
+def call_name(item: Mapping[str, Any]) -> str:
+    """The allow-list name of a call item's tool."""
+    return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
 
 
 def _tools(raw: Any, limits: Limits) -> tuple[ToolSpec, ...]:
@@ -58,7 +78,7 @@ def _tools(raw: Any, limits: Limits) -> tuple[ToolSpec, ...]:
     specs: list[ToolSpec] = []
     for index, tool in enumerate(raw):
         name = tool_name(tool)
-        if not name or (tool.get("type") in ("function", "custom") and not isinstance(tool.get("name"), str)):
+        if not name or (item_type(tool) in ("function", "custom") and not isinstance(tool.get("name"), str)):
             raise InvalidRequest(f"tools[{index}] must be an object with a type (and a name for functions)",
                                  param="tools")
         params = tool.get("parameters")
@@ -72,14 +92,14 @@ def _tool_choice(value: Any) -> str | None:
     if value is None or value in ("auto", "none", "required"):
         return None
     if isinstance(value, Mapping):
-        kind = value.get("type")
+        kind = item_type(value)
         if kind in ("function", "custom"):
             if isinstance(value.get("name"), str):
                 return str(value["name"])
         elif kind == "allowed_tools":
             return None  # a subset of `tools`, which the allow-list has already filtered
-        elif isinstance(kind, str) and kind:
-            return kind
+        elif kind:
+            return _TOOL_ALIASES.get(kind, kind)
     raise InvalidRequest("tool_choice must be auto, none, required or name a tool", param="tool_choice")
 
 
@@ -92,9 +112,9 @@ def _input(body: Mapping[str, Any], limits: Limits) -> list[Any]:
     if len(value) > limits.max_messages:
         raise RequestTooLarge(f"{len(value)} input items exceed the limit of {limits.max_messages}")
     for index, item in enumerate(value):
-        if not isinstance(item, Mapping):
-            raise InvalidRequest(f"input[{index}] must be an object", param="input")
-        if item.get("type") == "item_reference":
+        if not isinstance(item, Mapping) or not isinstance(item.get("type", ""), str):
+            raise InvalidRequest(f"input[{index}] must be an object whose type is a string", param="input")
+        if item.get("type") == "item_reference" or ("type" not in item and "role" not in item):
             raise InvalidRequest(f"input[{index}] refers to an item stored upstream, whose content tollgate "
                                  "cannot see or bound; send the item itself", param="input")
     return value
@@ -104,7 +124,7 @@ def _latest_results(items: list[Any]) -> tuple[ToolResult, ...]:
     """Tool outputs of the latest round: the output items after the model's last message."""
     results: list[ToolResult] = []
     for item in reversed(items):
-        kind = item.get("type")
+        kind = item_type(item)
         if kind in _OUTPUT_ITEMS:
             results.append(ToolResult(str(item.get("call_id", "")), content_text(item.get("output"))))
         elif kind not in CALL_ITEMS:
@@ -114,8 +134,15 @@ def _latest_results(items: list[Any]) -> tuple[ToolResult, ...]:
 
 
 def _call(item: Mapping[str, Any]) -> ToolCall:
-    arguments = item.get("arguments") if item.get("type") == "function_call" else item.get("input")
-    return ToolCall(str(item.get("call_id", "")), str(item.get("name", "")), str(arguments or ""))
+    kind = item_type(item)
+    if kind == "function_call":
+        arguments: Any = item.get("arguments")
+    elif kind == "custom_tool_call":
+        arguments = item.get("input")
+    else:  # the agent-run tools' action, as JSON: loop detection compares calls by it
+        action = next((item[k] for k in ("action", "actions", "operation") if k in item), None)
+        arguments = orjson.dumps(action, option=orjson.OPT_SORT_KEYS).decode() if action is not None else ""
+    return ToolCall(str(item.get("call_id", "")), call_name(item), str(arguments or ""))
 
 
 def _message_text(item: Mapping[str, Any]) -> str:
@@ -136,18 +163,17 @@ def _stop_item(reason: str, detail: str, *, status: str = "completed") -> dict[s
 def _response(call: Call, output: list[Any], *, status: str = "completed") -> dict[str, Any]:
     return {"id": _now_id("resp"), "object": "response", "created_at": int(time.time()), "status": status,
             "model": call.model, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-                                   "input_tokens_details": {"cached_tokens": 0},
-                                   "output_tokens_details": {"reasoning_tokens": 0}}}
+            "tools": [], "usage": _ZERO_USAGE}
 
 
 def _event(kind: str, sequence: int, **fields: Any) -> bytes:
     return format_event(orjson.dumps({"type": kind, "sequence_number": sequence, **fields}), kind)
 
 
-def stop_events(call: Call, reason: str, detail: str, *, index: int, sequence: int, done: list[Any]) -> bytes:
-    """Events that add a message saying why the run stopped at output `index`, then complete the
-    response (whose output is `done`, the items already shown, and that message)."""
+def stop_events(reason: str, detail: str, *, index: int, sequence: int, response: Mapping[str, Any]) -> bytes:
+    """Events that add a message saying why the run stopped at output `index`, then complete
+    `response` (the one the stream created: the SDK refuses another id) with its output so far
+    followed by that message."""
     item = _stop_item(reason, detail)
     text = item["content"][0]["text"]
     empty = {**item, "status": "in_progress", "content": []}
@@ -156,11 +182,12 @@ def stop_events(call: Call, reason: str, detail: str, *, index: int, sequence: i
     events = [
         ("response.output_item.added", {"output_index": index, "item": empty}),
         ("response.content_part.added", {**where, "part": part}),
-        ("response.output_text.delta", {**where, "delta": text}),
-        ("response.output_text.done", {**where, "text": text}),
+        ("response.output_text.delta", {**where, "delta": text, "logprobs": []}),
+        ("response.output_text.done", {**where, "text": text, "logprobs": []}),
         ("response.content_part.done", {**where, "part": {**part, "text": text}}),
         ("response.output_item.done", {"output_index": index, "item": item}),
-        ("response.completed", {"response": _response(call, [*done, item])}),
+        ("response.completed", {"response": {**response, "status": "completed", "usage": _ZERO_USAGE,
+                                             "output": [*(response.get("output") or ()), item]}}),
     ]
     return b"".join(_event(kind, sequence + n, **fields) for n, (kind, fields) in enumerate(events))
 
@@ -197,23 +224,7 @@ class OpenAIResponses:
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
-        texts: list[str] = []
-        calls: list[ToolCall] = []
-        for item in body.get("output") or ():
-            kind = item.get("type")
-            if kind == "message":
-                texts.append(_message_text(item))
-            elif kind in CALL_ITEMS:
-                calls.append(_call(item))
-        status = body.get("status")
-        return Answer(
-            response_id=body.get("id"),
-            model=body.get("model"),
-            text="".join(texts),
-            tool_calls=tuple(calls),
-            finish_reasons=(_finish(body),) if status else (),
-            usage=usage_from(body.get("usage")),
-        )
+        return answer_from(body)
 
     def stream_reader(self, *, hide_usage: bool) -> ResponsesStreamReader:
         return ResponsesStreamReader()
@@ -224,8 +235,9 @@ class OpenAIResponses:
     def error_event(self, error: GatewayError) -> bytes:
         # `error` carries the object the SDK raises from (it raises on any event whose data has one)
         inner = _error(error)
-        return format_event(orjson.dumps({"type": "error", "code": inner["code"], "message": error.message,
-                                          "param": error.param, "error": inner}), "error")
+        data = {"type": "error", "code": inner["code"], "message": error.message, "param": error.param,
+                "sequence_number": 0, "error": inner}
+        return format_event(orjson.dumps(data), "error")
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
         return orjson.dumps(_response(call, [_stop_item(reason, detail)]))
@@ -234,13 +246,14 @@ class OpenAIResponses:
         created = _response(call, [], status="in_progress")
         head = (_event("response.created", 0, response=created)
                 + _event("response.in_progress", 1, response=created))
-        return head + stop_events(call, reason, detail, index=0, sequence=2, done=[])
+        return head + stop_events(reason, detail, index=0, sequence=2, response=created)
 
     def stream_stop_tail(self, call: Call, reader: Any, reason: str, detail: str) -> bytes:
         """Stop events after part of the response was relayed: add a message saying why, complete it."""
         if isinstance(reader, ResponsesStreamReader) and reader.started:
-            return stop_events(call, reason, detail, index=reader.shown_items, sequence=reader.next_sequence,
-                               done=reader.shown_done)
+            created = {**(reader.created or _response(call, [])), "output": reader.shown_done}
+            return stop_events(reason, detail, index=reader.shown_items, sequence=reader.next_sequence,
+                               response=created)
         return self.stop_stream(call, reason, detail)
 
     def max_tokens_field(self, body: Mapping[str, Any]) -> str | None:
@@ -259,6 +272,27 @@ class OpenAIResponses:
         items.append({"role": "assistant", "content": answer_text or "(empty)"})
         items.append({"role": "user", "content": instruction})
         return {**body, "input": items}
+
+
+def answer_from(body: Mapping[str, Any]) -> Answer:
+    """The neutral answer of a response object: its messages' text and its call items."""
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for item in body.get("output") or ():
+        kind = item_type(item)
+        if kind == "message":
+            texts.append(_message_text(item))
+        elif kind in CALL_ITEMS:
+            calls.append(_call(item))
+    status = body.get("status")
+    return Answer(
+        response_id=body.get("id"),
+        model=body.get("model"),
+        text="".join(texts),
+        tool_calls=tuple(calls),
+        finish_reasons=(_finish(body),) if status else (),
+        usage=usage_from(body.get("usage")),
+    )
 
 
 def _finish(body: Mapping[str, Any]) -> str:
@@ -283,6 +317,7 @@ def usage_from(usage: Any) -> Usage | None:
             input_tokens=token_count(usage.get("input_tokens")),
             output_tokens=token_count(usage.get("output_tokens")),
             cache_read_tokens=token_count(_detail(cached, "cached_tokens")),
+            cache_creation_tokens=token_count(_detail(cached, "cache_write_tokens")),
             reasoning_tokens=token_count(_detail(reasoning, "reasoning_tokens")),
         )
     except ValueError:  # counts no provider reports: settled at the reservation, never believed
@@ -310,6 +345,7 @@ class ResponsesStreamReader:
         self.shown_items = 0  # output items added before the events were held
         self.shown_done: list[Any] = []  # those of them that are complete, as their done event had them
         self.next_sequence = 0
+        self.created: dict[str, Any] | None = None  # the response `response.created` announced
 
     @property
     def output_chars(self) -> int:
@@ -325,12 +361,14 @@ class ResponsesStreamReader:
             raise ValueError("an event's data is not valid JSON") from None
         if not isinstance(data, dict):
             raise ValueError("an event's data is not a JSON object")  # noqa: TRY004 - the relay's one error
-        kind = data.get("type")
+        kind = item_type(data)
         sequence = data.get("sequence_number")
         if isinstance(sequence, int):
             self.next_sequence = max(self.next_sequence, sequence + 1)
         if kind == "error":
             raise ValueError(f"the upstream stream failed: {data.get('message') or data.get('code')}")
+        if kind == "response.created" and isinstance(data.get("response"), dict):
+            self.created = data["response"]
         if kind in _FINAL:
             if not _FINAL[kind]:
                 raise ValueError("the upstream response failed")
@@ -339,12 +377,12 @@ class ResponsesStreamReader:
             return self._relay(event, done=True)
         item = data.get("item")
         if kind == "response.output_item.added" and isinstance(item, Mapping):
-            if item.get("type") in CALL_ITEMS:
+            if item_type(item) in CALL_ITEMS:
                 self.holding = True
             elif not self.holding:
                 self.shown_items += 1
         elif kind == "response.output_item.done" and isinstance(item, Mapping):
-            if item.get("type") in CALL_ITEMS:
+            if item_type(item) in CALL_ITEMS:
                 self._calls[int(data.get("output_index") or 0)] = _call(item)
                 self._chars += len(_call(item).arguments)
             elif not self.holding:
@@ -363,10 +401,14 @@ class ResponsesStreamReader:
         return StreamStep(event.raw, done=done)
 
     def answer(self) -> Answer:
-        if self._final is not None:
-            final = OpenAIResponses().parse_answer(self._final)
-            if final.text or final.tool_calls or final.usage is not None:
-                return final
+        """From the final response when it lists its output; else from the events (a final event may
+        carry the usage and status only); never fewer calls than the events showed."""
+        final = self._final or {}
         calls = tuple(call for _, call in sorted(self._calls.items()))
-        return Answer(text="".join(self._text), tool_calls=calls,
-                      usage=usage_from(self._final.get("usage")) if self._final else None)
+        if final.get("output"):
+            answer = answer_from(final)
+            if len(answer.tool_calls) >= len(calls):
+                return answer
+        return Answer(response_id=final.get("id"), model=final.get("model"), text="".join(self._text),
+                      tool_calls=calls, finish_reasons=(_finish(final),) if final.get("status") else (),
+                      usage=usage_from(final.get("usage")))

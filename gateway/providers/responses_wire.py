@@ -13,12 +13,12 @@ from typing import Any
 
 import orjson
 
-from gateway.providers.openai_responses import CALL_ITEMS
+from gateway.providers.openai_responses import CALL_ITEMS, call_name, item_type
 from gateway.providers.sse import SseParser, format_event
 
 
 def _dropped(item: Any, names: frozenset[str]) -> bool:
-    return isinstance(item, Mapping) and item.get("type") in CALL_ITEMS and item.get("name") in names
+    return item_type(item) in CALL_ITEMS and call_name(item) in names
 
 
 def drop_in_body(body: dict[str, Any], names: frozenset[str]) -> bool:
@@ -28,7 +28,7 @@ def drop_in_body(body: dict[str, Any], names: frozenset[str]) -> bool:
         return False
     kept = [item for item in output if not _dropped(item, names)]
     body["output"] = kept
-    return any(not (isinstance(i, Mapping) and i.get("type") == "message") or _has_text(i) for i in kept)
+    return any(item_type(i) != "message" or _has_text(i) for i in kept)
 
 
 def _has_text(item: Mapping[str, Any]) -> bool:
@@ -58,7 +58,7 @@ def drop_in_stream(raw: bytes, names: frozenset[str]) -> bytes:
         if not isinstance(index, int):
             out.append(event.raw)
             continue
-        if data.get("type") == "response.output_item.added" and _dropped(data.get("item"), names):
+        if item_type(data) == "response.output_item.added" and _dropped(data.get("item"), names):
             dropped.add(index)
         if index in dropped:
             continue

@@ -12,7 +12,8 @@ Call = tuple[str, str, str]  # name, arguments, call_id
 
 def _usage(usage: tuple[int, int]) -> dict[str, Any]:
     return {"input_tokens": usage[0], "output_tokens": usage[1], "total_tokens": sum(usage),
-            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
 
 
 def message_item(text: str, item_id: str = "msg_1") -> dict[str, Any]:
@@ -53,8 +54,8 @@ def response_stream(parts: Sequence[str], *, calls: Sequence[Call] = (), usage: 
         ev("response.output_item.added", output_index=0, item={**item, "status": "in_progress", "content": []})
         ev("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []})
         for part in parts:
-            ev("response.output_text.delta", **where, delta=part)
-        ev("response.output_text.done", **where, text="".join(parts))
+            ev("response.output_text.delta", **where, delta=part, logprobs=[])
+        ev("response.output_text.done", **where, text="".join(parts), logprobs=[])
         ev("response.content_part.done", **where, part=item["content"][0])
         ev("response.output_item.done", output_index=0, item=item)
         index = 1

@@ -45,6 +45,7 @@ from gateway.errors import ConfigError
 from grammars.requests import request_constraints
 from grammars.strict import openai_strict_schema
 from tests.fakes.gateway_server import GatewayTestServer
+from tests.fakes.responses import response_body, response_stream
 from tests.fakes.upstream import (
     FakeProvider,
     Reply,
@@ -57,7 +58,9 @@ from tests.gateway.test_serve import Served, serve  # noqa: F401  (the `serve` f
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
-PATHS = (CHAT, MESSAGES)
+RESPONSES = "/v1/responses"
+PATHS = (CHAT, MESSAGES)  # the two message-list wires (tests that build bodies by structure)
+WIRES = (CHAT, MESSAGES, RESPONSES)  # every guarded model call
 LIMITS = {"max_body_bytes": 16384, "max_json_depth": 24, "max_messages": 12, "max_tools": 6,
           "max_header_bytes": 4096, "max_headers": 40}
 DOCUMENTED = {200, 400, 401, 404, 413, 422}
@@ -99,6 +102,8 @@ class StreamingFake(FakeProvider):
             wants_stream = orjson.loads(self.seen[-1].body).get("stream") is True
         except (orjson.JSONDecodeError, AttributeError, IndexError):
             wants_stream = False
+        if path.endswith("/responses"):
+            return Reply(chunks=response_stream([ANSWER])) if wants_stream else Reply(body=response_body(ANSWER))
         if wants_stream:
             return Reply(chunks=anthropic_stream([ANSWER]) if anthropic else openai_stream([ANSWER]))
         return Reply(body=anthropic_message(ANSWER) if anthropic else openai_completion(ANSWER))
@@ -378,7 +383,33 @@ def field_paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...
     return paths
 
 
-TEMPLATES = {CHAT: {**OPENAI_TEMPLATE, **OPENAI_OPTIONAL}, MESSAGES: {**ANTHROPIC_TEMPLATE, **ANTHROPIC_OPTIONAL}}
+RESPONSES_TEMPLATE: dict[str, Any] = {
+    "model": "gpt-4o-mini",
+    "instructions": "be brief",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{\"q\": \"x\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "result"},
+        {"type": "message", "role": "user", "content": "and now?"},
+    ],
+    "tools": [{"type": "function", "name": "search", "description": "d", "parameters": TOOL_SCHEMA, "strict": False},
+              {"type": "function", "name": "rm", "parameters": {"type": "object"}}],
+    "tool_choice": "auto",
+    "stream": False,
+    "max_output_tokens": 64,
+    "temperature": 0.5,
+    "top_p": 1,
+    "metadata": {"k": "v"},
+    "parallel_tool_calls": True,
+    "store": False,
+    "truncation": "disabled",
+    "text": {"format": {"type": "json_schema", "name": "out", "schema": TOOL_SCHEMA, "strict": True}},
+}
+RESPONSES_OPTIONAL = {"reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"],
+                      "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u"}
+OPTIONAL = {CHAT: OPENAI_OPTIONAL, MESSAGES: ANTHROPIC_OPTIONAL, RESPONSES: RESPONSES_OPTIONAL}
+TEMPLATES = {CHAT: {**OPENAI_TEMPLATE, **OPENAI_OPTIONAL}, MESSAGES: {**ANTHROPIC_TEMPLATE, **ANTHROPIC_OPTIONAL},
+             RESPONSES: {**RESPONSES_TEMPLATE, **RESPONSES_OPTIONAL}}
 FIELDS = {path: field_paths(template) for path, template in TEMPLATES.items()}
 
 
@@ -395,11 +426,10 @@ def set_path(body: Any, path: tuple[Any, ...], value: Any, *, delete: bool = Fal
 @st.composite
 def mutated_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     """A full request of one wire with 1-3 of its known fields given a random value (or removed)."""
-    path = draw(st.sampled_from(PATHS))
+    path = draw(st.sampled_from(WIRES))
     body = copy.deepcopy(TEMPLATES[path])
     if draw(st.booleans()):  # keep some valid optional fields, drop the rest
-        optional = OPENAI_OPTIONAL if path == CHAT else ANTHROPIC_OPTIONAL
-        for key in optional:
+        for key in OPTIONAL[path]:
             if draw(st.booleans()):
                 body.pop(key)
     for _ in range(draw(st.integers(1, 3))):
@@ -431,28 +461,29 @@ def nest_raw(depth: int, kinds: list[bool]) -> bytes:
 # -- 1. random JSON and random bytes as bodies ------------------------------------------------------------
 
 
-@quota(900, per_example=2)
+@quota(900, per_example=3)
 @given(body=json_values)
 async def test_random_json_bodies(fuzz: Fuzz, body: Any) -> None:
     raw = dump(body)
     assume(not crashes_strict_conversion(raw))
-    for path in PATHS:
+    for path in WIRES:
         await fuzz.post(path, raw)
 
 
-@quota(900, per_example=2)
+@quota(900, per_example=3)
 @given(body=st.dictionaries(
-    st.sampled_from(sorted({*OPENAI_TEMPLATE, *ANTHROPIC_TEMPLATE, *OPENAI_OPTIONAL, *ANTHROPIC_OPTIONAL})),
+    st.sampled_from(sorted({*OPENAI_TEMPLATE, *ANTHROPIC_TEMPLATE, *OPENAI_OPTIONAL, *ANTHROPIC_OPTIONAL,
+                            *RESPONSES_TEMPLATE, *RESPONSES_OPTIONAL})),
     wrong_values, min_size=1, max_size=8), model=models)
 async def test_random_objects_of_known_fields(fuzz: Fuzz, body: dict[str, Any], model: str) -> None:
     body.setdefault("model", model)
     raw = dump(body)
     assume(not crashes_strict_conversion(raw))
-    for path in PATHS:
+    for path in WIRES:
         await fuzz.post(path, raw)
 
 
-@quota(600, per_example=2)
+@quota(600, per_example=3)
 @given(raw=st.binary(max_size=600) | st.binary(max_size=60).map(
     lambda b: b'{"model": "gpt-4o-mini", "messages": [' + b))
 async def test_random_bytes_bodies(fuzz: Fuzz, raw: bytes) -> None:
@@ -462,7 +493,7 @@ async def test_random_bytes_bodies(fuzz: Fuzz, raw: bytes) -> None:
         well_formed = isinstance(orjson.loads(raw), dict)
     except orjson.JSONDecodeError:
         well_formed = False
-    for path in PATHS:
+    for path in WIRES:
         status, _ = await fuzz.post(path, raw)
         assert status in ((200, 400, 403, 404, 413, 422) if well_formed else (400, 413))
 
@@ -486,12 +517,13 @@ def test_every_known_field_is_reachable() -> None:
     assert len(FIELDS[CHAT]) > 60 and len(FIELDS[MESSAGES]) > 40
     assert ("messages", 2, "tool_calls", 0, "function", "arguments") in FIELDS[CHAT]
     assert ("messages", 2, "content", 0, "tool_use_id") in FIELDS[MESSAGES]
+    assert len(FIELDS[RESPONSES]) > 40 and ("input", 1, "arguments") in FIELDS[RESPONSES]
 
 
 async def test_templates_are_valid_requests(fuzz: Fuzz) -> None:
     """The templates the mutations start from pass as they are (the optional vLLM constraints all apply
     at once and contradict each other: 422)."""
-    for path, template in ((CHAT, OPENAI_TEMPLATE), (MESSAGES, ANTHROPIC_TEMPLATE)):
+    for path, template in ((CHAT, OPENAI_TEMPLATE), (MESSAGES, ANTHROPIC_TEMPLATE), (RESPONSES, RESPONSES_TEMPLATE)):
         for stream in (False, True):
             status, body = await fuzz.post(path, orjson.dumps({**template, "stream": stream}))
             assert status == 200, body
@@ -627,6 +659,8 @@ def header_sets(draw: st.DrawFn) -> dict[str, str]:
 def valid_body(path: str) -> bytes:
     if path == CHAT:
         return orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})
+    if path == RESPONSES:
+        return orjson.dumps({"model": "gpt-4o-mini", "input": "hi"})
     return orjson.dumps({"model": "claude-3-5-haiku-latest", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]})
 
 
@@ -657,13 +691,13 @@ async def send_headers(fuzz: Fuzz, path: str, headers: dict[str, str], body: byt
 
 
 @quota(900)
-@given(path=st.sampled_from(PATHS), headers=header_sets())
+@given(path=st.sampled_from(WIRES), headers=header_sets())
 async def test_random_headers(fuzz: Fuzz, path: str, headers: dict[str, str]) -> None:
     await send_headers(fuzz, path, headers, valid_body(path))
 
 
 @quota(400)
-@given(path=st.sampled_from(PATHS), headers=header_sets())
+@given(path=st.sampled_from(WIRES), headers=header_sets())
 async def test_random_headers_with_agent_keys(fuzz_keyed: Fuzz, path: str, headers: dict[str, str]) -> None:
     status = await send_headers(fuzz_keyed, path, headers, valid_body(path))
     presented = headers.get("authorization", "")
@@ -675,7 +709,7 @@ async def test_random_headers_with_agent_keys(fuzz_keyed: Fuzz, path: str, heade
 
 
 @quota(500)
-@given(path=st.sampled_from(PATHS),
+@given(path=st.sampled_from(WIRES),
        values=st.lists(st.tuples(st.sampled_from(HEADER_NAMES[:8] + ["x-custom"]),
                                  st.binary(max_size=80).filter(lambda b: b"\r" not in b and b"\n" not in b)),
                        min_size=1, max_size=5))
@@ -690,7 +724,7 @@ async def test_raw_header_bytes(fuzz: Fuzz, path: str, values: list[tuple[str, b
 
 
 @quota(300)
-@given(path=st.sampled_from(PATHS), count=st.integers(1, 70), size=st.integers(1, 400))
+@given(path=st.sampled_from(WIRES), count=st.integers(1, 70), size=st.integers(1, 400))
 async def test_header_count_and_size(fuzz: Fuzz, path: str, count: int, size: int) -> None:
     """Over `max_headers` or `max_header_bytes`: a 400, from the parser (plain text) or the gateway (wire
     format), never anything else; within them: 200."""
@@ -709,7 +743,7 @@ async def test_header_count_and_size(fuzz: Fuzz, path: str, count: int, size: in
 
 async def test_header_limits_answer_in_wire_format(fuzz: Fuzz) -> None:
     """A header section the parser accepts but whose total crosses the limit: 400 in the caller's format."""
-    for path in PATHS:
+    for path in WIRES:
         pairs = [(b"x-pad-%d" % i, b"v" * 400) for i in range(12)]  # 12 fields under 4096 each, ~5 KB in all
         status, content_type, answer = await fuzz.raw(path, [(b"Content-Type", b"application/json"), *pairs],
                                                       valid_body(path))

@@ -166,3 +166,36 @@ async def test_stop_message_is_a_response_the_sdk_reads(gateway_factory: Gateway
     assert "llm_call_cap" in stopped.output_text
     assert "llm_call_cap" in final.output_text
     assert len(h.fake.seen) == 1
+
+
+async def test_calls_of_agent_run_hosted_tools_are_judged(gateway_factory: GatewayFactory) -> None:
+    """`shell`, `local_shell`, `computer` and `apply_patch` calls run in the agent, like functions: a
+    call of one the allow-list does not name is stopped, and the tool itself is never offered."""
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["get_weather"]}}})
+    shell = {"type": "local_shell_call", "id": "ls_1", "call_id": "c1", "status": "completed",
+             "action": {"type": "exec", "command": ["rm", "-rf", "/"], "env": {}}}
+    body = response_body("")
+    body["output"] = [shell]
+    h.fake.queue(Reply(body=body))
+    async with client(h) as c:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[WEATHER, {"type": "local_shell"}])  # type: ignore[list-item]
+    assert caught.value.code == "tool_not_allowed"
+    assert [t["type"] for t in h.fake.seen[-1].json["tools"]] == ["function"]
+    assert "local_shell" in str(caught.value.message)
+
+
+async def test_agent_run_hosted_calls_count_and_loop(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"loop": {"window": 3, "max_distinct": 1}}})
+    shell = {"type": "shell_call", "id": "sh_1", "call_id": "c1", "status": "completed",
+             "action": {"commands": ["ls"], "timeout_ms": 1000}}
+    body = response_body("")
+    body["output"] = [shell]
+    h.fake.default = Reply(body=body)
+    async with client(h, "loop") as c:
+        for _ in range(2):
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "shell"}])  # type: ignore[list-item]
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "shell"}])  # type: ignore[list-item]
+    assert caught.value.code == "loop_detected"
+    assert (await h.run("loop"))["tool_calls"] >= 2
