@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -45,7 +46,7 @@ _TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `co
 _ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                "output_tokens_details": {"reasoning_tokens": 0}}
-_FINAL = {"response.completed": True, "response.incomplete": True, "response.failed": False}
+_FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def item_type(value: Any) -> str | None:
@@ -81,6 +82,8 @@ def _tools(raw: Any, limits: Limits) -> tuple[ToolSpec, ...]:
         if not name or (item_type(tool) in ("function", "custom") and not isinstance(tool.get("name"), str)):
             raise InvalidRequest(f"tools[{index}] must be an object with a type (and a name for functions)",
                                  param="tools")
+        if item_type(tool) == "custom":
+            continue  # free-text input, not JSON arguments: nothing for `outputs.judge` to validate
         params = tool.get("parameters")
         description = tool.get("description")
         specs.append(ToolSpec(name, description if isinstance(description, str) else None,
@@ -117,7 +120,19 @@ def _input(body: Mapping[str, Any], limits: Limits) -> list[Any]:
         if item.get("type") == "item_reference" or ("type" not in item and "role" not in item):
             raise InvalidRequest(f"input[{index}] refers to an item stored upstream, whose content tollgate "
                                  "cannot see or bound; send the item itself", param="input")
+        if any(_stored_file(part) for key in ("content", "output") for part in _parts_of(item.get(key))):
+            raise InvalidRequest(f"input[{index}] has a file stored or fetched upstream (file_id, file_url), "
+                                 "whose size tollgate cannot bound; send its file_data", param="input")
     return value
+
+
+def _parts_of(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _stored_file(part: Any) -> bool:
+    """A document part whose content lives upstream (any number of tokens); images are bounded."""
+    return item_type(part) == "input_file" and bool(part.get("file_id") or part.get("file_url"))
 
 
 def _latest_results(items: list[Any]) -> tuple[ToolResult, ...]:
@@ -329,12 +344,14 @@ def _detail(details: Any, key: str) -> Any:
 
 
 class ResponsesStreamReader:
-    """Follows a streamed response. Text is relayed as it comes; from the first call item on
-    (`function_call`, `custom_tool_call`), events are held until the answer is judged. The final event
-    (`response.completed` / `response.incomplete`) carries the whole output and the usage."""
+    """Follows a streamed response. Text is relayed as it comes; from the first call item on, and
+    always for the final event (`response.completed` / `.incomplete` / `.failed`, which repeats the
+    whole output), events are held until the answer is judged. The answer joins what the events and
+    the final response showed: a call in either is judged, text that differs between them is an
+    upstream fault (`ValueError`, as every malformed event)."""
 
     def __init__(self) -> None:
-        self._final: Mapping[str, Any] | None = None
+        self._final: Answer | None = None
         self._text: list[str] = []
         self._calls: dict[int, ToolCall] = {}
         self._chars = 0
@@ -370,10 +387,7 @@ class ResponsesStreamReader:
         if kind == "response.created" and isinstance(data.get("response"), dict):
             self.created = data["response"]
         if kind in _FINAL:
-            if not _FINAL[kind]:
-                raise ValueError("the upstream response failed")
-            self._final = data.get("response") or {}
-            self.complete = True
+            self._finish(data.get("response"))
             return self._relay(event, done=True)
         item = data.get("item")
         if kind == "response.output_item.added" and isinstance(item, Mapping):
@@ -383,8 +397,9 @@ class ResponsesStreamReader:
                 self.shown_items += 1
         elif kind == "response.output_item.done" and isinstance(item, Mapping):
             if item_type(item) in CALL_ITEMS:
-                self._calls[int(data.get("output_index") or 0)] = _call(item)
-                self._chars += len(_call(item).arguments)
+                call = _call(item)
+                self._calls[int(data.get("output_index") or 0)] = call
+                self._chars += len(call.arguments)
             elif not self.holding:
                 self.shown_done.append(item)
         elif kind == "response.output_text.delta":
@@ -395,20 +410,29 @@ class ResponsesStreamReader:
                 self.delta = delta
         return self._relay(event)
 
+    def _finish(self, response: Any) -> None:
+        """The final event: the answer it completes (a failed response too: its usage is billed)."""
+        if not isinstance(response, Mapping):
+            raise ValueError("the final event carries no response object")  # noqa: TRY004 - see feed
+        final = answer_from(response)
+        streamed = "".join(self._text)
+        if final.text and streamed and final.text != streamed:
+            raise ValueError("the final response's text differs from the text streamed before it")
+        self._final = final
+        self.complete = True
+        self.holding = True  # judged with the calls it lists, like any call event
+
     def _relay(self, event: SseEvent, *, done: bool = False) -> StreamStep:
         if not self.holding:
             self.started = True
         return StreamStep(event.raw, done=done)
 
     def answer(self) -> Answer:
-        """From the final response when it lists its output; else from the events (a final event may
-        carry the usage and status only); never fewer calls than the events showed."""
-        final = self._final or {}
-        calls = tuple(call for _, call in sorted(self._calls.items()))
-        if final.get("output"):
-            answer = answer_from(final)
-            if len(answer.tool_calls) >= len(calls):
-                return answer
-        return Answer(response_id=final.get("id"), model=final.get("model"), text="".join(self._text),
-                      tool_calls=calls, finish_reasons=(_finish(final),) if final.get("status") else (),
-                      usage=usage_from(final.get("usage")))
+        """What the events and the final response showed: the final text (or the streamed text), and
+        every call either listed (each judged; the drop removes them from both)."""
+        streamed = tuple(call for _, call in sorted(self._calls.items()))
+        final = self._final
+        if final is None:
+            return Answer(text="".join(self._text), tool_calls=streamed)
+        extra = tuple(call for call in streamed if call not in final.tool_calls)
+        return replace(final, text=final.text or "".join(self._text), tool_calls=final.tool_calls + extra)

@@ -8,12 +8,13 @@ renumbered to stay contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-from gateway.providers.openai_responses import CALL_ITEMS, call_name, item_type
+from gateway.errors import ToolNotAllowed
+from gateway.providers.openai_responses import CALL_ITEMS, call_name, item_type, tool_name
 from gateway.providers.sse import SseParser, format_event
 
 
@@ -22,13 +23,47 @@ def _dropped(item: Any, names: frozenset[str]) -> bool:
 
 
 def drop_in_body(body: dict[str, Any], names: frozenset[str]) -> bool:
-    """Remove call items of `names` from a response's `output`. True when something is left."""
+    """Remove call items of `names` from a response's `output`. True when something the agent can use
+    is left: text, or a call (reasoning items and hosted tools' records alone are not an answer)."""
     output = body.get("output")
     if not isinstance(output, list):
         return False
     kept = [item for item in output if not _dropped(item, names)]
     body["output"] = kept
-    return any(item_type(i) != "message" or _has_text(i) for i in kept)
+    return any(item_type(i) in CALL_ITEMS or (item_type(i) == "message" and _has_text(i)) for i in kept)
+
+
+def filter_offers(body: dict[str, Any], allowed: Callable[[str], bool]) -> bool:
+    """Beyond `tools`: the tool lists input items carry (`additional_tools`, `tool_search_output`) and
+    an `allowed_tools` choice lose the tools the agent may not use. True when the body changed.
+    Raises ToolNotAllowed when an `allowed_tools` choice that requires a tool keeps none."""
+    changed = False
+    items = body.get("input")
+    if isinstance(items, list):
+        shaped = [_without_tools(item, allowed) for item in items]
+        if any(new is not old for new, old in zip(shaped, items, strict=True)):
+            body["input"], changed = shaped, True
+    choice = body.get("tool_choice")
+    if item_type(choice) == "allowed_tools" and isinstance(choice.get("tools"), list):
+        kept = [t for t in choice["tools"] if allowed(tool_name(t))]
+        if len(kept) != len(choice["tools"]):
+            changed = True
+            if kept:
+                body["tool_choice"] = {**choice, "tools": kept}
+            elif choice.get("mode") == "required":
+                raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
+                                     + ", ".join(sorted(tool_name(t) for t in choice["tools"])))
+            else:
+                body["tool_choice"] = "none"
+    return changed
+
+
+def _without_tools(item: Any, allowed: Callable[[str], bool]) -> Any:
+    tools = item.get("tools") if isinstance(item, Mapping) else None
+    if not isinstance(tools, list):
+        return item
+    kept = [t for t in tools if allowed(tool_name(t))]
+    return item if len(kept) == len(tools) else {**item, "tools": kept}
 
 
 def _has_text(item: Mapping[str, Any]) -> bool:

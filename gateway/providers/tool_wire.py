@@ -52,10 +52,18 @@ TOOL_NAME: dict[str, Callable[[Any], str]] = {
 }
 
 
+# what else a protocol's request offers besides `tools`
+OTHER_OFFERS: dict[str, Callable[[dict[str, Any], Allowed], bool]] = {
+    "openai": _filter_functions,
+    "openai_responses": responses_wire.filter_offers,
+}
+
+
 def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) -> bool:
-    """Remove offered tools (and OpenAI's legacy functions) that are not allowed. True when the body
-    changed."""
-    changed = protocol == "openai" and _filter_functions(body, allowed)
+    """Remove offered tools (OpenAI's legacy functions, the Responses API's tool lists in input items
+    and `allowed_tools`) that are not allowed. True when the body changed."""
+    other = OTHER_OFFERS.get(protocol)
+    changed = other is not None and other(body, allowed)
     tools = body.get("tools")
     if not isinstance(tools, list) or not tools:
         return changed

@@ -335,7 +335,7 @@ async def test_a_stopped_run_reaches_no_upstream_path(gateway_factory: GatewayFa
     """Other /v1 paths pass through, but not for a stopped run; and a guarded path takes POST (or GET)."""
     h = await gateway_factory(agents=agent(caps={"llm_calls": 1}))
     body = {"model": "gpt-4o-mini", "input": "hi"}
-    assert (await post(h, body, "ps", path="/v1/responses"))[0] == 200  # passes through while active
+    assert (await post(h, body, "ps", path="/v1/embeddings"))[0] == 200  # passes through while active
     for method in ("PUT", "PATCH"):
         async with h.session.request(method, f"{h.url}/v1/chat/completions", json=body,
                                      headers={"x-tollgate-run-id": "ps", "x-tollgate-agent": "bot"}) as resp:
@@ -343,7 +343,7 @@ async def test_a_stopped_run_reaches_no_upstream_path(gateway_factory: GatewayFa
     assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "ps"))[0] == 200
     assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, "ps"))[0] == 403  # the cap stops it
     seen = len(h.fake.seen)
-    status, headers, raw = await post(h, body, "ps", path="/v1/responses")
+    status, headers, raw = await post(h, body, "ps", path="/v1/embeddings")
     assert status == 403 and headers["x-tollgate-stop-reason"] == "llm_call_cap"
     assert orjson.loads(raw)["error"]["code"] == "llm_call_cap"
     assert len(h.fake.seen) == seen

@@ -95,12 +95,11 @@ PARSED = [
     ({"temperature": 1.5}, {"params": RequestParams(temperature=1.5)}),
     ({"input": [USER]}, {"tool_results": ()}),
     ({"tools": [FN]}, {"tools": (ToolSpec("get", "d", FN["parameters"]),)}),
-    ({"tools": [CUSTOM]}, {"tools": (ToolSpec("patch", "applies a diff", None),)}),
+    ({"tools": [CUSTOM]}, {"tools": ()}),  # free-text input: no JSON arguments to validate
     # tools OpenAI runs itself are named by their type
     ({"tools": HOSTED}, {"tools": tuple(ToolSpec(str(t["type"])) for t in HOSTED)}),
     ({"tools": [FN, HOSTED[0], CUSTOM]},
-     {"tools": (ToolSpec("get", "d", FN["parameters"]), ToolSpec("web_search_preview"),
-                ToolSpec("patch", "applies a diff"))}),
+     {"tools": (ToolSpec("get", "d", FN["parameters"]), ToolSpec("web_search_preview"))}),
     ({"tools": []}, {"tools": ()}),
     ({"tools": None}, {"tools": ()}),
     ({"tool_choice": "auto"}, {"tool_choice": None}),
@@ -247,7 +246,7 @@ def test_an_untyped_item_reference_is_refused(item: dict[str, Any]) -> None:
 
 def test_limits_are_inclusive() -> None:
     call = parse(body_of(input=[USER, USER], tools=[FN, CUSTOM]), Limits(max_messages=2, max_tools=2))
-    assert (len(call.tools), call.tool_results) == (2, ())
+    assert (len(call.tools), call.tool_results) == (1, ())  # the custom tool counts, is not listed
     call = parse(body_of(input="x" * 1000), Limits(max_messages=1))  # a string is one item
     assert call.input_bytes > 1000
 
@@ -421,7 +420,8 @@ def test_stream_reader(
         holding.append(reader.holding)
     assert [s.out for s in steps] == [e.raw for e in events]  # relayed unchanged (the relay holds)
     assert [s.done for s in steps] == [False] * (len(events) - 1) + [True]
-    first = len(events) if holds_from is None else holds_from
+    # the final event is always held: it repeats the whole output, judged with its calls
+    first = len(events) - 1 if holds_from is None else holds_from
     assert holding == [False] * first + [True] * (len(events) - first)
     assert (reader.answer(), reader.output_chars, reader.complete) == (answer, chars, complete)
 
@@ -512,10 +512,6 @@ def test_relayed_events_assemble_in_the_sdk() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"type": "response.failed", "sequence_number": 3,
-          "response": {**response_body(""), "status": "failed",
-                       "error": {"code": "server_error", "message": "x"}}},
-         "failed"),
         ({"type": "error", "sequence_number": 3, "code": "server_error", "message": "boom", "param": None},
          "boom"),
         ({"type": "error", "sequence_number": 3, "code": "rate_limit_exceeded", "message": None},
@@ -529,6 +525,22 @@ def test_failures_in_the_stream_raise(data: dict[str, Any], message: str) -> Non
     with pytest.raises(ValueError, match=message):
         reader.feed(sse(data, str(data["type"])))
     assert not reader.complete
+
+
+def test_a_failed_response_is_final_relayed_and_settled_from_its_usage() -> None:
+    """The upstream's own failure passes through unchanged (held and judged like any final event); its
+    usage is billed."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    for event in events_of(TEXT[:3]):
+        reader.feed(event)
+    failed = {**response_body("", usage=(10, 2)), "status": "failed", "output": [],
+              "error": {"code": "server_error", "message": "x"}}
+    event = sse({"type": "response.failed", "sequence_number": 3, "response": failed}, "response.failed")
+    step = reader.feed(event)
+    assert (step.out, step.done, reader.complete, reader.holding) == (event.raw, True, True, True)
+    answer = reader.answer()
+    assert answer.finish_reasons == ("failed",)
+    assert answer.usage is not None and (answer.usage.input_tokens, answer.usage.output_tokens) == (10, 2)
 
 
 @pytest.mark.parametrize(

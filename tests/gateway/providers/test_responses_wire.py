@@ -13,6 +13,7 @@ from openai import OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import Field, TypeAdapter
 
+from gateway.providers.openai_responses import item_type
 from gateway.providers.responses_wire import drop_in_body, drop_in_stream
 from gateway.providers.sse import SseParser, format_event
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
@@ -69,8 +70,9 @@ def response(*output: dict[str, Any], status: str = "completed", **extra: Any) -
         (response(fc("a"), msg("after")), {"a"}, True, response(msg("after"))),
         (response(custom("c"), fc("a")), {"c"}, True, response(fc("a"))),
         (response(custom("c")), {"c"}, False, response()),
-        (response(REASONING, fc("a")), {"a"}, True, response(REASONING)),  # a non-message item is left
-        (response(WEB, fc("a")), {"a"}, True, response(WEB)),
+        # reasoning and hosted tools' records alone are no answer: the agent gets nothing to act on
+        (response(REASONING, fc("a")), {"a"}, False, response(REASONING)),
+        (response(WEB, fc("a")), {"a"}, False, response(WEB)),
         # hosted tools run upstream before any answer: their items are never judged after
         (response(WEB, msg("ok")), {"web_search_preview", "web_search_call"}, True, response(WEB, msg("ok"))),
         (response(fc("a"), fc("b")), {"x"}, True, response(fc("a"), fc("b"))),
@@ -100,8 +102,9 @@ def test_drop_in_body(before: dict[str, Any], names: set[str], left: bool, after
 )
 def test_drop_in_body_keeps_items_it_cannot_read(odd: Any) -> None:
     body = {"output": [odd, fc("a")]}
-    assert drop_in_body(body, frozenset({"a"})) is True  # the odd item is left, as it came
-    assert body == {"output": [odd]}
+    left = drop_in_body(body, frozenset({"a"}))
+    assert body == {"output": [odd]}  # the odd item is left, as it came
+    assert left is (item_type(odd) == "function_call")  # only a readable call is an answer
 
 
 @pytest.mark.parametrize("body", [{}, {"output": None}, {"output": "x"}, {"output": {"0": fc("a")}}])
