@@ -96,6 +96,11 @@ def opt_strings(value: Any) -> tuple[str, ...] | None:
     return None
 
 
+def usage_detail(details: Any, key: str) -> Any:
+    """`details[key]` of a usage details object, or None when it is not an object."""
+    return details.get(key) if isinstance(details, Mapping) else None
+
+
 def stop_text(reason: str, detail: str) -> str:
     return f"tollgate stopped this run ({reason}): {detail}"
 

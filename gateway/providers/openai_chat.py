@@ -20,6 +20,7 @@ from gateway.providers.common import (
     request_basics,
     stop_text,
     token_count,
+    usage_detail,
 )
 from gateway.providers.openai_functions import LEGACY, forced_function, functions, proposed
 from gateway.providers.sse import SseEvent, format_event
@@ -141,10 +142,10 @@ class OpenAIChat:
         return OpenAIStreamReader(hide_usage)
 
     def error_body(self, error: GatewayError) -> bytes:
-        return orjson.dumps({"error": _error(error)})
+        return orjson.dumps({"error": openai_error(error)})
 
     def error_event(self, error: GatewayError) -> bytes:
-        return format_event(orjson.dumps({"error": _error(error)}))
+        return format_event(orjson.dumps({"error": openai_error(error)}))
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
         return orjson.dumps(
@@ -213,7 +214,8 @@ class OpenAIChat:
         return {**body, "messages": messages}
 
 
-def _error(error: GatewayError) -> dict[str, Any]:
+def openai_error(error: GatewayError) -> dict[str, Any]:
+    """The `error` object of OpenAI's APIs (Chat Completions and Responses)."""
     return {"message": error.message, "type": error.openai_type, "param": error.param, "code": error_code(error)}
 
 
@@ -226,15 +228,11 @@ def usage_from(usage: Any) -> Usage | None:
         return Usage(
             input_tokens=token_count(usage.get("prompt_tokens")),
             output_tokens=token_count(usage.get("completion_tokens")),
-            cache_read_tokens=token_count(_detail(prompt_details, "cached_tokens")),
-            reasoning_tokens=token_count(_detail(completion_details, "reasoning_tokens")),
+            cache_read_tokens=token_count(usage_detail(prompt_details, "cached_tokens")),
+            reasoning_tokens=token_count(usage_detail(completion_details, "reasoning_tokens")),
         )
     except ValueError:  # counts no provider reports: settled at the reservation, never believed
         return None
-
-
-def _detail(details: Any, key: str) -> Any:
-    return details.get(key) if isinstance(details, Mapping) else None
 
 
 class OpenAIStreamReader:

@@ -22,9 +22,18 @@ import orjson
 
 from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
 from gateway.config import Limits
-from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_code
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers.base import StreamStep
-from gateway.providers.common import content_text, opt_int, opt_number, require_model, stop_text, token_count
+from gateway.providers.common import (
+    content_text,
+    opt_int,
+    opt_number,
+    require_model,
+    stop_text,
+    token_count,
+    usage_detail,
+)
+from gateway.providers.openai_chat import openai_error
 from gateway.providers.sse import SseEvent, format_event
 
 # request fields whose input or cost tollgate cannot see, and why (each a 400 when set)
@@ -245,11 +254,11 @@ class OpenAIResponses:
         return ResponsesStreamReader()
 
     def error_body(self, error: GatewayError) -> bytes:
-        return orjson.dumps({"error": _error(error)})
+        return orjson.dumps({"error": openai_error(error)})
 
     def error_event(self, error: GatewayError) -> bytes:
         # `error` carries the object the SDK raises from (it raises on any event whose data has one)
-        inner = _error(error)
+        inner = openai_error(error)
         data = {"type": "error", "code": inner["code"], "message": error.message, "param": error.param,
                 "sequence_number": 0, "error": inner}
         return format_event(orjson.dumps(data), "error")
@@ -317,11 +326,6 @@ def _finish(body: Mapping[str, Any]) -> str:
     return str(body.get("status"))
 
 
-def _error(error: GatewayError) -> dict[str, Any]:
-    return {"message": error.message, "type": error.openai_type, "param": error.param,
-            "code": error_code(error)}
-
-
 def usage_from(usage: Any) -> Usage | None:
     if not isinstance(usage, Mapping):
         return None
@@ -331,16 +335,12 @@ def usage_from(usage: Any) -> Usage | None:
         return Usage(
             input_tokens=token_count(usage.get("input_tokens")),
             output_tokens=token_count(usage.get("output_tokens")),
-            cache_read_tokens=token_count(_detail(cached, "cached_tokens")),
-            cache_creation_tokens=token_count(_detail(cached, "cache_write_tokens")),
-            reasoning_tokens=token_count(_detail(reasoning, "reasoning_tokens")),
+            cache_read_tokens=token_count(usage_detail(cached, "cached_tokens")),
+            cache_creation_tokens=token_count(usage_detail(cached, "cache_write_tokens")),
+            reasoning_tokens=token_count(usage_detail(reasoning, "reasoning_tokens")),
         )
     except ValueError:  # counts no provider reports: settled at the reservation, never believed
         return None
-
-
-def _detail(details: Any, key: str) -> Any:
-    return details.get(key) if isinstance(details, Mapping) else None
 
 
 class ResponsesStreamReader:
