@@ -15,7 +15,7 @@ from typing import Any
 from gateway.call import Answer, Call
 from gateway.errors import InvalidGrammar
 from grammars.checker import IncrementalChecker
-from grammars.compile import Constraint, compile_async, tool_schema_check, validate_tool_arguments
+from grammars.compile import Constraint, compile_async, validate_tool_arguments
 from grammars.library import GrammarLibrary
 from grammars.native import native_is_exact, native_params, validation_spec
 from grammars.reask import reask_instruction
@@ -167,18 +167,6 @@ def apply_native(plan: OutputPlan, body: dict[str, Any], protocol: str) -> bool:
             body.update(plan.native)
         changed = True
     return changed
-
-
-def check_offered_tools(call: Call) -> None:
-    """Refuse, before anything is reserved or sent, a request offering a tool whose parameter schema
-    its answers could not be checked against (InvalidGrammar, 400): found at answer time, the call
-    would already be billed."""
-    for tool in call.tools:
-        if tool.parameters is not None:
-            try:
-                tool_schema_check(tool.parameters)
-            except InvalidGrammar as exc:
-                raise InvalidGrammar(f"tools: {tool.name!r}: {exc.message}", param="tools") from None
 
 
 def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:

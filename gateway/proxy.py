@@ -21,7 +21,7 @@ from gateway.errors import (
 )
 from gateway.identity import Identity
 from gateway.observe import begin_step, end_run, start_span
-from gateway.outputs import apply_native, check_offered_tools, judge, plan_outputs
+from gateway.outputs import apply_native, judge, plan_outputs
 from gateway.pipeline import (
     CREDENTIALS,
     JSON,
@@ -78,7 +78,6 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             )
         if route.provider.engine != "http" and protocol != "openai":
             raise InvalidRequest(f"model {call.model!r} runs in-process and serves Chat Completions only")
-        check_offered_tools(call)
         output = identity.policy.output
         plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)

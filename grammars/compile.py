@@ -245,19 +245,6 @@ def _tool_check(schema_json: str) -> SchemaCheck | str:
         return exc.message
 
 
-def tool_schema_check(parameters: Mapping[str, Any]) -> SchemaCheck:
-    """The compiled check of a tool's parameter schema (cached by content). Raises InvalidGrammar when
-    it cannot be checked (not JSON, or what `grammars.schema` refuses, e.g. a pattern RE2 cannot run)."""
-    try:
-        key = orjson.dumps(dict(parameters), option=orjson.OPT_SORT_KEYS).decode()
-    except (TypeError, ValueError, orjson.JSONEncodeError) as exc:
-        raise InvalidGrammar(f"tool parameters: not a JSON schema: {exc}") from exc
-    check = _tool_check(key)
-    if isinstance(check, str):
-        raise InvalidGrammar(f"tool parameters: {check}")
-    return check
-
-
 def validate_tool_arguments(
     parameters: Mapping[str, Any] | None, arguments: str | Mapping[str, Any]
 ) -> Violation | None:
@@ -279,7 +266,13 @@ def validate_tool_arguments(
         value = arguments
     if parameters is None:
         return _object_check().check_value(value)
-    check = tool_schema_check(parameters)
+    try:
+        key = orjson.dumps(dict(parameters), option=orjson.OPT_SORT_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise InvalidGrammar(f"tool parameters: not a JSON schema: {exc}") from exc
+    check = _tool_check(key)
+    if isinstance(check, str):
+        raise InvalidGrammar(f"tool parameters: {check}")
     if not isinstance(value, dict):
         return _object_check().check_value(value)
     return check.check_value(value)

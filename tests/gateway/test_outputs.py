@@ -9,8 +9,7 @@ import pytest
 
 from gateway.call import Call
 from gateway.config import Limits
-from gateway.errors import InvalidGrammar
-from gateway.outputs import OutputPlan, Resolver, apply_native, check_offered_tools, plan_outputs
+from gateway.outputs import OutputPlan, Resolver, apply_native, plan_outputs
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.providers.openai_responses import OpenAIResponses
 from grammars.library import GrammarLibrary
@@ -95,27 +94,3 @@ def test_apply_native_puts_a_schema_in_the_responses_text_format() -> None:
     chat: dict[str, Any] = {"messages": MSG}
     assert apply_native(planned, chat, "openai")
     assert chat == {"messages": MSG, "response_format": rf}
-
-
-LOOKAROUND = {"type": "object", "properties": {"q": {"type": "string", "pattern": "^(?=a)"}}}
-
-
-@pytest.mark.parametrize(
-    ("tools", "refused"),
-    [
-        ([], False),
-        ([{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}], False),
-        ([{"type": "function", "function": {"name": "f"}}], False),
-        ([{"type": "function", "function": {"name": "f", "parameters": LOOKAROUND}}], True),
-        ([{"type": "function", "function": {"name": "ok", "parameters": SCHEMA}},
-          {"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}], True),
-    ],
-)
-def test_check_offered_tools(tools: list[dict[str, Any]], refused: bool) -> None:
-    c = call(tools=tools) if tools else call()
-    if not refused:
-        check_offered_tools(c)
-        return
-    with pytest.raises(InvalidGrammar) as caught:
-        check_offered_tools(c)
-    assert caught.value.param == "tools" and "'f'" in caught.value.message
