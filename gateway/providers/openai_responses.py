@@ -163,9 +163,9 @@ def _call(item: Mapping[str, Any]) -> ToolCall:
         arguments: Any = item.get("arguments")
     elif kind == "custom_tool_call":
         arguments = item.get("input")
-    else:  # the agent-run tools' action, as JSON: loop detection compares calls by it
-        action = next((item[k] for k in ("action", "actions", "operation") if k in item), None)
-        arguments = orjson.dumps(action, option=orjson.OPT_SORT_KEYS).decode() if action is not None else ""
+    else:  # the agent-run tools' action(s), as a JSON object: loop detection compares calls by it
+        fields = {k: item[k] for k in ("action", "actions", "operation") if item.get(k) is not None}
+        arguments = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS).decode()
     return ToolCall(str(item.get("call_id", "")), call_name(item), str(arguments or ""))
 
 

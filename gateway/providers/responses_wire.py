@@ -67,7 +67,8 @@ def _without_tools(item: Any, allowed: Callable[[str], bool]) -> Any:
 
 
 def _has_text(item: Mapping[str, Any]) -> bool:
-    return any(isinstance(p, Mapping) and p.get("text") for p in item.get("content") or ())
+    parts = item.get("content")
+    return isinstance(parts, list) and any(isinstance(p, Mapping) and p.get("text") for p in parts)
 
 
 def drop_in_stream(raw: bytes, names: frozenset[str]) -> bytes:

@@ -837,3 +837,20 @@ def test_with_instruction_after_an_empty_answer() -> None:
     assert said["role"] == "assistant" and isinstance(said["content"], str)
     assert ask == {"role": "user", "content": "Answer with JSON only."}
     INPUT.validate_python(out["input"])
+
+
+@pytest.mark.parametrize(
+    ("item", "arguments"),
+    [
+        ({"type": "computer_call", "call_id": "c", "actions": [{"type": "click", "x": 1, "y": 2}], "action": None},
+         '{"actions":[{"type":"click","x":1,"y":2}]}'),
+        ({"type": "computer_call", "call_id": "c", "action": {"type": "screenshot"}}, '{"action":{"type":"screenshot"}}'),
+        ({"type": "apply_patch_call", "call_id": "c", "operation": {"type": "delete_file", "path": "a"}},
+         '{"operation":{"path":"a","type":"delete_file"}}'),
+        ({"type": "shell_call", "call_id": "c"}, "{}"),
+    ],
+)
+def test_agent_run_calls_have_object_arguments(item: dict[str, Any], arguments: str) -> None:
+    """A JSON object, as tool arguments are validated (a batched `actions` list is not refused)."""
+    [call] = ADAPTER.parse_answer({"output": [item]}).tool_calls
+    assert call.arguments == arguments

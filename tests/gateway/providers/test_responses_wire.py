@@ -283,3 +283,9 @@ def test_drop_in_stream_keeps_what_it_cannot_read() -> None:
 
 def test_drop_in_stream_of_nothing() -> None:
     assert drop_in_stream(b"", frozenset({"a"})) == b""
+
+
+@pytest.mark.parametrize("content", [5, "text", None, {"text": "x"}])
+def test_drop_in_body_reads_odd_message_content_as_no_text(content: Any) -> None:
+    body = {"output": [{"type": "message", "role": "assistant", "content": content}, fc("a")]}
+    assert drop_in_body(body, frozenset({"a"})) is False
