@@ -52,9 +52,20 @@ TOOL_NAME: dict[str, Callable[[Any], str]] = {
 }
 
 
+def _filter_mcp_servers(body: dict[str, Any], allowed: Allowed) -> bool:
+    """Anthropic's MCP connector (`mcp_servers`): servers Anthropic calls itself, whose tools run
+    upstream before any answer. Offered only when the allow-list names `mcp` (as the Responses API's
+    hosted `mcp` tool)."""
+    if body.get("mcp_servers") is None or allowed("mcp"):
+        return False
+    del body["mcp_servers"]
+    return True
+
+
 # what else a protocol's request offers besides `tools`
 OTHER_OFFERS: dict[str, Callable[[dict[str, Any], Allowed], bool]] = {
     "openai": _filter_functions,
+    "anthropic": _filter_mcp_servers,
     "openai_responses": responses_wire.filter_offers,
 }
 

@@ -45,6 +45,18 @@ async def test_disallowed_tools_never_reach_the_upstream(gateway_factory: Gatewa
     assert [t["name"] for t in h.fake.seen[-1].json["tools"]] == ["search_kb"]
 
 
+@pytest.mark.parametrize(("allow", "kept"), [(["search_kb"], False), (["search_kb", "mcp"], True)])
+async def test_anthropic_mcp_servers_only_when_mcp_is_allowed(gateway_factory: GatewayFactory, allow: list[str],
+                                                              kept: bool) -> None:
+    """The MCP connector's servers are called by Anthropic itself: offered only when `mcp` is allowed."""
+    h = await gateway_factory(agents={"default": {"tools": {"allow": allow}}})
+    servers = [{"type": "url", "url": "https://mcp.example.com/sse", "name": "anything"}]
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG,  # type: ignore[arg-type]
+                                 extra_body={"mcp_servers": servers})
+    assert ("mcp_servers" in h.fake.seen[-1].json) is kept
+
+
 async def test_forced_disallowed_tool_choice_is_403_without_upstream(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents=policy())
     async with oa(h.url, "force") as c:

@@ -39,6 +39,12 @@ EVENT = TypeAdapter[RawMessageStreamEvent](RawMessageStreamEvent)
         ("openai", {"tools": None}, set(), False, {"tools": None}),
         ("anthropic", {"tools": "search"}, set(), False, {"tools": "search"}),
         ("anthropic", {}, set(), False, {}),
+        # the MCP connector: servers Anthropic calls itself, only when `mcp` is allowed
+        ("anthropic", {"mcp_servers": [{"type": "url", "url": "u", "name": "n"}]}, {"search"}, True, {}),
+        ("anthropic", {"mcp_servers": [{"type": "url", "url": "u", "name": "n"}]}, {"mcp"}, False,
+         {"mcp_servers": [{"type": "url", "url": "u", "name": "n"}]}),
+        ("anthropic", {"mcp_servers": None}, set(), False, {"mcp_servers": None}),
+        ("openai", {"mcp_servers": [{"url": "u"}]}, set(), False, {"mcp_servers": [{"url": "u"}]}),  # not its field
     ],
 )
 def test_filter_request_tools(
