@@ -142,4 +142,5 @@ class Answer:
     finish_reasons: tuple[str, ...] = ()
     usage: Usage | None = None
     is_error: bool = False  # MCP `CallToolResult.isError`
+    hosted_calls: int = 0  # tool calls the provider ran itself (web search, its MCP client): counted only
     tool_result: ToolResult | None = None  # MCP: the result the server returned

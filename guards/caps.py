@@ -1,8 +1,8 @@
 """Cap guard: LLM calls, tool calls and wall time per run.
 
 LLM calls are claimed before the call (so concurrent steps cannot all slip under the cap); tool calls
-count when the model proposes them in an answer tollgate returns; wall time counts from the run's
-first step.
+count when the model proposes them in an answer tollgate returns, with those the provider ran itself
+(`Answer.hosted_calls`); wall time counts from the run's first step.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class CapsGuard(BaseGuard):
         return Decision.allow(self.name, claims=(Claim("llm_calls", 1.0, 0.0, limit, "llm_call_cap"),))
 
     def after(self, ctx: StepContext, answer: Answer) -> Decision:
-        count = len(answer.tool_calls)
+        # calls the provider already ran count too: the cap cannot stop them, but stops the run after
+        count = len(answer.tool_calls) + answer.hosted_calls
         if ctx.call.operation == "execute_tool" and ctx.extra.get("counts_tool_call"):
             count = 1
         if count == 0:

@@ -80,6 +80,11 @@ def usage_from(usage: Any) -> Usage | None:
         return None
 
 
+# content blocks of tools Anthropic runs itself (web search, code execution, its MCP connector):
+# counted for `caps.tool_calls`, never judged (they ran before the answer came back)
+HOSTED_BLOCKS = frozenset({"server_tool_use", "mcp_tool_use"})
+
+
 class AnthropicMessages:
     protocol = "anthropic"
     operation = "chat"
@@ -113,12 +118,15 @@ class AnthropicMessages:
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
         texts: list[str] = []
         calls: list[ToolCall] = []
+        hosted = 0
         for block in body.get("content") or ():
             if block.get("type") == "text":
                 texts.append(str(block.get("text") or ""))
             elif block.get("type") == "tool_use":
                 args = orjson.dumps(block.get("input") or {}).decode()
                 calls.append(ToolCall(str(block.get("id", "")), str(block.get("name", "")), args))
+            elif block.get("type") in HOSTED_BLOCKS:
+                hosted += 1
         reason = body.get("stop_reason")
         return Answer(
             response_id=body.get("id"),
@@ -127,6 +135,7 @@ class AnthropicMessages:
             tool_calls=tuple(calls),
             finish_reasons=(str(reason),) if reason else (),
             usage=usage_from(body.get("usage")),
+            hosted_calls=hosted,
         )
 
     def stream_reader(self, *, hide_usage: bool) -> AnthropicStreamReader:
@@ -230,6 +239,7 @@ class AnthropicStreamReader:
         self._reason: str | None = None
         self._usage: dict[str, int] = {}
         self._chars = 0
+        self._hosted = 0
         self.next_index = 0  # the first content block index the agent has not been shown
         self.started = False  # message_start was relayed
         self.holding = False  # a tool_use block started: hold events until the answer is judged
@@ -260,6 +270,8 @@ class AnthropicStreamReader:
             if block.get("type") == "tool_use":
                 self.holding = True
                 self._blocks[index] = [str(block.get("id", "")), str(block.get("name", "")), ""]
+            elif block.get("type") in HOSTED_BLOCKS:
+                self._hosted += 1
             if not self.holding:  # relayed now; held blocks may never reach the agent (a stop)
                 self.next_index = max(self.next_index, index + 1)
         elif kind == "content_block_delta":
@@ -300,4 +312,5 @@ class AnthropicStreamReader:
             tool_calls=calls,
             finish_reasons=(self._reason,) if self._reason else (),
             usage=usage_from(self._usage) if complete else None,
+            hosted_calls=self._hosted,
         )

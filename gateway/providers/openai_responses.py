@@ -50,6 +50,9 @@ AGENT_CALLS: dict[str, str | None] = {
     "local_shell_call": "local_shell", "shell_call": "shell", "apply_patch_call": "apply_patch",
 }
 CALL_ITEMS = frozenset(AGENT_CALLS)
+# the call items of tools OpenAI runs itself: counted for `caps.tool_calls`, never judged (they ran)
+HOSTED_CALL_ITEMS = frozenset({"web_search_call", "file_search_call", "code_interpreter_call",
+                               "image_generation_call", "mcp_call", "tool_search_call"})
 _OUTPUT_ITEMS = frozenset(f"{kind}_output" for kind in AGENT_CALLS)
 _TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
 _ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
@@ -302,12 +305,15 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
     """The neutral answer of a response object: its messages' text and its call items."""
     texts: list[str] = []
     calls: list[ToolCall] = []
+    hosted = 0
     for item in body.get("output") or ():
         kind = item_type(item)
         if kind == "message":
             texts.append(_message_text(item))
         elif kind in CALL_ITEMS:
             calls.append(_call(item))
+        elif kind in HOSTED_CALL_ITEMS:
+            hosted += 1
     status = body.get("status")
     return Answer(
         response_id=body.get("id"),
@@ -316,6 +322,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         tool_calls=tuple(calls),
         finish_reasons=(_finish(body),) if status else (),
         usage=usage_from(body.get("usage")),
+        hosted_calls=hosted,
     )
 
 

@@ -199,3 +199,20 @@ async def test_agent_run_hosted_calls_count_and_loop(gateway_factory: GatewayFac
             await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "shell"}])  # type: ignore[list-item]
     assert caught.value.code == "loop_detected"
     assert (await h.run("loop"))["tool_calls"] >= 2
+
+
+async def test_tool_calls_openai_ran_itself_count_toward_the_cap(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 2}}})
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed",
+              "action": {"type": "search", "query": "x"}}
+    body = response_body("found it")
+    body["output"] = [search, search, *body["output"]]
+    h.fake.default = Reply(body=body)
+    async with client(h, "hosted") as c:
+        await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+        assert (await h.run("hosted"))["tool_calls"] == 2
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    assert caught.value.code == "tool_call_cap"
+    run = await h.run("hosted")
+    assert (run["status"], run["stop_reason"], run["reserved_tokens"]) == ("stopped", "tool_call_cap", 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -143,3 +144,11 @@ def test_tool_call_cap(proposed: list[int], stopped_at: int | None) -> None:
         assert stopped_at is None
         assert state.used["tool_calls"] == sum(proposed)
     assert state.used.get("tool_calls", 0.0) <= 3
+
+
+@pytest.mark.parametrize(("calls", "hosted", "added"), [(0, 2, 2.0), (1, 3, 4.0)])
+def test_after_counts_calls_the_provider_ran(calls: int, hosted: int, added: float) -> None:
+    """Web searches or MCP calls the provider ran itself count toward the cap (after they ran)."""
+    ans = replace(answer(*(tool("search", f'{{"q": {i}}}', f"t{i}") for i in range(calls))), hosted_calls=hosted)
+    decision = GUARD.after(ctx(call(), policy(caps={"tool_calls": 10}), run()), ans)
+    assert decision.effects[0] == Add("tool_calls", added, 10.0, "tool_call_cap")

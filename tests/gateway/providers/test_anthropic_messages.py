@@ -275,3 +275,13 @@ def test_with_instruction(body: dict[str, Any], answer: str, said: str) -> None:
     assert out == {**body, "messages": [*body.get("messages", []), *turns]}
     assert orjson.dumps(body) == before
     assert parse(out).tool_results == ()  # still a request the adapter accepts
+
+
+def test_blocks_of_tools_anthropic_ran_are_counted_not_judged() -> None:
+    body = {"id": "msg_1", "model": "m", "stop_reason": "end_turn", "usage": {"input_tokens": 1, "output_tokens": 1},
+            "content": [{"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {"query": "x"}},
+                        {"type": "web_search_tool_result", "tool_use_id": "s1", "content": []},
+                        {"type": "mcp_tool_use", "id": "m1", "name": "read", "server_name": "files", "input": {}},
+                        {"type": "text", "text": "done"}]}
+    answer = ADAPTER.parse_answer(body)
+    assert (answer.hosted_calls, answer.tool_calls, answer.text) == (2, (), "done")

@@ -215,3 +215,17 @@ def test_stream_stop_tail_after_held_tool_blocks_follows_the_blocks_shown() -> N
 def test_stream_stop_tail_with_a_reader_of_another_shape_sends_a_whole_message(clock: None) -> None:
     tail = ADAPTER.stream_stop_tail(CALL, object(), "loop_detected", "same call")
     assert tail == ADAPTER.stop_stream(CALL, "loop_detected", "same call")
+
+
+def test_the_stream_counts_blocks_of_tools_anthropic_ran() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    for data in (
+        {"type": "message_start", "message": {"id": "m", "model": "x", "usage": {"input_tokens": 1}}},
+        {"type": "content_block_start", "index": 0,
+         "content_block": {"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {}}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}},
+        {"type": "message_stop"},
+    ):
+        reader.feed(ev(data))
+    assert (reader.answer().hosted_calls, reader.holding) == (1, False)

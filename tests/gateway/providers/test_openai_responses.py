@@ -314,7 +314,9 @@ ANSWERS = [
 def test_parse_answer(
     body: dict[str, Any], text: str, calls: tuple[ToolCall, ...], finish: tuple[str]
 ) -> None:
-    assert ADAPTER.parse_answer(body) == Answer("resp_fake", "gpt-4o-mini", text, calls, finish, Usage(10, 5))
+    hosted = sum(1 for item in body["output"] if item["type"] == "web_search_call")  # counted, not judged
+    assert ADAPTER.parse_answer(body) == Answer("resp_fake", "gpt-4o-mini", text, calls, finish, Usage(10, 5),
+                                                hosted_calls=hosted)
     parsed = Response.model_validate(body)  # a real response, whose text the SDK reads the same
     assert parsed.output_text == text
 
@@ -854,3 +856,10 @@ def test_agent_run_calls_have_object_arguments(item: dict[str, Any], arguments: 
     """A JSON object, as tool arguments are validated (a batched `actions` list is not refused)."""
     [call] = ADAPTER.parse_answer({"output": [item]}).tool_calls
     assert call.arguments == arguments
+
+
+def test_calls_of_tools_openai_ran_are_counted_not_judged() -> None:
+    search = {"type": "web_search_call", "id": "ws", "status": "completed", "action": {"type": "search"}}
+    mcp = {"type": "mcp_call", "id": "mc", "name": "read", "server_label": "files", "arguments": "{}"}
+    answer = ADAPTER.parse_answer({"output": [search, mcp, message_item("ok")], "status": "completed"})
+    assert (answer.hosted_calls, answer.tool_calls, answer.text) == (2, (), "ok")
