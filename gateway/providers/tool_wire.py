@@ -71,8 +71,9 @@ OTHER_OFFERS: dict[str, Callable[[dict[str, Any], Allowed], bool]] = {
 
 
 def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) -> bool:
-    """Remove offered tools (OpenAI's legacy functions, the Responses API's tool lists in input items
-    and `allowed_tools`) that are not allowed. True when the body changed."""
+    """Remove offered tools that are not allowed: `tools`, and what `OTHER_OFFERS` adds per protocol
+    (OpenAI's legacy functions, Anthropic's MCP connector, the Responses API's tool lists in input
+    items and `allowed_tools`). True when the body changed."""
     other = OTHER_OFFERS.get(protocol)
     changed = other is not None and other(body, allowed)
     tools = body.get("tools")
