@@ -83,6 +83,17 @@ def usage_from(usage: Any) -> Usage | None:
 # content blocks of tools Anthropic runs itself (web search, code execution, its MCP connector):
 # counted for `caps.tool_calls`, never judged (they ran before the answer came back)
 HOSTED_BLOCKS = frozenset({"server_tool_use", "mcp_tool_use"})
+_MAX_USES_TOOLS = ("web_search_", "web_fetch_")  # server tool types (dated) that take `max_uses`
+
+
+def _with_max_uses(tool: Any, limit: int) -> Any:
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if not (isinstance(kind, str) and kind.startswith(_MAX_USES_TOOLS)):
+        return tool
+    uses = tool.get("max_uses")
+    if isinstance(uses, int) and not isinstance(uses, bool) and 0 < uses <= limit:
+        return tool
+    return {**tool, "max_uses": limit}
 
 
 class AnthropicMessages:
@@ -213,6 +224,18 @@ class AnthropicMessages:
 
     def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
         body["max_tokens"] = value
+
+    def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
+        """Each server tool that takes a `max_uses` (web search, web fetch) uses at most `limit`. The
+        list is replaced, not edited: the agent's original body shares it."""
+        tools = body.get("tools")
+        if not isinstance(tools, list):
+            return False
+        limited = [_with_max_uses(tool, limit) for tool in tools]
+        if all(new is old for new, old in zip(limited, tools, strict=True)):
+            return False
+        body["tools"] = limited
+        return True
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # Anthropic streams always carry usage (message_start and message_delta)

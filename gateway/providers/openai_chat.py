@@ -199,6 +199,9 @@ class OpenAIChat:
         for field, limit in sent.items():
             body[field] = min(int(limit), value)
 
+    def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
+        return False  # Chat Completions offers no tools the provider runs itself
+
     def ask_usage(self, body: dict[str, Any]) -> bool:
         """Ask for the usage chunk; True when the agent had not asked for it (then it is hidden)."""
         options = body.get("stream_options")

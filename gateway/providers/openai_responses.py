@@ -50,6 +50,7 @@ AGENT_CALLS: dict[str, str | None] = {
     "local_shell_call": "local_shell", "shell_call": "shell", "apply_patch_call": "apply_patch",
 }
 CALL_ITEMS = frozenset(AGENT_CALLS)
+_AGENT_RUN_TOOLS = frozenset(name for name in AGENT_CALLS.values() if name)
 # the call items of tools OpenAI runs itself: counted for `caps.tool_calls`, never judged (they ran)
 HOSTED_CALL_ITEMS = frozenset({"web_search_call", "file_search_call", "code_interpreter_call",
                                "image_generation_call", "mcp_call", "tool_search_call"})
@@ -289,6 +290,19 @@ class OpenAIResponses:
     def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
         sent = body.get("max_output_tokens")
         body["max_output_tokens"] = value if sent is None else min(int(sent), value)
+
+    def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
+        """`max_tool_calls` (calls of the tools OpenAI runs, over the whole response) held to `limit`,
+        when the request offers such a tool."""
+        tools = body.get("tools")
+        if not any(tool_name(t) not in _AGENT_RUN_TOOLS and item_type(t) not in ("function", "custom")
+                   for t in (tools if isinstance(tools, list) else ())):
+            return False
+        sent = body.get("max_tool_calls")
+        if isinstance(sent, int) and not isinstance(sent, bool) and 0 < sent <= limit:
+            return False
+        body["max_tool_calls"] = limit
+        return True
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # the final event of a stream always carries the usage

@@ -216,3 +216,19 @@ async def test_tool_calls_openai_ran_itself_count_toward_the_cap(gateway_factory
     assert caught.value.code == "tool_call_cap"
     run = await h.run("hosted")
     assert (run["status"], run["stop_reason"], run["reserved_tokens"]) == ("stopped", "tool_call_cap", 0)
+
+
+async def test_max_tool_calls_held_to_what_the_cap_leaves(gateway_factory: GatewayFactory) -> None:
+    """Tools OpenAI runs cannot be stopped once asked for: a response may use no more than the cap leaves."""
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 5}}})
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}
+    body = response_body("ok")
+    body["output"] = [search, search, *body["output"]]
+    h.fake.queue(Reply(body=body), Reply(body=body), Reply(body=response_body("plain")))
+    async with client(h, "left") as c:
+        await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+        await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search"}],  # type: ignore[list-item]
+                                 max_tool_calls=9)
+        await c.responses.create(model="gpt-4o-mini", input="hi", tools=[WEATHER])  # type: ignore[list-item]
+    sent = [seen.json.get("max_tool_calls") for seen in h.fake.seen]
+    assert sent == [5, 3, None]  # the cap, then what is left of it; no hosted tool offered: untouched

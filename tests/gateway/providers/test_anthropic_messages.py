@@ -285,3 +285,15 @@ def test_blocks_of_tools_anthropic_ran_are_counted_not_judged() -> None:
                         {"type": "text", "text": "done"}]}
     answer = ADAPTER.parse_answer(body)
     assert (answer.hosted_calls, answer.tool_calls, answer.text) == (2, (), "done")
+
+
+def test_limit_hosted_calls_sets_max_uses_of_server_tools() -> None:
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, {"type": "web_fetch_20250910", "name": "f",
+                                                                     "max_uses": 2},
+             {"type": "web_search_20250305", "name": "w2", "max_uses": 9}, {"name": "mine", "input_schema": {}},
+             {"type": "code_execution_20250522", "name": "code_execution"}]
+    body = {"tools": tools}
+    assert ADAPTER.limit_hosted_calls(body, 3) is True
+    assert [t.get("max_uses") for t in body["tools"]] == [3, 2, 3, None, None]
+    assert ADAPTER.limit_hosted_calls(body, 3) is False  # already within
+    assert ADAPTER.limit_hosted_calls({"tools": "x"}, 3) is False

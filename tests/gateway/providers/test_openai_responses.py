@@ -863,3 +863,21 @@ def test_calls_of_tools_openai_ran_are_counted_not_judged() -> None:
     mcp = {"type": "mcp_call", "id": "mc", "name": "read", "server_label": "files", "arguments": "{}"}
     answer = ADAPTER.parse_answer({"output": [search, mcp, message_item("ok")], "status": "completed"})
     assert (answer.hosted_calls, answer.tool_calls, answer.text) == (2, (), "ok")
+
+
+@pytest.mark.parametrize(
+    ("body", "changed", "after"),
+    [
+        ({"tools": [{"type": "web_search"}]}, True, 3),
+        ({"tools": [{"type": "web_search"}], "max_tool_calls": 2}, False, 2),
+        ({"tools": [{"type": "web_search"}], "max_tool_calls": 7}, True, 3),
+        ({"tools": [{"type": "mcp", "server_label": "x"}], "max_tool_calls": 0}, True, 3),
+        ({"tools": [{"type": "web_search"}], "max_tool_calls": True}, True, 3),
+        ({"tools": [FN, {"type": "custom", "name": "c"}, {"type": "shell"}]}, False, None),  # the agent runs these
+        ({"tools": "x"}, False, None),
+        ({}, False, None),
+    ],
+)
+def test_limit_hosted_calls(body: dict[str, Any], changed: bool, after: int | None) -> None:
+    assert ADAPTER.limit_hosted_calls(body, 3) is changed
+    assert body.get("max_tool_calls") == after
