@@ -166,7 +166,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         # tools the provider runs itself cannot be stopped once asked for: ask for no more than the cap
         # leaves (steps in flight may still each use it; the count after the answer stops the run)
         left = cap - int(snapshot.used.get("tool_calls", 0)) if snapshot is not None else cap
-        if left > 0 and step.adapter.limit_hosted_calls(step.body, left):
+        if step.adapter.limit_hosted_calls(step.body, left):
             step.changed = True
 
 

@@ -83,15 +83,21 @@ def usage_from(usage: Any) -> Usage | None:
 # content blocks of tools Anthropic runs itself (web search, code execution, its MCP connector):
 # counted for `caps.tool_calls`, never judged (they ran before the answer came back)
 HOSTED_BLOCKS = frozenset({"server_tool_use", "mcp_tool_use"})
-_MAX_USES_TOOLS = ("web_search_", "web_fetch_")  # server tool types (dated) that take `max_uses`
+_MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")  # server tool types (dated) with `max_uses`
+_SERVER_TOOLS = (*_MAX_USES_TOOLS, "code_execution_", "mcp_toolset")  # tool types Anthropic runs itself
+
+
+def _type_starts(tool: Any, prefixes: tuple[str, ...]) -> bool:
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    return isinstance(kind, str) and kind.startswith(prefixes)
 
 
 def _with_max_uses(tool: Any, limit: int) -> Any:
-    kind = tool.get("type") if isinstance(tool, Mapping) else None
-    if not (isinstance(kind, str) and kind.startswith(_MAX_USES_TOOLS)):
+    """`max_uses` held to `limit`; one that is no count is left as it came, for the API to refuse."""
+    if not _type_starts(tool, _MAX_USES_TOOLS):
         return tool
     uses = tool.get("max_uses")
-    if isinstance(uses, int) and not isinstance(uses, bool) and 0 < uses <= limit:
+    if uses is not None and not (isinstance(uses, int) and not isinstance(uses, bool) and uses > limit):
         return tool
     return {**tool, "max_uses": limit}
 
@@ -226,9 +232,21 @@ class AnthropicMessages:
         body["max_tokens"] = value
 
     def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
-        """Each server tool that takes a `max_uses` (web search, web fetch) uses at most `limit`. The
-        list is replaced, not edited: the agent's original body shares it."""
+        """Each server tool that takes a `max_uses` (web search, web fetch, advisor) uses at most `limit`;
+        with none left (`limit` <= 0) no tool Anthropic runs is offered, nor its MCP connector. Lists are
+        replaced, not edited: the agent's original body shares them."""
         tools = body.get("tools")
+        if limit <= 0:
+            changed = body.pop("mcp_servers", None) is not None
+            if isinstance(tools, list):
+                kept = [t for t in tools if not _type_starts(t, _SERVER_TOOLS)]
+                if len(kept) != len(tools):
+                    changed = True
+                    body["tools"] = kept
+                    if not kept:
+                        body.pop("tools")
+                        body.pop("tool_choice", None)
+            return changed
         if not isinstance(tools, list):
             return False
         limited = [_with_max_uses(tool, limit) for tool in tools]

@@ -77,6 +77,12 @@ def tool_name(tool: Any) -> str:
     return _TOOL_ALIASES.get(kind, kind) if kind else ""
 
 
+def _openai_runs(tool: Any) -> bool:
+    """An offered tool OpenAI runs itself (not a function, a custom tool or one the agent runs)."""
+    kind = item_type(tool)
+    return kind is not None and kind not in ("function", "custom") and tool_name(tool) not in _AGENT_RUN_TOOLS
+
+
 def call_name(item: Mapping[str, Any]) -> str:
     """The allow-list name of a call item's tool."""
     return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
@@ -292,14 +298,26 @@ class OpenAIResponses:
         body["max_output_tokens"] = value if sent is None else min(int(sent), value)
 
     def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
-        """`max_tool_calls` (calls of the tools OpenAI runs, over the whole response) held to `limit`,
-        when the request offers such a tool."""
+        """`max_tool_calls` (calls of the tools OpenAI runs, over the whole response) held to `limit`
+        when the request offers such a tool; with none left (`limit` <= 0) those tools are not offered.
+        A `max_tool_calls` that is no count is left as it came, for the API to refuse."""
         tools = body.get("tools")
-        if not any(tool_name(t) not in _AGENT_RUN_TOOLS and item_type(t) not in ("function", "custom")
-                   for t in (tools if isinstance(tools, list) else ())):
+        hosted = [t for t in tools if _openai_runs(t)] if isinstance(tools, list) else []
+        if not hosted:
             return False
+        if limit <= 0:
+            kept = [t for t in tools if not _openai_runs(t)]
+            if kept:
+                body["tools"] = kept
+            else:
+                for key in ("tools", "tool_choice", "parallel_tool_calls"):
+                    body.pop(key, None)
+            if item_type(body.get("tool_choice")) in {item_type(t) for t in hosted}:
+                del body["tool_choice"]  # it forced a tool no longer offered
+            body.pop("max_tool_calls", None)
+            return True
         sent = body.get("max_tool_calls")
-        if isinstance(sent, int) and not isinstance(sent, bool) and 0 < sent <= limit:
+        if sent is not None and not (isinstance(sent, int) and not isinstance(sent, bool) and sent > limit):
             return False
         body["max_tool_calls"] = limit
         return True
@@ -376,6 +394,7 @@ class ResponsesStreamReader:
         self._text: list[str] = []
         self._calls: dict[int, ToolCall] = {}
         self._chars = 0
+        self._hosted = 0
         self.holding = False
         self.complete = False
         self.delta = ""
@@ -412,6 +431,8 @@ class ResponsesStreamReader:
             return self._relay(event, done=True)
         item = data.get("item")
         if kind == "response.output_item.added" and isinstance(item, Mapping):
+            if item_type(item) in HOSTED_CALL_ITEMS:
+                self._hosted += 1  # counted even if the stream is cut before its final event
             if item_type(item) in CALL_ITEMS:
                 self.holding = True
             elif not self.holding:
@@ -454,6 +475,7 @@ class ResponsesStreamReader:
         streamed = tuple(call for _, call in sorted(self._calls.items()))
         final = self._final
         if final is None:
-            return Answer(text="".join(self._text), tool_calls=streamed)
+            return Answer(text="".join(self._text), tool_calls=streamed, hosted_calls=self._hosted)
         extra = tuple(call for call in streamed if call not in final.tool_calls)
-        return replace(final, text=final.text or "".join(self._text), tool_calls=final.tool_calls + extra)
+        return replace(final, text=final.text or "".join(self._text), tool_calls=final.tool_calls + extra,
+                       hosted_calls=max(final.hosted_calls, self._hosted))

@@ -26,6 +26,8 @@ def _openai_tool_name(tool: Any) -> str:
 
 
 def _anthropic_tool_name(tool: Any) -> str:
+    if isinstance(tool, Mapping) and tool.get("type") == "mcp_toolset":
+        return "mcp"  # the MCP connector's tools, named like `mcp_servers` (see `_filter_mcp_servers`)
     return str(tool.get("name", "")) if isinstance(tool, Mapping) else ""
 
 

@@ -232,3 +232,18 @@ async def test_max_tool_calls_held_to_what_the_cap_leaves(gateway_factory: Gatew
         await c.responses.create(model="gpt-4o-mini", input="hi", tools=[WEATHER])  # type: ignore[list-item]
     sent = [seen.json.get("max_tool_calls") for seen in h.fake.seen]
     assert sent == [5, 3, None]  # the cap, then what is left of it; no hosted tool offered: untouched
+
+
+async def test_with_the_cap_used_up_tools_openai_runs_are_not_offered(gateway_factory: GatewayFactory) -> None:
+    """A run exactly at its tool-call cap goes on, but may not ask OpenAI for a call it could not stop."""
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 2}}})
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}
+    body = response_body("ok")
+    body["output"] = [search, search, *body["output"]]
+    h.fake.queue(Reply(body=body), Reply(body=response_body("plain")))
+    async with client(h, "used") as c:
+        await c.responses.create(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+        await c.responses.create(model="gpt-4o-mini", input="hi", tools=[WEATHER, {"type": "web_search"}])  # type: ignore[list-item]
+    second = h.fake.seen[-1].json
+    assert [t["type"] for t in second["tools"]] == ["function"] and "max_tool_calls" not in second
+    assert (await h.run("used"))["status"] == "active"

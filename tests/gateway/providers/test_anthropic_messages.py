@@ -297,3 +297,24 @@ def test_limit_hosted_calls_sets_max_uses_of_server_tools() -> None:
     assert [t.get("max_uses") for t in body["tools"]] == [3, 2, 3, None, None]
     assert ADAPTER.limit_hosted_calls(body, 3) is False  # already within
     assert ADAPTER.limit_hosted_calls({"tools": "x"}, 3) is False
+
+
+def test_limit_hosted_calls_leaves_what_is_no_count_and_lower_counts() -> None:
+    tools = [{"type": "web_search_20250305", "name": "w", "max_uses": "3"},
+             {"type": "web_search_20250305", "name": "v", "max_uses": 0},
+             {"type": "advisor_20260301", "name": "a"}]
+    body = {"tools": tools}
+    assert ADAPTER.limit_hosted_calls(body, 2) is True
+    assert [t.get("max_uses") for t in body["tools"]] == ["3", 0, 2]
+
+
+def test_with_no_tool_calls_left_server_tools_and_the_mcp_connector_go() -> None:
+    body = {"tools": [{"type": "web_search_20250305", "name": "w"}, {"name": "mine", "input_schema": {}},
+                      {"type": "mcp_toolset", "mcp_server_name": "gh"}, {"type": "code_execution_20250825",
+                                                                          "name": "code_execution"}],
+            "mcp_servers": [{"type": "url", "url": "u", "name": "gh"}], "tool_choice": {"type": "auto"}}
+    assert ADAPTER.limit_hosted_calls(body, 0) is True
+    assert body == {"tools": [{"name": "mine", "input_schema": {}}], "tool_choice": {"type": "auto"}}
+    only = {"tools": [{"type": "web_fetch_20250910", "name": "f"}], "tool_choice": {"type": "any"}}
+    assert ADAPTER.limit_hosted_calls(only, 0) is True and only == {}
+    assert ADAPTER.limit_hosted_calls({"tools": [{"name": "mine"}]}, 0) is False

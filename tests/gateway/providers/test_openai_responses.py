@@ -871,8 +871,8 @@ def test_calls_of_tools_openai_ran_are_counted_not_judged() -> None:
         ({"tools": [{"type": "web_search"}]}, True, 3),
         ({"tools": [{"type": "web_search"}], "max_tool_calls": 2}, False, 2),
         ({"tools": [{"type": "web_search"}], "max_tool_calls": 7}, True, 3),
-        ({"tools": [{"type": "mcp", "server_label": "x"}], "max_tool_calls": 0}, True, 3),
-        ({"tools": [{"type": "web_search"}], "max_tool_calls": True}, True, 3),
+        ({"tools": [{"type": "mcp", "server_label": "x"}], "max_tool_calls": 0}, False, 0),  # lower: kept
+        ({"tools": [{"type": "web_search"}], "max_tool_calls": True}, False, True),  # no count: the API refuses
         ({"tools": [FN, {"type": "custom", "name": "c"}, {"type": "shell"}]}, False, None),  # the agent runs these
         ({"tools": "x"}, False, None),
         ({}, False, None),
@@ -881,3 +881,21 @@ def test_calls_of_tools_openai_ran_are_counted_not_judged() -> None:
 def test_limit_hosted_calls(body: dict[str, Any], changed: bool, after: int | None) -> None:
     assert ADAPTER.limit_hosted_calls(body, 3) is changed
     assert body.get("max_tool_calls") == after
+
+
+def test_with_no_tool_calls_left_tools_openai_runs_are_not_offered() -> None:
+    body: dict[str, Any] = {"tools": [FN, {"type": "web_search"}, {"type": "shell"}], "max_tool_calls": 4,
+                            "tool_choice": {"type": "web_search"}}
+    assert ADAPTER.limit_hosted_calls(body, 0) is True
+    assert body == {"tools": [FN, {"type": "shell"}]}
+    only: dict[str, Any] = {"tools": [{"type": "web_search"}], "tool_choice": "required", "parallel_tool_calls": True}
+    assert ADAPTER.limit_hosted_calls(only, 0) is True
+    assert only == {}
+
+
+def test_a_cut_stream_still_counts_the_calls_openai_ran() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    search = {"type": "web_search_call", "id": "ws", "status": "in_progress"}
+    reader.feed(sse({"type": "response.output_item.added", "sequence_number": 0, "output_index": 0,
+                     "item": search}, "response.output_item.added"))
+    assert reader.answer().hosted_calls == 1

@@ -44,6 +44,9 @@ EVENT = TypeAdapter[RawMessageStreamEvent](RawMessageStreamEvent)
         ("anthropic", {"mcp_servers": [{"type": "url", "url": "u", "name": "n"}]}, {"mcp"}, False,
          {"mcp_servers": [{"type": "url", "url": "u", "name": "n"}]}),
         ("anthropic", {"mcp_servers": None}, set(), False, {"mcp_servers": None}),
+        # the connector's toolset entries are named `mcp` too
+        ("anthropic", {"tools": [{"type": "mcp_toolset", "mcp_server_name": "gh"}, *ANTHROPIC]}, {"mcp", "search"},
+         True, {"tools": [{"type": "mcp_toolset", "mcp_server_name": "gh"}, ANTHROPIC[0]]}),
         ("openai", {"mcp_servers": [{"url": "u"}]}, set(), False, {"mcp_servers": [{"url": "u"}]}),  # not its field
     ],
 )
