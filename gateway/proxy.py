@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from gateway.call import Answer
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -185,6 +187,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
             if not left and not step.call.stream:
                 step.extra["tool_reasked"] = True
                 step.reasks += 1
+                _discard(step, answer)
                 reask(gw, step, answer.text, tools.instruction)
                 continue
         verdict = judge(plan, step.call, answer)
@@ -197,7 +200,11 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 f"{verdict.violation.message}"
             )
         step.reasks += 1
+        _discard(step, answer)
         reask(gw, step, answer.text, verdict.instruction)
+    hosted = step.extra.get("hosted_discarded", 0)
+    if hosted:  # what the provider ran for re-asked attempts counts with the answer the agent gets
+        answer = replace(answer, hosted_calls=answer.hosted_calls + hosted)
     await guard_after(gw, step, answer)
     response_headers = answer_headers(upstream.headers, base_headers(step.identity, step))
     if step.call.stream:
@@ -213,6 +220,12 @@ def _parse_body(data: bytes) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise malformed_upstream("not a JSON object")
     return parsed
+
+
+def _discard(step: Step, answer: Answer) -> None:
+    """An attempt about to be re-asked: the tool calls its provider ran are remembered for the cap."""
+    if answer.hosted_calls:
+        step.extra["hosted_discarded"] = step.extra.get("hosted_discarded", 0) + answer.hosted_calls
 
 
 def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:

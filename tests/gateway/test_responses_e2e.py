@@ -247,3 +247,16 @@ async def test_with_the_cap_used_up_tools_openai_runs_are_not_offered(gateway_fa
     second = h.fake.seen[-1].json
     assert [t["type"] for t in second["tools"]] == ["function"] and "max_tool_calls" not in second
     assert (await h.run("used"))["status"] == "active"
+
+
+async def test_calls_openai_ran_for_a_re_asked_attempt_count_too(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 10},
+                                                  "output": {"grammar": 'choice:["yes", "no"]', "retries": 1}}})
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}
+    first = response_body("maybe")
+    first["output"] = [search, search, search, *first["output"]]
+    h.fake.queue(Reply(body=first), Reply(body=response_body("yes")))
+    async with client(h, "reasked") as c:
+        answer = await c.responses.create(model="gpt-4o-mini", input="ok?", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    assert answer.output_text == "yes"
+    assert (await h.run("reasked"))["tool_calls"] == 3  # the discarded attempt's searches ran, and count
