@@ -70,7 +70,10 @@ class _Server(web.Server):
 
 
 class GatewayRunner(web.AppRunner):
-    """`web.AppRunner` whose server answers its own refusals in JSON (see the module docstring)."""
+    """`web.AppRunner` whose server answers its own refusals in JSON (see the module docstring).
+
+    aiohttp has no public hook for this: the server is rebuilt from the one `AppRunner` makes (its
+    private `_make_server` and `Server._kwargs`); tests/gateway/test_runner.py fails if that changes."""
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup; its handler arguments are kept
