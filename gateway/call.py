@@ -122,6 +122,7 @@ class Call:
     stream: bool = False
     max_tokens: int | None = None
     input_bytes: int = 0
+    input_images: int = 0  # image parts: bounded apart, their tokens do not follow their bytes
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str | None = None
     tool_results: tuple[ToolResult, ...] = ()

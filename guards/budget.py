@@ -2,7 +2,8 @@
 
 Worst case of a step = input upper bound + output limit for each choice asked for (OpenAI's `n`). The
 input bound is the UTF-8 size of the request body: byte-level BPE tokenizers emit at most one token per
-byte, and the JSON framing around each message outweighs the few template tokens a chat format adds.
+byte, and the JSON framing around each message outweighs the few template tokens a chat format adds;
+plus `IMAGE_TOKENS` for each image part, whose tokens follow its pixels, not its bytes.
 The output limit is the request's `max_tokens` or, when absent, what the remaining budget can pay for
 (clamped by the model's limit); the pipeline writes the granted value back into the request. Every
 choice may use all of it, and the provider bills them all, so a unit of it is reserved `n` times.
@@ -18,6 +19,10 @@ from gateway.pricing import ModelPrice
 from gateway.store.base import Claim, Reservation
 from guards.base import BaseGuard, Decision, StepContext
 
+# tokens one image may cost at most: OpenAI bills a high-detail image ~1.5-2.5k, Anthropic ~1.6k (it
+# downsizes larger ones); the rest of the bound is conservative room for models that bill more
+IMAGE_TOKENS = 8192
+
 
 class BudgetGuard(BaseGuard):
     name = "budget"
@@ -26,7 +31,7 @@ class BudgetGuard(BaseGuard):
         if ctx.call.operation == "execute_tool":
             return Decision.allow(self.name)
         budget = ctx.policy.budget
-        bound = ctx.call.input_bytes
+        bound = ctx.call.input_bytes + ctx.call.input_images * IMAGE_TOKENS
         choices = float(ctx.call.params.choice_count or 1)
         claims = [Claim("tokens", float(bound), choices, _f(budget.tokens), "token_budget_exhausted")]
         price = ctx.price

@@ -14,6 +14,7 @@ from gateway.errors import GatewayError, InvalidRequest, error_code
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
+    count_images,
     opt_int,
     opt_number,
     opt_strings,
@@ -124,6 +125,7 @@ class AnthropicMessages:
             stream=stream,
             max_tokens=opt_int(body, "max_tokens", minimum=1),
             input_bytes=len(raw),
+            input_images=count_images(body, raw),
             tools=_tools(raw_tools),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(messages),

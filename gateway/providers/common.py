@@ -25,6 +25,29 @@ def json_depth_ok(value: Any, limit: int) -> bool:
     return True
 
 
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})  # chat, Responses, Anthropic content parts
+
+
+def count_images(body: Mapping[str, Any], raw: bytes) -> int:
+    """Image parts anywhere in a request (messages, tool results): an image's tokens follow its pixels,
+    not its bytes (a URL is a few bytes; a flat PNG compresses far below its token count), so the
+    budget bounds each one apart (`guards.budget`). The byte search skips the walk for most requests."""
+    if b"image" not in raw:
+        return 0
+    count = 0
+    stack: list[Any] = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            kind = node.get("type")
+            if isinstance(kind, str) and kind in IMAGE_PARTS:
+                count += 1
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return count
+
+
 def require_list(body: Mapping[str, Any], key: str, *, required: bool) -> list[Any]:
     value = body.get(key)
     if value is None:

@@ -14,6 +14,7 @@ from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
+    count_images,
     opt_int,
     opt_number,
     opt_strings,
@@ -105,6 +106,7 @@ class OpenAIChat:
             stream=stream,
             max_tokens=max_tokens,
             input_bytes=len(raw),
+            input_images=count_images(body, raw),
             tools=_tools(raw_tools) + legacy,
             tool_choice=_forced(body),
             tool_results=_latest_results(messages),

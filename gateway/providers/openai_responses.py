@@ -26,6 +26,7 @@ from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
+    count_images,
     opt_int,
     opt_number,
     require_model,
@@ -248,6 +249,7 @@ class OpenAIResponses:
             stream=bool(stream),
             max_tokens=opt_int(body, "max_output_tokens", minimum=1),
             input_bytes=len(raw),
+            input_images=count_images(body, raw),
             tools=_tools(body.get("tools"), limits),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(items),

@@ -14,6 +14,7 @@ import openai
 import orjson
 import pytest
 
+from guards.budget import IMAGE_TOKENS
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.upstream import (
     Reply,
@@ -467,3 +468,18 @@ async def test_tollgate_runs_prints_the_table(gateway_factory: GatewayFactory) -
                                                 stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 1 and b"cannot read" in err
+
+
+async def test_images_are_reserved_by_their_own_bound(gateway_factory: GatewayFactory) -> None:
+    """A URL is a few bytes, an image ~1-2k tokens: each image part is reserved apart, so the output
+    the budget still pays for is what is left after them."""
+    h = await gateway_factory(agents=agent(budget={"tokens": 20_000}))
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": [image, image]}]}
+    status, headers, _ = await post(h, body, "img")
+    assert status == 200
+    sent = h.fake.seen[-1].json
+    granted = sent.get("max_completion_tokens") or sent["max_tokens"]
+    assert granted == int(headers["x-tollgate-max-tokens"]) < 20_000 - 2 * IMAGE_TOKENS
+    status, _, _ = await post(h, {**body, "messages": [{"role": "user", "content": [image] * 3}]}, "img2")
+    assert status == 403  # three images alone are more than the whole budget

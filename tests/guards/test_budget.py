@@ -11,7 +11,7 @@ from gateway.call import RequestParams, Usage
 from gateway.pricing import ModelPrice, Rate
 from gateway.store import logic
 from gateway.store.base import Claim, Denial, Reservation
-from guards.budget import BudgetGuard, answer_usage, settlement
+from guards.budget import IMAGE_TOKENS, BudgetGuard, answer_usage, settlement
 from tests.guards.support import NOW, PRICE, answer, call, ctx, mcp_call, policy, reserve, run
 
 GUARD = BudgetGuard()
@@ -283,3 +283,13 @@ def test_real_usage_releases_the_rest_of_the_reservation() -> None:
 )
 def test_answer_usage(ans: Any, expected: Usage | None) -> None:
     assert answer_usage(ans) == expected
+
+
+@pytest.mark.parametrize("images", [0, 1, 3])
+def test_each_image_adds_its_own_bound(images: int) -> None:
+    """An image's tokens follow its pixels, not its bytes: each one is bounded apart."""
+    decision = GUARD.before(ctx(call(input_bytes=1000, input_images=images), policy(budget={"tokens": 10**6}),
+                                price=PRICE))
+    tokens_claim, usd_claim = decision.claims
+    assert tokens_claim.fixed == 1000 + images * IMAGE_TOKENS
+    assert usd_claim.fixed == pytest.approx((1000 + images * IMAGE_TOKENS) * PRICE.worst_input)

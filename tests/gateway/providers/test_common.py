@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.config import Limits
@@ -12,6 +13,7 @@ from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_
 from gateway.providers.common import (
     check_counts,
     content_text,
+    count_images,
     json_depth_ok,
     opt_int,
     opt_number,
@@ -297,3 +299,24 @@ def test_token_count(value: object, expected: int) -> None:
 def test_token_count_refuses_what_is_not_a_count(value: object) -> None:
     with pytest.raises(ValueError):
         token_count(value)
+
+
+IMG = {"type": "image_url", "image_url": {"url": "https://x/a.png"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "count"),
+    [
+        ({"messages": [{"role": "user", "content": "an image of text"}]}, 0),
+        ({"messages": [{"role": "user", "content": [IMG, {"type": "text", "text": "x"}, IMG]}]}, 2),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]},
+                    {"type": "function_call_output", "call_id": "c",
+                     "output": [{"type": "input_image", "file_id": "f"}]}]}, 2),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]},
+            {"type": "image", "source": {"type": "url", "url": "u"}}]}]}, 2),
+        ({"messages": [{"role": "user", "content": [{"type": ["image"]}]}]}, 0),  # no type tollgate knows
+    ],
+)
+def test_count_images(body: dict[str, Any], count: int) -> None:
+    assert count_images(body, orjson.dumps(body)) == count
