@@ -123,6 +123,7 @@ class Call:
     max_tokens: int | None = None
     input_bytes: int = 0
     input_images: int = 0  # image parts: bounded apart, their tokens do not follow their bytes
+    referenced_documents: int = 0  # documents named, not sent (by file id or URL): no bound is known
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str | None = None
     tool_results: tuple[ToolResult, ...] = ()

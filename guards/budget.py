@@ -31,6 +31,14 @@ class BudgetGuard(BaseGuard):
         if ctx.call.operation == "execute_tool":
             return Decision.allow(self.name)
         budget = ctx.policy.budget
+        documents = ctx.call.referenced_documents
+        if documents and (budget.tokens is not None or budget.usd is not None):
+            return Decision.reject(
+                self.name,
+                "input_unbounded",
+                f"the request names {documents} document(s) by file id or URL, whose size tollgate cannot "
+                "bound, so the budget could be overspent; send their content instead",
+            )
         bound = ctx.call.input_bytes + ctx.call.input_images * IMAGE_TOKENS
         choices = float(ctx.call.params.choice_count or 1)
         claims = [Claim("tokens", float(bound), choices, _f(budget.tokens), "token_budget_exhausted")]

@@ -15,6 +15,7 @@ from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
     count_images,
+    count_referenced_documents,
     opt_int,
     opt_number,
     opt_strings,
@@ -126,6 +127,7 @@ class AnthropicMessages:
             max_tokens=opt_int(body, "max_tokens", minimum=1),
             input_bytes=len(raw),
             input_images=count_images(body, raw),
+            referenced_documents=count_referenced_documents(body, raw),
             tools=_tools(raw_tools),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(messages),

@@ -28,6 +28,31 @@ def json_depth_ok(value: Any, limit: int) -> bool:
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})  # chat, Responses, Anthropic content parts
 
 
+def _referenced_document(node: Mapping[str, Any]) -> bool:
+    kind, file, source = node.get("type"), node.get("file"), node.get("source")
+    if kind == "file":
+        return isinstance(file, Mapping) and bool(file.get("file_id"))
+    return kind == "document" and isinstance(source, Mapping) and source.get("type") in ("url", "file")
+
+
+def count_referenced_documents(body: Mapping[str, Any], raw: bytes) -> int:
+    """Documents a request names instead of sending (Chat Completions `file` parts by `file_id`,
+    Anthropic `document` blocks whose source is a URL or a file): their tokens are unknown here."""
+    if b"file" not in raw and b"document" not in raw:
+        return 0
+    count = 0
+    stack: list[Any] = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if _referenced_document(node):
+                count += 1
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return count
+
+
 def count_images(body: Mapping[str, Any], raw: bytes) -> int:
     """Image parts anywhere in a request (messages, tool results): an image's tokens follow its pixels,
     not its bytes (a URL is a few bytes; a flat PNG compresses far below its token count), so the

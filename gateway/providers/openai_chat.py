@@ -15,6 +15,7 @@ from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
     count_images,
+    count_referenced_documents,
     opt_int,
     opt_number,
     opt_strings,
@@ -107,6 +108,7 @@ class OpenAIChat:
             max_tokens=max_tokens,
             input_bytes=len(raw),
             input_images=count_images(body, raw),
+            referenced_documents=count_referenced_documents(body, raw),
             tools=_tools(raw_tools) + legacy,
             tool_choice=_forced(body),
             tool_results=_latest_results(messages),

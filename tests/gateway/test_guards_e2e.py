@@ -483,3 +483,18 @@ async def test_images_are_reserved_by_their_own_bound(gateway_factory: GatewayFa
     assert granted == int(headers["x-tollgate-max-tokens"]) < 20_000 - 2 * IMAGE_TOKENS
     status, _, _ = await post(h, {**body, "messages": [{"role": "user", "content": [image] * 3}]}, "img2")
     assert status == 403  # three images alone are more than the whole budget
+
+
+async def test_documents_named_not_sent_are_400_under_a_budget(gateway_factory: GatewayFactory) -> None:
+    """A file id or URL stands for a document of any size: with a budget it is refused, not unbounded."""
+    h = await gateway_factory(agents={"default": {"budget": {"tokens": 100_000}}})
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": [
+                {"type": "file", "file": {"file_id": "file-abc"}}]}])  # type: ignore[list-item]
+    assert caught.value.code == "invalid_request" and "document" in caught.value.message
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as aclient:
+        with pytest.raises(anthropic.BadRequestError):
+            await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=16, messages=[
+                {"role": "user", "content": [{"type": "document", "source": {"type": "url", "url": "https://x/a.pdf"}}]}])  # type: ignore[list-item]
+    assert h.fake.seen == []

@@ -293,3 +293,11 @@ def test_each_image_adds_its_own_bound(images: int) -> None:
     tokens_claim, usd_claim = decision.claims
     assert tokens_claim.fixed == 1000 + images * IMAGE_TOKENS
     assert usd_claim.fixed == pytest.approx((1000 + images * IMAGE_TOKENS) * PRICE.worst_input)
+
+
+@pytest.mark.parametrize(("budget", "refused"), [({"tokens": 10**6}, True), ({"usd": 5.0}, True), ({}, False)])
+def test_documents_named_not_sent_are_refused_under_a_budget(budget: dict[str, Any], refused: bool) -> None:
+    decision = GUARD.before(ctx(call(referenced_documents=2), policy(budget=budget), price=PRICE))
+    assert (decision.action == "reject") is refused
+    if refused:
+        assert decision.reason == "input_unbounded" and "2 document(s)" in decision.detail

@@ -14,6 +14,7 @@ from gateway.providers.common import (
     check_counts,
     content_text,
     count_images,
+    count_referenced_documents,
     json_depth_ok,
     opt_int,
     opt_number,
@@ -320,3 +321,21 @@ IMG = {"type": "image_url", "image_url": {"url": "https://x/a.png"}}
 )
 def test_count_images(body: dict[str, Any], count: int) -> None:
     assert count_images(body, orjson.dumps(body)) == count
+
+
+@pytest.mark.parametrize(
+    ("body", "count"),
+    [
+        ({"messages": [{"role": "user", "content": "a file about documents"}]}, 0),
+        ({"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-1"}}]}]}, 1),
+        ({"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_data": "data:..."}}]}]}, 0),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "url", "url": "https://x/a.pdf"}},
+            {"type": "document", "source": {"type": "file", "file_id": "f"}},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVB"}},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hi"}}]}]}, 2),
+        ({"messages": [{"role": "user", "content": [{"type": ["file"], "file": {"file_id": "x"}}]}]}, 0),
+    ],
+)
+def test_count_referenced_documents(body: dict[str, Any], count: int) -> None:
+    assert count_referenced_documents(body, orjson.dumps(body)) == count
