@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gateway.config import Limits
@@ -28,6 +28,18 @@ def json_depth_ok(value: Any, limit: int) -> bool:
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})  # chat, Responses, Anthropic content parts
 
 
+def _objects(value: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object inside `value`, itself included (iterative: no recursion limit)."""
+    stack: list[Any] = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+
+
 def _referenced_document(node: Mapping[str, Any]) -> bool:
     kind, file, source = node.get("type"), node.get("file"), node.get("source")
     if kind == "file":
@@ -40,17 +52,7 @@ def count_referenced_documents(body: Mapping[str, Any], raw: bytes) -> int:
     Anthropic `document` blocks whose source is a URL or a file): their tokens are unknown here."""
     if b"file" not in raw and b"document" not in raw:
         return 0
-    count = 0
-    stack: list[Any] = [body]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if _referenced_document(node):
-                count += 1
-            stack.extend(v for v in node.values() if isinstance(v, dict | list))
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, dict | list))
-    return count
+    return sum(1 for node in _objects(body) if _referenced_document(node))
 
 
 def count_images(body: Mapping[str, Any], raw: bytes) -> int:
@@ -59,18 +61,8 @@ def count_images(body: Mapping[str, Any], raw: bytes) -> int:
     budget bounds each one apart (`guards.budget`). The byte search skips the walk for most requests."""
     if b"image" not in raw:
         return 0
-    count = 0
-    stack: list[Any] = [body]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            kind = node.get("type")
-            if isinstance(kind, str) and kind in IMAGE_PARTS:
-                count += 1
-            stack.extend(v for v in node.values() if isinstance(v, dict | list))
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, dict | list))
-    return count
+    kinds = (node.get("type") for node in _objects(body))
+    return sum(1 for kind in kinds if isinstance(kind, str) and kind in IMAGE_PARTS)
 
 
 def require_list(body: Mapping[str, Any], key: str, *, required: bool) -> list[Any]:
