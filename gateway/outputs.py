@@ -169,9 +169,11 @@ def apply_native(plan: OutputPlan, body: dict[str, Any], protocol: str) -> bool:
     return changed
 
 
-def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
-    """The first violation of the answer: text against every constraint, tool arguments against their
-    declared schemas. An answer that only calls tools is not held to the text constraints."""
+def judge_tool_arguments(call: Call, answer: Answer) -> OutputVerdict | None:
+    """The first call in the answer whose arguments break the parameter schema its tool declared.
+    Raises InvalidGrammar when that schema cannot be checked (the tool declaration is broken)."""
+    if not answer.tool_calls or not call.tools:
+        return None
     schemas = {t.name: t.parameters for t in call.tools}
     for tool_call in answer.tool_calls:
         if tool_call.name in schemas:
@@ -183,6 +185,15 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
                     "Your previous tool call had invalid arguments.\n"
                     f"Error: {message}\nCall the tool again with arguments that satisfy its parameter schema.",
                 )
+    return None
+
+
+def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
+    """The first violation of the answer: tool arguments against their declared schemas, then text
+    against every constraint. An answer that only calls tools is not held to the text constraints."""
+    verdict = judge_tool_arguments(call, answer)
+    if verdict is not None:
+        return verdict
     if plan is None or (answer.tool_calls and not answer.text):
         return None
     for constraint in plan.constraints:

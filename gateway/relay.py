@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
 from gateway.observe import step_span
+from gateway.outputs import judge_tool_arguments
 from gateway.pipeline import base_headers, guard_after, settle, stop_run
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
@@ -101,6 +102,13 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
                     answer = step.answer = without(answer, tools.names)
                     step.extra["tools_dropped"] = len(tools.denied)
+                # the held calls reach the agent only with arguments their tools' schemas accept; a
+                # stream cannot be re-asked once it started (`stream_check: buffer` can)
+                verdict = judge_tool_arguments(step.call, answer)
+                if verdict is not None:
+                    step.violations.append(f"{verdict.kind}: {verdict.violation.message}")
+                    raise OutputNonconforming(f"the streamed answer breaks a tool's parameter schema: "
+                                              f"{verdict.violation.message}")
                 await guard_after(gw, step, answer)
             except Stopped as stop:
                 await out.write(_stop_tail(step, reader, stop))

@@ -11,7 +11,15 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory
-from tests.fakes.upstream import Reply, anthropic_message, openai_completion, openai_stream, tool_call
+from tests.fakes.responses import response_stream
+from tests.fakes.upstream import (
+    Reply,
+    anthropic_message,
+    anthropic_stream,
+    openai_completion,
+    openai_stream,
+    tool_call,
+)
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 RF = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
@@ -167,6 +175,55 @@ async def test_invalid_tool_arguments_openai_and_anthropic(gateway_factory: Gate
             await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,
                                      tools=[{"name": "get", "input_schema": SCHEMA}])  # type: ignore[list-item]
     assert info.value.body["error"]["code"] == "output_nonconforming"  # type: ignore[index]
+
+
+async def test_streamed_tool_arguments_are_checked_before_the_call_is_relayed(
+        gateway_factory: GatewayFactory) -> None:
+    """A streamed tool call is held until the answer is complete; arguments that break the tool's
+    schema never reach the agent: the stream ends with `output_nonconforming` (Chat Completions,
+    Messages, Responses), the run goes on, and valid arguments pass untouched."""
+    h = await gateway_factory()
+    tools = [{"type": "function", "function": {"name": "get", "parameters": SCHEMA}}]
+    bad = openai_stream([], tool_calls=[tool_call("get", '{"answer": "x"}')])
+    h.fake.queue(Reply(chunks=bad), Reply(chunks=openai_stream([], tool_calls=[tool_call("get", '{"answer": 1}')])))
+    async with client(h.url, "st-tools") as c:
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=tools,  # type: ignore[arg-type]
+                                                 stream=True)
+        calls = []
+        with pytest.raises(openai.APIError) as info:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.tool_calls:
+                    calls.append(chunk.choices[0].delta.tool_calls)
+        assert calls == []  # no byte of the invalid call reached the agent
+        assert "'get'" in info.value.message and "parameter schema" in info.value.message
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=tools,  # type: ignore[arg-type]
+                                                 stream=True)
+        args = "".join([tc.function.arguments or "" async for ch in stream if ch.choices
+                        for tc in ch.choices[0].delta.tool_calls or () if tc.function])
+    assert args == '{"answer": 1}'
+    run = await h.run("st-tools")
+    assert run["status"] == "active" and run["tool_calls"] == 1  # the refused call was never proposed
+
+    h.fake.queue(Reply(chunks=anthropic_stream(["Let me look."], tool_uses=[{"id": "t", "name": "get",
+                                                                            "input": {"answer": "x"}}])))
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        seen: list[str] = []
+        with pytest.raises(anthropic.APIError) as ainfo:
+            async with ac.messages.stream(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
+                                          tools=[{"name": "get", "input_schema": SCHEMA}]) as astream:  # type: ignore[list-item]
+                async for event in astream:
+                    seen.append(event.type)
+    assert "parameter schema" in str(ainfo.value)
+    assert "text" in seen and not any("tool" in kind or "input_json" in kind for kind in seen)
+
+    h.fake.queue(Reply(chunks=response_stream([], calls=[("get", '{"answer": []}')])))
+    async with client(h.url, "st-resp") as c:
+        with pytest.raises(openai.APIError) as rinfo:
+            async with c.responses.stream(model="gpt-4o-mini", input="2+2?", tools=[  # type: ignore[arg-type]
+                    {"type": "function", "name": "get", "parameters": SCHEMA, "strict": False}]) as rstream:
+                async for _ in rstream:
+                    pass
+    assert "parameter schema" in str(rinfo.value)
 
 
 async def test_openai_strict_nulls_for_optional_properties_are_accepted(gateway_factory: GatewayFactory) -> None:
