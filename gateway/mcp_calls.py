@@ -56,7 +56,7 @@ from gateway.observe_mcp import end_tool_span, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
-from grammars.compile import validate_tool_arguments
+from grammars.tool_args import validate_tool_arguments
 from guards.base import Add, Push, StepContext
 from guards.chain import Verdict
 from otel.spans import StepSpan

@@ -15,12 +15,13 @@ from typing import Any
 from gateway.call import Answer, Call
 from gateway.errors import InvalidGrammar
 from grammars.checker import IncrementalChecker
-from grammars.compile import Constraint, compile_async, validate_tool_arguments
+from grammars.compile import Constraint, compile_async
 from grammars.library import GrammarLibrary
 from grammars.native import native_is_exact, native_params, validation_spec
 from grammars.reask import reask_instruction
 from grammars.requests import request_constraints, responses_constraints, strip_guided_fields
 from grammars.spec import ConstraintSpec, Violation
+from grammars.tool_args import validate_tool_arguments
 
 GRAMMAR_HEADER = "x-tollgate-grammar"
 _GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs",

@@ -49,6 +49,7 @@ from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
 from gateway.upstream import answer_headers, forwardable
+from grammars.tool_args import check_tool_schemas
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
@@ -80,6 +81,9 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             )
         if route.provider.engine != "http" and protocol != "openai":
             raise InvalidRequest(f"model {call.model!r} runs in-process and serves Chat Completions only")
+        tool_policy = gw.tool_policy(identity.agent, identity.policy)
+        if call.tools:  # a schema tollgate cannot check is a 400 before anything is reserved or sent
+            await check_tool_schemas((t.name, t.parameters) for t in call.tools if tool_policy.allowed(t.name))
         output = identity.policy.output
         plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)
@@ -87,7 +91,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
-                tools=gw.tool_policy(identity.agent, identity.policy))
+                tools=tool_policy)
     begin_step(gw, step, request.headers)
     if plan is not None:
         step.changed = apply_native(plan, step.body, call.protocol)

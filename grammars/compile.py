@@ -13,12 +13,10 @@ import asyncio
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import llguidance as llg
-import orjson
 
 from gateway.errors import InvalidGrammar
 from grammars import engine
@@ -30,18 +28,20 @@ if TYPE_CHECKING:
     from grammars.schema import SchemaCheck
 
 __all__ = [
+    "LRU",
     "Constraint",
     "IncrementalChecker",
     "Violation",
     "compile_async",
     "compile_constraint",
-    "validate_tool_arguments",
+    "object_check",
 ]
 
 CACHE_SIZE: Final[int] = 256
 # Formats are left to jsonschema: engines disagree on them (llguidance's email is stricter than
 # jsonschema's), and a stream must never be cut for a reason the final verdict would not share.
 _STREAM_IGNORED: Final[frozenset[str]] = frozenset({"format"})
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -92,23 +92,23 @@ class Constraint:
         return IncrementalChecker(core.syntax.deep_copy(), json_document=True, final=core.schema.check)
 
 
-class _LRU:
-    """A small thread-safe LRU of compiled cores, or of compile error messages (so a client resending
+class LRU(Generic[V]):
+    """A small thread-safe LRU of compiled things, or of compile error messages (so a client resending
     a broken schema does not cost a compile each time)."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._items: OrderedDict[str, _Core | str] = OrderedDict()
+        self._items: OrderedDict[str, V | str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> _Core | str | None:
+    def get(self, key: str) -> V | str | None:
         with self._lock:
             item = self._items.get(key)
             if item is not None:
                 self._items.move_to_end(key)
             return item
 
-    def put(self, key: str, item: _Core | str) -> None:
+    def put(self, key: str, item: V | str) -> None:
         with self._lock:
             self._items[key] = item
             self._items.move_to_end(key)
@@ -120,7 +120,7 @@ class _LRU:
             self._items.clear()
 
 
-_CACHE = _LRU(CACHE_SIZE)
+_CACHE: LRU[_Core] = LRU(CACHE_SIZE)
 
 
 def _from_cache(spec: ConstraintSpec) -> Constraint | None:
@@ -162,7 +162,7 @@ def clear_cache() -> None:
 
 def _compile(kind: Kind, source: str) -> _Core:
     if kind == "json_object":
-        return _Core(kind, _syntax("object"), _syntax("object"), _object_check(), ())
+        return _Core(kind, _syntax("object"), _syntax("object"), object_check(), ())
     if kind == "json_schema":
         return _compile_schema(source)
     if kind == "choice":
@@ -221,7 +221,8 @@ def _syntax(top: str) -> llg.LLMatcher:
 
 
 @functools.cache
-def _object_check() -> SchemaCheck:
+def object_check() -> SchemaCheck:
+    """The check of "any JSON object" (arguments of a tool that declares no schema)."""
     from grammars.schema import build_check  # loaded on first use (see _compile_schema)
 
     return build_check({"type": "object"})
@@ -233,46 +234,3 @@ def _check_choice(source: str) -> None:
         raise InvalidGrammar(f"choice: options must be a JSON array of strings ({violation.message})")
     if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
         raise InvalidGrammar("choice: options must be a non-empty JSON array of strings")
-
-
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _tool_check(schema_json: str) -> SchemaCheck | str:
-    from grammars.schema import build_check  # loaded on first use (see _compile_schema)
-
-    try:
-        return build_check(orjson.loads(schema_json))
-    except InvalidGrammar as exc:
-        return exc.message
-
-
-def validate_tool_arguments(
-    parameters: Mapping[str, Any] | None, arguments: str | Mapping[str, Any]
-) -> Violation | None:
-    """Check a tool call's arguments against the tool's declared parameter schema.
-
-    `arguments` is the JSON text the model produced (OpenAI `function.arguments`; an empty string
-    means `{}`) or an already parsed object (Anthropic `input`, MCP `arguments`). They must form a
-    JSON object; with `parameters` None that is all that is checked. Validators are cached by schema
-    content. A schema that does not compile raises InvalidGrammar (the tool declaration is broken).
-    """
-    if isinstance(arguments, str):
-        if not arguments.strip():
-            value: Any = {}
-        else:
-            value, violation = parse_json(arguments)
-            if violation is not None:
-                return violation
-    else:
-        value = arguments
-    if parameters is None:
-        return _object_check().check_value(value)
-    try:
-        key = orjson.dumps(dict(parameters), option=orjson.OPT_SORT_KEYS).decode()
-    except (TypeError, orjson.JSONEncodeError) as exc:
-        raise InvalidGrammar(f"tool parameters: not a JSON schema: {exc}") from exc
-    check = _tool_check(key)
-    if isinstance(check, str):
-        raise InvalidGrammar(f"tool parameters: {check}")
-    if not isinstance(value, dict):
-        return _object_check().check_value(value)
-    return check.check_value(value)

@@ -226,6 +226,39 @@ async def test_streamed_tool_arguments_are_checked_before_the_call_is_relayed(
     assert "parameter schema" in str(rinfo.value)
 
 
+async def test_a_tool_schema_that_cannot_be_checked_is_refused_before_the_upstream(
+        gateway_factory: GatewayFactory) -> None:
+    """Its calls could never be validated; found at answer time the call would already be billed. A
+    disallowed tool is removed before the upstream sees it, so its schema does not matter."""
+    h = await gateway_factory(agents={"default": {"budget": {"tokens": 100_000},
+                                                  "tools": {"allow": ["get", "ok"]}}})
+    look = {"type": "object", "properties": {"q": {"type": "string", "pattern": "^(?=a)"}}}
+    async with client(h.url, "schema") as c:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=[  # type: ignore[arg-type]
+                {"type": "function", "function": {"name": "ok", "parameters": SCHEMA}},
+                {"type": "function", "function": {"name": "get", "parameters": look}}], stream=True)
+        assert caught.value.code == "invalid_request" and "'get'" in caught.value.message
+        with pytest.raises(openai.BadRequestError):
+            await c.responses.create(model="gpt-4o-mini", input="hi", tools=[  # type: ignore[list-item]
+                {"type": "function", "name": "get", "parameters": look, "strict": False}])
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers={"x-tollgate-run-id": "schema"}) as ac:
+        with pytest.raises(anthropic.BadRequestError) as acaught:
+            await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
+                                     tools=[{"name": "get", "input_schema": {"type": 7}}])  # type: ignore[list-item]
+    assert acaught.value.body["error"]["code"] == "invalid_request"  # type: ignore[index]
+    assert h.fake.seen == []
+    async with h.session.get(f"{h.admin_url}/admin/runs/schema") as resp:
+        assert resp.status == 404  # nothing reserved, no step recorded: the run never started
+    h.fake.queue(Reply(body=openai_completion("fine")))
+    async with client(h.url, "schema") as c:
+        result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=[  # type: ignore[arg-type]
+            {"type": "function", "function": {"name": "hidden", "parameters": look}}])
+    assert result.choices[0].message.content == "fine"
+    assert "tools" not in h.fake.seen[0].json  # the disallowed tool never went upstream
+
+
 async def test_openai_strict_nulls_for_optional_properties_are_accepted(gateway_factory: GatewayFactory) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a"]}

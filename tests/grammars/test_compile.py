@@ -1,4 +1,4 @@
-"""Complete-output validation per constraint kind, compile errors, the cache, tool arguments."""
+"""Complete-output validation per constraint kind, compile errors, the cache."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from grammars.compile import (
     Violation,
     compile_async,
     compile_constraint,
-    validate_tool_arguments,
 )
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 from tests.grammars.samples import BAD_AGE, COMPACT, PRETTY, USER_SCHEMA, user_with
@@ -359,34 +358,3 @@ def test_constraints_work_across_threads() -> None:
     worker.join()
     checker = box[0].checker(native=True)
     assert checker.feed('{"a": 1, "b": "x"}') and checker.finish() is None
-
-
-@pytest.mark.parametrize(
-    ("parameters", "arguments", "expected"),
-    [
-        (SMALL, '{"a": 1}', None),
-        (SMALL, {"a": 1, "b": "x"}, None),  # Anthropic `input` / MCP `arguments` come parsed
-        (SMALL, '{"b": 2}', v("at <root>: 'a' is a required property; at b: 2 is not of type 'string'")),
-        (SMALL, '{"a": 1', v("not valid JSON: unexpected end of data at char 7", 7)),
-        (SMALL, "[1]", v("at <root>: [1] is not of type 'object'")),
-        (SMALL, "", v("at <root>: 'a' is a required property")),  # empty = {}
-        (None, "", None),
-        (None, '{"anything": [1]}', None),
-        (None, "42", v("at <root>: 42 is not of type 'object'")),
-        (None, "nope", v("not valid JSON: invalid literal, expected 'null' at char 0", 0)),
-        (
-            {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}},
-            '{"when": "2024-13-01"}',
-            v("at when: '2024-13-01' is not a 'date'"),
-        ),
-    ],
-)
-def test_validate_tool_arguments(
-    parameters: dict[str, object] | None, arguments: str | dict[str, object], expected: Violation | None
-) -> None:
-    assert validate_tool_arguments(parameters, arguments) == expected
-
-
-def test_validate_tool_arguments_broken_schema() -> None:
-    with pytest.raises(InvalidGrammar, match=r"^tool parameters: json_schema: invalid schema at type"):
-        validate_tool_arguments({"type": "nope"}, "{}")
