@@ -14,13 +14,14 @@ from aiohttp import web
 from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.errors import GatewayError
+from gateway.forward import forward_other, list_models, unknown_path
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
 from gateway.observe import end_idle_runs, end_run, on_step, redactor_for
 from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer
 from gateway.providers import adapters
-from gateway.proxy import GATEWAY, chat_handler, forward_other, list_models
+from gateway.proxy import GATEWAY, chat_handler
 from gateway.routing import Router
 from gateway.runtime import Gateway
 from gateway.store import open_store
@@ -56,7 +57,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         gw.transports.update(local)
         gw.services["grammars"] = library
         gw.services["resolver"] = Resolver(library)
-        ledger_path = config.resolve(config.ledger.path or _ledger_default(config))
+        ledger_path = config.ledger_file
         # the run store's own file (locked by it): its ledger is this process's alone, written on the loop
         shares_store = (config.state.backend == "sqlite"
                         and ledger_path.resolve() == config.resolve(config.state.path).resolve())
@@ -131,10 +132,6 @@ async def _idle_runs_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
-def _ledger_default(config: Config) -> str:
-    return config.state.path if config.state.backend == "sqlite" else "tollgate-ledger.db"
-
-
 async def _on_shutdown(app: web.Application) -> None:
     gw = app.get(GATEWAY)
     if gw is not None:
@@ -160,6 +157,7 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
     app.router.add_route("*", "/mcp/{server}", _mcp_route(config))
+    app.router.add_route("*", "/{tail:.*}", unknown_path)  # last: only what nothing above serves
     return app
 
 

@@ -17,7 +17,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +53,7 @@ class Approval:
     status: Status = "pending"
     decided_by: str | None = None
     decided_at: float | None = None
+    cancel_key: Hashable = field(default=None, repr=False)  # the request a client may cancel
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def view(self) -> dict[str, Any]:
@@ -72,12 +73,20 @@ class ApprovalQueue:
         self._keep = keep
         self._clock = clock
 
-    def request(self, run_id: str, agent: str, tool: str, arguments: Any) -> Approval:
-        """Park a call: a new pending record."""
-        item = Approval(uuid.uuid4().hex, run_id, agent, tool, arguments, self._clock())
+    def request(self, run_id: str, agent: str, tool: str, arguments: Any, *, cancel_key: Hashable = None) -> Approval:
+        """Park a call: a new pending record. `cancel_key` names the request, for `cancel`."""
+        item = Approval(uuid.uuid4().hex, run_id, agent, tool, arguments, self._clock(), cancel_key=cancel_key)
         self._items[item.id] = item
         self._trim()
         return item
+
+    def cancel(self, cancel_key: Hashable) -> int:
+        """Deny what is parked for a request its client cancelled (nobody approves a call that can no
+        longer run); how many were pending."""
+        found = [a for a in self._items.values() if a.status == "pending" and a.cancel_key == cancel_key]
+        for item in found:
+            self._finish(item, "denied", "tollgate (the client cancelled the request)")
+        return len(found)
 
     async def wait(self, item: Approval, timeout_s: float) -> Approval:
         """Wait for the decision; after `timeout_s` the record becomes `timed_out`. A cancelled wait
@@ -95,7 +104,7 @@ class ApprovalQueue:
     def decide(self, approval_id: str, decision: str, by: str) -> Approval:
         """Record a human's decision. Raises UnknownApproval, AlreadyDecided, or ValueError for a
         decision other than approve/deny."""
-        status = DECISIONS.get(decision)
+        status = DECISIONS.get(decision) if isinstance(decision, str) else None
         if status is None:
             raise ValueError('decision must be "approve" or "deny"')
         item = self._items.get(approval_id)
@@ -165,7 +174,7 @@ def routes(gateway_of: Callable[[web.Request], Gateway | None]) -> list[web.Rout
         if not isinstance(by, str) or not by.strip() or len(by) > MAX_BY:
             return _error(400, "invalid_request", f'"by" must name who decides (1-{MAX_BY} characters)')
         decision = body.get("decision")
-        if decision not in DECISIONS:
+        if not isinstance(decision, str) or decision not in DECISIONS:
             return _error(400, "invalid_request", '"decision" must be "approve" or "deny"')
         try:
             item = queue.decide(request.match_info["approval_id"], decision, by.strip())

@@ -125,7 +125,7 @@ def cmd_ledger_verify(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             _print_problems(exc)
             return 1
-        path = str(config.resolve(config.ledger.path or config.state.path))
+        path = str(config.ledger_file)
     if not Path(path).exists():
         print(f"error: no ledger at {path}", file=sys.stderr)
         return 1

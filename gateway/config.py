@@ -255,6 +255,12 @@ class Config(Frozen):
         return p if p.is_absolute() else Path(self.base_dir) / p
 
     @property
+    def ledger_file(self) -> Path:
+        """The ledger's file: `ledger.path`, else the SQLite state file, else `tollgate-ledger.db`."""
+        default = self.state.path if self.state.backend == "sqlite" else "tollgate-ledger.db"
+        return self.resolve(self.ledger.path or default)
+
+    @property
     def keyed(self) -> bool:
         return any(agent.keys for agent in self.agents.values())
 
@@ -302,8 +308,9 @@ def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str 
         raise ConfigError([("<root>", "the config must be a mapping")])
     try:
         data = substitute(data, os.environ if env is None else env)
-        data.setdefault("base_dir", base_dir)
-        return Config.model_validate(data)
+        if "base_dir" in data:  # set from where the file is, never by the file itself
+            raise ConfigError([("base_dir", "unknown key")])
+        return Config.model_validate({**data, "base_dir": base_dir})
     except RecursionError:
         raise ConfigError([("<root>", "the config nests too deeply")]) from None
     except ValidationError as exc:

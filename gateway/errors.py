@@ -8,6 +8,7 @@
       - UndecodableBody        - 400 invalid_request (broken body encoding or framing; closes the connection)
     + InvalidApiKey            - 401 invalid_api_key
     + ModelNotFound            - 404 model_not_found
+    + PathNotFound             - 404 not_found (nothing is served at this path)
     + RequestTooLarge          - 413 request_too_large
     + RequestTimeout           - 408 request_timeout (the request body stopped arriving)
     + Stopped                  - 403 a guard stopped the run (budget_exhausted, loop_detected, ...)
@@ -18,8 +19,9 @@
       - ApprovalTimeout        - 403 approval_timeout (nobody decided within approval_timeout_s)
     + DuplicateToolCall        - 403 duplicate_tool_call (a side-effecting call already ran; no result to replay)
     + OutputNonconforming      - 422 output_nonconforming
-    + UpstreamUnavailable      - 502 upstream_unavailable
-    + UpstreamTimeout          - 504 upstream_timeout
+    + UpstreamError            - the upstream failed (`request_sent`: it may have the request)
+      - UpstreamUnavailable    - 502 upstream_unavailable
+      - UpstreamTimeout        - 504 upstream_timeout
     + ShuttingDown             - 503 shutting_down
     + StateUnavailable         - 503 state_unavailable
   x GuardFailure               - a guard raised; the pipeline turns it into a stop (fail closed)
@@ -32,6 +34,8 @@ a decision that retrying cannot change.
 from __future__ import annotations
 
 from typing import ClassVar, Final
+
+import orjson
 
 
 class TollgateError(Exception):
@@ -93,6 +97,13 @@ class InvalidApiKey(GatewayError):
 class ModelNotFound(GatewayError):
     status = 404
     code = "model_not_found"
+    openai_type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+
+
+class PathNotFound(GatewayError):
+    status = 404
+    code = "not_found"
     openai_type = "invalid_request_error"
     anthropic_type = "not_found_error"
 
@@ -186,14 +197,24 @@ class OutputNonconforming(GatewayError):
     anthropic_type = "invalid_request_error"
 
 
-class UpstreamUnavailable(GatewayError):
+class UpstreamError(GatewayError):
+    """The upstream failed. `request_sent`: the upstream may have received the request (and may bill
+    for it); False only when it failed before a byte of the request was written (connecting, no free
+    connection, shutting down)."""
+
+    def __init__(self, message: str, *, sent: bool = True, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.request_sent = sent
+
+
+class UpstreamUnavailable(UpstreamError):
     status = 502
     code = "upstream_unavailable"
     openai_type = "server_error"
     anthropic_type = "api_error"
 
 
-class UpstreamTimeout(GatewayError):
+class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
     openai_type = "server_error"
@@ -225,3 +246,11 @@ class GuardFailure(TollgateError):
 def error_code(error: GatewayError) -> str:
     """The code shown to the caller: the stop reason for stops, else the class code."""
     return error.stop_reason or error.code
+
+
+def both_formats(error: GatewayError, kind: str | None = None) -> bytes:
+    """One JSON error body both wire formats read, for an answer whose API is unknown: Anthropic's
+    `{"type": "error", "error": {...}}` whose inner object also has OpenAI's four fields. `kind` is
+    the inner `type` (default: the Anthropic category)."""
+    inner = {"message": error.message, "type": kind or error.anthropic_type, "param": None, "code": error.code}
+    return orjson.dumps({"type": "error", "error": inner})

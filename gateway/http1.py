@@ -304,13 +304,13 @@ class Http1Pool:
         origin, target, host = split_url(url)
         head = request_head(method, target, host, headers, None if body is None else len(body))
         if self._closed:
-            raise UpstreamUnavailable("the gateway is shutting down")
+            raise UpstreamUnavailable("the gateway is shutting down", sent=False)
         loop = self.loop
         await self._acquire(timeouts.first_byte)
         deadline = loop.time() + timeouts.first_byte  # from here: a queued call is not timed out unsent
         try:
             if self._closed:
-                raise UpstreamUnavailable("the gateway is shutting down")
+                raise UpstreamUnavailable("the gateway is shutting down", sent=False)
             conn = self._pooled(origin) or await self._connect(origin, timeouts)
         except BaseException:
             self._slots.release()
@@ -345,7 +345,7 @@ class Http1Pool:
             async with asyncio.timeout(timeout):
                 await self._slots.acquire()
         except TimeoutError:
-            raise UpstreamTimeout(f"no upstream connection was free within {timeout:g}s") from None
+            raise UpstreamTimeout(f"no upstream connection was free within {timeout:g}s", sent=False) from None
 
     def _pooled(self, origin: Origin) -> Connection | None:
         idle = self._idle.get(origin)
@@ -370,14 +370,14 @@ class Http1Pool:
                     lambda: Connection(self, origin), host, port,
                     ssl=context, server_hostname=host if context else None,
                 )
-        except TimeoutError:
+        except TimeoutError:  # nothing of the request was written yet: `sent=False` (see UpstreamError)
             if timeouts.first_byte < timeouts.connect:
-                raise UpstreamTimeout(f"upstream did not answer within {timeouts.first_byte:g}s") from None
-            raise UpstreamTimeout(f"upstream connect timed out after {timeouts.connect:g}s") from None
+                raise UpstreamTimeout(f"upstream did not answer within {timeouts.first_byte:g}s", sent=False) from None
+            raise UpstreamTimeout(f"upstream connect timed out after {timeouts.connect:g}s", sent=False) from None
         except ssl.SSLError as exc:
-            raise UpstreamUnavailable(f"TLS with upstream failed: {exc.reason or exc}") from None
+            raise UpstreamUnavailable(f"TLS with upstream failed: {exc.reason or exc}", sent=False) from None
         except OSError as exc:
-            raise UpstreamUnavailable(f"cannot connect to upstream: {exc.strerror or exc}") from None
+            raise UpstreamUnavailable(f"cannot connect to upstream: {exc.strerror or exc}", sent=False) from None
         return conn
 
     def _context(self) -> ssl.SSLContext:

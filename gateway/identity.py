@@ -84,9 +84,7 @@ def check_headers(headers: Mapping[str, str], limits: Limits) -> None:
 
 
 def run_id_from(headers: Mapping[str, str], agent: str) -> str:
-    run_id = headers.get(RUN_ID_HEADER)
-    if run_id is None:
-        run_id = _from_baggage(headers.get("baggage"))
+    run_id = requested_run_id(headers)
     if run_id is None:
         return f"{agent}:default"
     if not RUN_ID_RE.match(run_id):
@@ -94,7 +92,22 @@ def run_id_from(headers: Mapping[str, str], agent: str) -> str:
     return run_id
 
 
-def _from_baggage(baggage: str | None) -> str | None:
+def requested_run_id(headers: Mapping[str, str]) -> str | None:
+    """The run id the request names, unchecked: `x-tollgate-run-id`, else the W3C `baggage` entry
+    `tollgate.run_id` (several `baggage` lines are one list, as W3C Baggage says)."""
+    run_id = headers.get(RUN_ID_HEADER)
+    if run_id is not None:
+        return run_id
+    getall = getattr(headers, "getall", None)  # a multidict keeps repeated lines; a plain Mapping has one
+    lines = getall("baggage", ()) if getall is not None else [headers.get("baggage") or ""]
+    for line in lines:
+        found = _from_baggage(line)
+        if found is not None:
+            return found
+    return None
+
+
+def _from_baggage(baggage: str) -> str | None:
     if not baggage:
         return None
     for member in baggage.split(","):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,15 +184,20 @@ def filter_tools(
     return {**message, "result": {**result, "tools": kept, **({"cacheScope": "private"} if public else {})}}
 
 
-def check_routing_headers(message: Message, method_header: str | None, name_header: str | None) -> None:
+def check_routing_headers(message: Message, method_headers: Sequence[str], name_headers: Sequence[str]) -> None:
     """MCP 2026-07-28 mirrors the method (`Mcp-Method`) and the tool, prompt or resource name
-    (`Mcp-Name`) in headers. When present they must agree with the body tollgate judged, so a server
-    that routes by header cannot be sent somewhere else. Raises BadMessage (-32020)."""
-    if method_header is not None and method_header != message.method:
-        raise BadMessage(f"the Mcp-Method header {method_header!r} does not match the body's method", HEADER_MISMATCH)
+    (`Mcp-Name`) in headers. When present, every copy must agree with the body tollgate judged, so a
+    server that routes by header cannot be sent somewhere else. Raises BadMessage (-32020)."""
+    for method_header in method_headers:
+        if method_header != message.method:
+            raise BadMessage(f"the Mcp-Method header {method_header!r} does not match the body's method",
+                             HEADER_MISMATCH)
     field = NAME_BEARING.get(message.method or "")
-    if name_header is not None and field is not None and decode_header_value(name_header) != message.params.get(field):
-        raise BadMessage(f"the Mcp-Name header does not match the body's params.{field}", HEADER_MISMATCH)
+    if field is None:
+        return
+    for name_header in name_headers:
+        if decode_header_value(name_header) != message.params.get(field):
+            raise BadMessage(f"the Mcp-Name header does not match the body's params.{field}", HEADER_MISMATCH)
 
 
 def result_content(result: Mapping[str, Any]) -> tuple[str, bool]:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.approvals import queue_of
 from gateway.errors import GatewayError, ShuttingDown
 from gateway.identity import RUN_ID_HEADER
 from gateway.jsonrpc import (
@@ -75,7 +76,11 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
     raw = await read_body(mcp.request, limits)
     message = parse_message(raw, limits.max_json_depth)
     try:
-        check_routing_headers(message, mcp.request.headers.get("Mcp-Method"), mcp.request.headers.get("Mcp-Name"))
+        headers = mcp.request.headers
+        check_routing_headers(message, headers.getall("Mcp-Method", ()), headers.getall("Mcp-Name", ()))
+        if message.method == "notifications/cancelled" and not message.is_request:
+            # what the client gave up on must not run later: a call parked for approval is denied
+            queue_of(mcp.gw).cancel(mcp.request_key(message.params.get("requestId")))
         if message.method == "tools/call":
             if not message.is_request:
                 raise BadMessage("tools/call must be a request (with an id), not a notification")

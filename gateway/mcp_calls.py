@@ -37,6 +37,7 @@ from gateway.errors import (
     InvalidGrammar,
     Stopped,
     ToolNotAllowed,
+    UpstreamError,
 )
 from gateway.idempotency import WRITES_KEEP, WRITES_LIST, Key, Outcome
 from gateway.jsonrpc import (
@@ -58,6 +59,7 @@ from gateway.store.base import RunState
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
 from grammars.tool_args import validate_tool_arguments
 from guards.base import Add, Push, StepContext
+from guards.caps import PENDING_KEEP
 from guards.chain import Verdict
 from otel.spans import StepSpan
 
@@ -226,16 +228,24 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
     if not await _take_proposal(step, step.call.tool_call):
         proposal = dataclasses.replace(ctx, extra={"counts_tool_call": True})
         await _apply(step, chain.after(proposal, Answer()))
-    if mcp.policy.needs_approval(step.qualified):
-        await _approve(step)
-    step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run.epoch if ctx.run else 1)
-    upstream = await mcp.open("POST", body)
+    try:
+        if mcp.policy.needs_approval(step.qualified):
+            await _approve(step)
+        step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run.epoch if ctx.run else 1)
+        upstream = await mcp.open("POST", body)
+    except (ApprovalDenied, UpstreamError) as exc:
+        if not isinstance(exc, UpstreamError) or not exc.request_sent:
+            await _carry(step)  # the tool did not run
+        raise
 
     async def judge(response: dict[str, Any]) -> dict[str, Any]:
         step.outcome = step.response = response
         result = response.get("result")
-        if not isinstance(result, dict) or not is_final_result(result):
-            return response  # a JSON-RPC error of the server, or SEP-2322 input_required: nothing ran yet
+        if isinstance(result, dict) and not is_final_result(result):
+            await _carry(step)  # SEP-2322 input_required: nothing ran yet, the retry with input is this call
+            return response
+        if not isinstance(result, dict):
+            return response  # a JSON-RPC error of the server: counted, as a retry is
         step.record = True
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
@@ -248,7 +258,15 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         await _record(mcp, step.qualified, 200, mcp.headers.get(STOP_HEADER), None, step.started)
         return response
 
-    return await relay(mcp, upstream, message.id, judge, require=True)
+    return await relay(mcp, upstream, message.id, judge)
+
+
+async def _carry(step: ToolStep) -> None:
+    """The call was counted but its tool did not run (approval refused, never sent, `input_required`):
+    an identical retry of it is this call, as a model's proposal is, and does not count again."""
+    assert step.call.tool_call is not None
+    ctx = step.ctx
+    await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,), PENDING_KEEP)
 
 
 async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
@@ -283,7 +301,8 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
 async def _approve(step: ToolStep) -> None:
     mcp, ctx = step.mcp, step.ctx
     queue = queue_of(mcp.gw)
-    item = queue.request(ctx.run_id, ctx.agent, step.qualified, step.arguments)
+    item = queue.request(ctx.run_id, ctx.agent, step.qualified, step.arguments,
+                         cancel_key=mcp.request_key(step.message.id))
     timeout = mcp.policy.approval_timeout_s
     await queue.wait(item, timeout)
     if item.status == "timed_out":

@@ -63,6 +63,13 @@ class McpRequest:
     def allowed(self, tool: str) -> bool:
         return self.policy.allowed(mcp_tool_name(self.server_name, tool))
 
+    def request_key(self, rpc_id: Any) -> tuple[str, str, str]:
+        """Names one JSON-RPC request of this client (run, MCP session, id as the SDKs match it), so a
+        `notifications/cancelled` finds the call it cancels."""
+        number = _as_number(rpc_id)
+        return (self.identity.run_id, self.request.headers.get("Mcp-Session-Id", ""),
+                str(number) if number is not None else repr(rpc_id))
+
     async def open(self, method: str, body: bytes | None) -> UpstreamResponse:
         """Send the request on to the MCP server (through `gateway.upstream`, the one network seam)."""
         drop = frozenset({"authorization", "x-api-key"}) if self.gw.config.keyed else frozenset()
@@ -75,35 +82,61 @@ class McpRequest:
 
 def _is_response(value: Any, rpc_id: RequestId | None) -> bool:
     return (isinstance(value, dict) and ("result" in value or "error" in value) and "id" in value
-            and (rpc_id is None or value["id"] == rpc_id))
+            and (rpc_id is None or same_id(value["id"], rpc_id)))
+
+
+def same_id(a: Any, b: Any) -> bool:
+    """JSON-RPC ids as the MCP SDKs match them: a string of digits is the number it spells (`"7"`
+    answers request 7), so a response a client accepts is never one tollgate failed to recognise."""
+    return bool(a == b or (_as_number(a) is not None and _as_number(a) == _as_number(b)))
+
+
+def _as_number(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _json_kind(kind: str) -> bool:
+    """Content types an MCP SDK client parses as JSON (`application/json`, `application/json-rpc`, ...)."""
+    return kind.startswith("application/json") or kind.endswith("+json")
 
 
 async def relay(
     mcp: McpRequest, upstream: UpstreamResponse, rpc_id: RequestId | None, transform: Transform | None,
-    *, require: bool = False,
 ) -> web.StreamResponse:
     """Relay the server's answer. With `transform`, the JSON-RPC response to `rpc_id` (every response
     when None) is replaced by what `transform` returns before the client sees it; other events stream
-    through at once; an SSE answer ends for the client right after that response. `require`: a 2xx
-    JSON answer without that response is an error (fail closed). If the client goes away, an SSE
-    answer is still read to its response, so `transform` sees it."""
+    through at once; an SSE answer ends for the client right after that response. Judged answers fail
+    closed: a 2xx JSON answer without that response, an SSE event that is not JSON, or another content
+    type is an error, never relayed unjudged. If the client goes away, an SSE answer is still read to
+    its response, so `transform` sees it."""
     kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
     judged = transform is not None and upstream.status < 300
     out: web.StreamResponse | None = None
     try:
-        if judged and kind == "application/json":
+        if judged and _json_kind(kind):
             data = await _read_limited(upstream, mcp.gw.config.limits.max_body_bytes)
             try:
                 message = orjson.loads(data)
             except orjson.JSONDecodeError:
                 message = None
-            if transform is not None and _is_response(message, rpc_id):
-                changed = await transform(message)
-                data = data if changed is message else orjson.dumps(changed)
-            elif require:
-                raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the call")
+            if transform is None or not _is_response(message, rpc_id):
+                raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the request")
+            changed = await transform(message)
+            data = data if changed is message else orjson.dumps(changed)
             headers = answer_headers(upstream.headers, mcp.headers)
             return web.Response(status=upstream.status, body=data, headers=headers)
+        if judged and kind != "text/event-stream":
+            raise UpstreamUnavailable(f"the MCP server answered with content type {kind[:60]!r}, "
+                                      "neither JSON nor an event stream")
         headers = answer_headers(upstream.headers, mcp.headers)
         out = web.StreamResponse(status=upstream.status, headers=headers)
         await out.prepare(mcp.request)
@@ -152,8 +185,8 @@ async def _event(
         return raw, False
     try:
         message = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return raw, False
+    except orjson.JSONDecodeError:  # what a client might still read must not pass unjudged
+        raise UpstreamUnavailable("the MCP server sent an event whose data is not JSON") from None
     if not _is_response(message, rpc_id):
         return raw, False
     changed = await transform(message)

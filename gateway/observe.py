@@ -96,7 +96,7 @@ def _parent(telemetry: Telemetry, step: Step) -> Context:
 
 
 @functools.lru_cache(maxsize=256)
-def _upstream(provider_type: str, base_url: str, custom: str) -> tuple[str, str, int]:
+def provider_endpoint(provider_type: str, base_url: str, custom: str) -> tuple[str, str, int]:
     """(`gen_ai.provider.name`, server address, server port) of a configured provider; constant per
     provider, so computed once (parsing the URL and matching hosts on every step cost microseconds)."""
     url = urlsplit(base_url)
@@ -110,7 +110,7 @@ def _open(
     started: float | None = None,
 ) -> StepSpan:
     provider = step.route.provider
-    provider_name, address, port = _upstream(provider.type, provider.base_url, step.route.provider_name)
+    provider_name, address, port = provider_endpoint(provider.type, provider.base_url, step.route.provider_name)
     span = telemetry.start_inference(
         step.call,
         provider_name=provider_name,

@@ -33,9 +33,9 @@ from gateway.errors import (
     UndecodableBody,
     UpstreamUnavailable,
 )
-from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity
+from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity, requested_run_id
 from gateway.providers.base import Adapter
-from gateway.providers.common import json_depth_ok
+from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import Denial, ReserveRequest
@@ -131,10 +131,11 @@ async def guard_before(gw: Gateway, step: Step) -> None:
             raise InvalidRequest(verdict.stop.detail)
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     call = step.call
-    max_units = call.max_tokens or output_limit(step)
+    max_units = min(call.max_tokens or output_limit(step), MAX_TOKEN_COUNT)  # no answer is longer
     if step.price is not None and step.price.max_output_tokens:
         max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
-    request = ReserveRequest(verdict.claims, min(MIN_OUTPUT_TOKENS, max_units), max_units)
+    request = ReserveRequest(verdict.claims, min(MIN_OUTPUT_TOKENS, max_units), max_units,
+                             clamp_units=output_limit(step))
     try:
         grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
     except StateUnavailable as exc:
@@ -299,8 +300,8 @@ def base_headers(identity: Identity | None, step: Step | None = None) -> dict[st
 
 
 def echo_headers(request_headers: Mapping[str, str]) -> dict[str, str]:
-    """The run id to echo when identity could not be resolved: the agent's header, if well-formed."""
-    run_id = request_headers.get(RUN_ID_HEADER)
+    """The run id to echo when identity could not be resolved: the one the request names, if well-formed."""
+    run_id = requested_run_id(request_headers)
     return {RUN_ID_HEADER: run_id} if run_id is not None and RUN_ID_RE.match(run_id) else {}
 
 

@@ -14,20 +14,15 @@ from gateway.call import Answer
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
     OutputNonconforming,
     ShuttingDown,
-    StateUnavailable,
     Stopped,
-    UpstreamUnavailable,
+    UpstreamError,
 )
 from gateway.identity import Identity
 from gateway.observe import begin_step, end_run, start_span
-from gateway.outputs import apply_native, judge, plan_outputs
+from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
 from gateway.pipeline import (
-    CREDENTIALS,
-    JSON,
-    add_credentials,
     base_headers,
     echo_headers,
     error_response,
@@ -42,13 +37,12 @@ from gateway.pipeline import (
     stop_run,
     upstream_request,
 )
-from gateway.providers.base import Adapter
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
-from gateway.upstream import answer_headers, forwardable
+from gateway.upstream import answer_headers
 from grammars.tool_args import check_tool_schemas
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
@@ -94,7 +88,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
                 tools=tool_policy)
     begin_step(gw, step, request.headers)
     if plan is not None:
-        step.changed = apply_native(plan, step.body, call.protocol)
+        step.changed = add_native(step, plan)
     response: web.StreamResponse | None = None
     try:
         if step.tools is not None and shape_tools(step.tools, call, step.body):
@@ -151,8 +145,14 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         headers.update(start_span(gw, step, request.headers))
         step.attempts += 1
         transport = gw.transport(step.route.provider_name)
-        upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts)
+        # from here the upstream may receive the request (and bill it): a failure or a client that
+        # leaves is charged at the reservation, unless the transport says nothing was written
         step.extra["sent"] = True
+        try:
+            upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts)
+        except GatewayError as exc:
+            step.extra["sent"] = isinstance(exc, UpstreamError) and exc.request_sent
+            raise
         if step.call.stream and upstream.status < 300 and (plan is None or plan.stream_check != "buffer"):
             return await relay_stream(gw, step, request, upstream)
         if step.call.stream and upstream.status < 300:
@@ -240,7 +240,16 @@ def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:
     step.body, step.raw = dict(body), raw
     step.changed = True
     if step.outputs is not None:
-        apply_native(step.outputs, step.body, step.call.protocol)
+        add_native(step, step.outputs)
+
+
+def add_native(step: Step, plan: OutputPlan) -> bool:
+    """Merge the plan's native constraint fields into the step's body (True when it changed): what they
+    add is input the upstream bills, so the input bound the budget reserves grows by their size."""
+    changed = apply_native(plan, step.body, step.call.protocol)
+    if plan.native:
+        step.call = replace(step.call, input_bytes=step.call.input_bytes + len(orjson.dumps(plan.native)))
+    return changed
 
 
 async def record(gw: Gateway, step: Step) -> None:
@@ -254,125 +263,3 @@ async def record(gw: Gateway, step: Step) -> None:
                 end_run(gw, state)
     except GatewayError:
         step.extra["record_failed"] = True
-
-
-# -- other /v1 paths -------------------------------------------------------------------------------
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the merged lists of every provider."""
-    gw = request.app[GATEWAY]
-    adapter = gw.adapters["openai"]
-    try:
-        identity = gw.identifier.identify(request.headers)
-    except GatewayError as exc:
-        return error_response(adapter, exc, echo_headers(request.headers))
-    merged: list[object] = []
-    reached = 0
-    for name, provider in gw.config.providers.items():
-        base = provider.base_url.rstrip("/")
-        url = base + ("/v1/models" if provider.type == "anthropic" else "/models")
-        headers: dict[str, str] = {}
-        if provider.api_key:
-            if provider.type == "anthropic":
-                headers = {"x-api-key": provider.api_key, "anthropic-version": "2023-06-01"}
-            else:
-                headers = {"Authorization": f"Bearer {provider.api_key}"}
-        try:
-            upstream = await gw.upstream.open("GET", url, headers, None, provider.timeouts)
-            try:
-                data = await upstream.read()
-            finally:
-                upstream.release()
-        except GatewayError:
-            continue
-        if upstream.status >= 300:
-            continue
-        try:
-            items = orjson.loads(data).get("data") or []
-        except (orjson.JSONDecodeError, AttributeError):
-            continue
-        reached += 1
-        for item in items:
-            if isinstance(item, dict):
-                merged.append({**item, "owned_by": item.get("owned_by", name), "provider": name})
-    if gw.config.providers and reached == 0:
-        return error_response(adapter, UpstreamUnavailable("no provider answered the model list"),
-                              base_headers(identity))
-    body = orjson.dumps({"object": "list", "data": merged})
-    return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
-
-
-# the guarded model-call paths, by the protocol their handler speaks
-GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic", "/v1/responses": "openai_responses"}
-_BLANKS = "".join(map(chr, range(33)))  # controls and space, trimmed off path segments
-
-
-def canonical_path(path: str) -> str:
-    """`path` (decoded) as a lenient server reads it: lower case, each segment without `;parameters`
-    and surrounding whitespace or control characters, no empty segments. `/v1//Chat/completions;x/`
-    is `/v1/chat/completions`."""
-    parts = (part.partition(";")[0].strip(_BLANKS).lower() for part in path.split("/"))
-    return "/" + "/".join(part for part in parts if part)
-
-
-async def forward_other(request: web.Request) -> web.StreamResponse:
-    """Any other `/v1/...` call: routed by the body's `model` (or to the first OpenAI provider), streamed
-    back unchanged, unless the run is stopped. A POST to a spelling of a guarded path (doubled or
-    trailing slashes, case, an encoded slash or space) is that model call, guards and all: an upstream
-    that normalises paths must not make it a way around them; other methods than GET there are refused."""
-    protocol = GUARDED_PATHS.get(canonical_path(request.path))
-    if protocol is not None and request.method == "POST":
-        return await handle_chat(request, protocol)
-    gw = request.app[GATEWAY]
-    adapter: Adapter = gw.adapters["openai"]
-    identity: Identity | None = None
-    try:
-        if gw.shutting_down:
-            raise ShuttingDown("tollgate is shutting down")
-        identity = gw.identifier.identify(request.headers)
-        if protocol is not None and request.method not in ("GET", "HEAD"):
-            raise InvalidRequest(f"{request.method} is not a method of {canonical_path(request.path)}")
-        try:
-            state = await gw.store.get(identity.run_id, steps=False, reservations=False)
-        except StateUnavailable:
-            if identity.policy.state_failure != "fail_open":
-                raise
-            state = None
-        if state is not None and state.stopped:  # a stopped run is stopped on every upstream path
-            raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
-        raw = await read_body(request, gw.config.limits)
-        route = None
-        if raw and request.content_type == JSON:
-            model = parse_json(raw, gw.config.limits).get("model")
-            if isinstance(model, str):
-                route = gw.router.route(model)
-                if route.prefixed:
-                    raw = orjson.dumps({**orjson.loads(raw), "model": route.model})
-        route = route or gw.router.default_for("openai")
-        if route is None:
-            raise ModelNotFound("no provider is configured for this path")
-        provider = route.provider
-        tail = request.rel_url.raw_path.removeprefix("/v1")
-        base = provider.base_url.rstrip("/")
-        url = base + (("/v1" + tail) if provider.type == "anthropic" else tail)
-        if request.rel_url.raw_query_string:
-            url += "?" + request.rel_url.raw_query_string
-        drop = frozenset() if provider.passthrough_auth else CREDENTIALS
-        headers = forwardable(request.headers, drop=drop)  # repeated fields forwarded as they came
-        add_credentials(provider, headers)
-        upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
-    except GatewayError as exc:
-        return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
-    headers_out = answer_headers(upstream.headers, base_headers(identity))
-    out = web.StreamResponse(status=upstream.status, headers=headers_out)
-    try:
-        await out.prepare(request)
-        async for chunk in upstream.chunks():
-            await out.write(chunk)
-        await out.write_eof()
-    except (GatewayError, ConnectionResetError):
-        pass  # the status line is gone; closing the stream early is the only signal left
-    finally:
-        upstream.release()
-    return out

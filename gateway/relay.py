@@ -10,6 +10,7 @@ reservation when the stream broke or carried no usage.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -73,8 +74,11 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     step.answer = answer
     step.relayed_chars = reader.output_chars
     step.status = 200
+    # usage counts only from a stream that ended as the upstream meant it: running usage (vLLM's
+    # continuous_usage_stats) of one that broke or was cut is not what the upstream bills
+    finished = failure is None and not client_gone and reader.complete
     try:
-        await settle(gw, step, answer)
+        await settle(gw, step, answer if finished else replace(answer, usage=None))
     except GatewayError as exc:  # the run store failed after the stream started: end it with the error
         failure = failure or exc
     if client_gone:

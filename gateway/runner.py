@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest, both_formats
 
 __all__ = ["GatewayRunner", "refusal_body"]
 
@@ -35,8 +34,7 @@ def refusal_body(status: int, detail: str | None) -> bytes:
     else:
         error = GatewayError("the gateway failed to answer this request")
         kind = error.anthropic_type
-    inner = {"message": error.message, "type": kind, "param": None, "code": error.code}
-    return orjson.dumps({"type": "error", "error": inner})
+    return both_formats(error, kind)
 
 
 class _JsonRefusals(RequestHandler):

@@ -41,6 +41,7 @@ from otel.attributes import (
     mcp_span_name,
 )
 from otel.export import CountingSpanProcessor, bounded, shutdown_within
+from otel.http import http_client_attributes
 from otel.metrics import Metrics
 from otel.runs import INVOKE_AGENT, RunIdGenerator, RunParents, RunTotals, run_ids, run_root_attributes
 from otel.spans import StepKind, StepLabels, StepSpan
@@ -99,14 +100,8 @@ class Telemetry:
             return INVALID_SPAN
         return NonRecordingSpan(get_current_span(parent).get_span_context())
 
-    def _step(
-        self,
-        start: Callable[[FastTracer], Span],
-        parent: Context | None,
-        kind: StepKind,
-        labels: StepLabels,
-        started: float | None = None,
-    ) -> StepSpan:
+    def _step(self, start: Callable[[FastTracer], Span], parent: Context | None, kind: StepKind,
+              labels: StepLabels, started: float | None = None, *, measured: bool = True) -> StepSpan:
         tracer = self._tracer
         try:
             span = start(tracer) if tracer is not None else self._passthrough(parent)
@@ -118,7 +113,7 @@ class Telemetry:
             kind=kind,
             parent=parent,
             labels=labels,
-            metrics=self.metrics,
+            metrics=self.metrics if measured else None,
             errors=self._errors,
             capture=self.capture_content,
             started=started,
@@ -175,6 +170,17 @@ class Telemetry:
             return tracer.start_span(name, parent or Context(), SpanKind.CLIENT, attrs, start_time=start_ns)
 
         return self._step(start, parent, "inference", labels, started)
+
+    def start_http(self, method: str, url: str, *, labels: StepLabels, parent: Context | None,
+                   run_id: str | None = None, agent: str | None = None) -> StepSpan:
+        """The HTTP CLIENT span `{method}` of a call forwarded with no GenAI operation (`url` without its
+        query string); no GenAI metric measures it."""
+
+        def start(tracer: FastTracer) -> Span:
+            attrs = http_client_attributes(method, url, labels.server_address, labels.server_port)
+            return tracer.start_span(method, parent or Context(), SpanKind.CLIENT, self._tollgate(attrs, run_id, agent))
+
+        return self._step(start, parent, "inference", labels, measured=False)
 
     def reserve_inference(self, call: Call, parent: Context | None) -> Reserved:
         """Decide now the identity (ids, sampling) of the span that `start_inference(...,
@@ -252,15 +258,8 @@ class Telemetry:
             return Context()
 
     @guarded("end_run")
-    def end_run(
-        self,
-        run_id: str,
-        agent: str,
-        *,
-        started_at: float,
-        totals: RunTotals,
-        epoch: int | str = 0,
-    ) -> bool:
+    def end_run(self, run_id: str, agent: str, *, started_at: float, totals: RunTotals,
+                epoch: int | str = 0) -> bool:
         """Export the run epoch's root span (start = `started_at`, Unix seconds; end = now) with its
         totals; `error.type` = the stop reason when a guard stopped the run. Returns False when
         tracing is off or this epoch already ended in this process (idempotent)."""

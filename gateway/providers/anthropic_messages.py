@@ -283,6 +283,7 @@ class AnthropicStreamReader:
         self._blocks: dict[int, list[str]] = {}
         self._reason: str | None = None
         self._usage: dict[str, int] = {}
+        self._final_usage = False  # message_delta reported the output tokens (message_start's are a placeholder)
         self._chars = 0
         self._hosted = 0
         self.next_index = 0  # the first content block index the agent has not been shown
@@ -335,21 +336,28 @@ class AnthropicStreamReader:
         elif kind == "message_delta":
             reason = (data.get("delta") or {}).get("stop_reason")
             self._reason = reason or self._reason
-            self._merge_usage(data.get("usage"))
+            self._final_usage = self._merge_usage(data.get("usage")) or self._final_usage
         elif kind == "message_stop":
             self.complete = True
             return StreamStep(event.raw, done=True)
         return StreamStep(event.raw)
 
-    def _merge_usage(self, usage: Any) -> None:
-        if isinstance(usage, Mapping):
-            for key, value in usage.items():
-                if isinstance(value, int) and not isinstance(value, bool):
-                    self._usage[key] = value
+    def _merge_usage(self, usage: Any) -> bool:
+        """Take the counts `usage` carries (JSON may write `7.0`); True when it had the output tokens."""
+        if not isinstance(usage, Mapping):
+            return False
+        for key, value in usage.items():
+            if value is None:
+                continue
+            try:
+                self._usage[key] = token_count(value)
+            except ValueError:
+                continue  # not a count (a nested object such as server_tool_use, or garbage)
+        return "output_tokens" in usage and "output_tokens" in self._usage
 
     def answer(self) -> Answer:
         calls = tuple(ToolCall(v[0], v[1], v[2] or "{}") for _, v in sorted(self._blocks.items()))
-        complete = self._reason is not None and "output_tokens" in self._usage
+        complete = self._reason is not None and self._final_usage
         return Answer(
             response_id=self._id,
             model=self._model,

@@ -103,6 +103,8 @@ def opt_int(body: Mapping[str, Any], key: str, *, minimum: int = 0, maximum: int
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and value >= 2**63 and value.is_integer():
+        value = int(value)  # orjson reads an integer beyond 64 bits as a float: it is still an integer
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidRequest(f"'{key}' must be an integer >= {minimum}", param=key)
     if maximum is not None and value > maximum:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# An event ends at an empty line: two line terminators in a row, each CRLF, LF or CR, mixed as they
+# come (the SSE spec; SDK clients accept every mix, so a filter must cut events where they do)
+_EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,12 +20,15 @@ class SseEvent:
 def _parse(raw: bytes) -> SseEvent:
     event: str | None = None
     data: list[str] = []
-    for line in raw.decode("utf-8", "replace").splitlines():
+    text = raw.decode("utf-8", "replace")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    # split on the terminators only: str.splitlines would also split inside data at U+2028 and the like
+    for line in text.split("\n"):
         if not line or line.startswith(":"):
             continue
         name, _, value = line.partition(":")
-        if value.startswith(" "):
-            value = value[1:]
+        value = value.removeprefix(" ")
         if name == "data":
             data.append(value)
         elif name == "event":
@@ -31,33 +37,32 @@ def _parse(raw: bytes) -> SseEvent:
 
 
 class SseParser:
-    """Feed bytes as they arrive; get back every event completed so far."""
+    """Feed bytes as they arrive; get back every event completed so far (its original bytes kept)."""
 
     def __init__(self, max_event_bytes: int = 16 * 1024 * 1024) -> None:
         self._buf = b""
         self._max = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
+        # the kept bytes hold no event end, so the search restarts just before where they stop (a
+        # chunk of many events, or one event in many chunks, is framed in linear time)
+        start = max(len(self._buf) - 3, 0)
         buf = self._buf + chunk if self._buf else chunk
         events: list[SseEvent] = []
-        start = 0
-        # next position of each separator at or after `start` (-1: none left). Searched again only once
-        # passed, so a chunk of many events is scanned in linear time, not once per event
-        found = [buf.find(sep) for sep in _SEPARATORS]
-        while True:
-            cut, sep_len = -1, 0
-            for k, sep in enumerate(_SEPARATORS):
-                i = found[k]
-                if 0 <= i < start:
-                    i = found[k] = buf.find(sep, start)
-                if i != -1 and (cut == -1 or i < cut):
-                    cut, sep_len = i, len(sep)
-            if cut == -1:
-                break
-            end = cut + sep_len
-            events.append(_parse(buf[start:end]))
-            start = end
-        self._buf = buf[start:]
+        begin = 0
+        if b"\r" not in buf:  # the usual framing: one search per event
+            while (cut := buf.find(b"\n\n", start)) != -1:
+                start = cut + 2
+                events.append(_parse(buf[begin:start]))
+                begin = start
+        else:
+            while (found := _EVENT_END.search(buf, start)) is not None:
+                end = found.end()
+                if end == len(buf) and buf.endswith(b"\r"):
+                    break  # the CR may be the first half of a CRLF still to come
+                events.append(_parse(buf[begin:end]))
+                begin = start = end
+        self._buf = buf[begin:]
         if len(self._buf) > self._max:
             raise ValueError("stream event exceeds the size limit")
         return events

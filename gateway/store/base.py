@@ -37,12 +37,14 @@ class Claim:
 class ReserveRequest:
     """All claims of one step, granted together or not at all.
 
-    `units` (output tokens) is maximised within [min_units, max_units] so that every claim fits.
+    `units` (output tokens) is maximised within [min_units, max_units] so that every claim fits; when
+    the claims cannot pay for `max_units`, at most `clamp_units` (the model's output limit) are granted.
     """
 
     claims: tuple[Claim, ...]
     min_units: int = 0
     max_units: int = 0
+    clamp_units: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,8 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
             return _held(state, limiting, request.min_units)
         return _deny(state, spent, request.min_units, now)
     units = max(units, 0)
+    if limiting is not None and request.clamp_units is not None and units > request.clamp_units:
+        units = request.clamp_units  # a limit the budget cannot pay gets the most the model can use
     amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
     for counter, amount in amounts.items():
         state.reserved[counter] = state.reserved.get(counter, 0.0) + amount
@@ -91,6 +93,9 @@ def settle(state: RunState, reservation: Reservation, actual: Mapping[str, float
     held = state.open.pop(reservation.id)["amounts"]
     for counter, amount in held.items():
         state.reserved[counter] = max(state.reserved.get(counter, 0.0) - amount, 0.0)
+    if not state.open:  # nothing in flight holds anything (what float sums lost is not kept held)
+        for counter in state.reserved:
+            state.reserved[counter] = 0.0
     for counter, amount in actual.items():
         state.used[counter] = state.used.get(counter, 0.0) + amount
     state.updated_at = now

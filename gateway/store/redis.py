@@ -188,7 +188,8 @@ class RedisRunStore:
                     "reserve",
                     run_id,
                     agent,
-                    [float(now), rid, int(request.min_units), int(request.max_units), claims],
+                    [float(now), rid, int(request.min_units), int(request.max_units), claims,
+                     request.clamp_units],
                 )
             )
         except StateUnavailable:

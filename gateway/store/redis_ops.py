@@ -6,11 +6,12 @@ calling convention it documents): `A` is the decoded JSON array of the operation
 
 from __future__ import annotations
 
-# A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...]].
+# A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...],
+#     clamp_units|null].
 # Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail].
 _RESERVE = """
 create()
-local now, rid, min_units, max_units = A[1], A[2], A[3], A[4]
+local now, rid, min_units, max_units, clamp = A[1], A[2], A[3], A[4], opt(A[6])
 local denied = stopped_denial()
 if denied then touch(); return cjson.encode(denied) end
 start(now)
@@ -66,6 +67,7 @@ if units < min_units and limiting ~= nil then
     .. ' needs at least ' .. fmt(need) .. '; the run goes on: retry once they settle', 'held'})
 end
 if units < 0 then units = 0 end
+if limiting ~= nil and clamp ~= nil and units > clamp then units = clamp end
 local amounts, order = {}, {}
 for _, c in ipairs(claims) do
   if amounts[c.counter] == nil then order[#order + 1] = c.counter end
@@ -98,6 +100,15 @@ for counter, amount in pairs(cjson.decode(held)['amounts']) do
   local left = (getnum('r:' .. counter) or 0.0) - tonumber(amount)
   if left < 0.0 then left = 0.0 end
   redis.call('HSET', K, 'r:' .. counter, num(left))
+end
+local fields, open = redis.call('HKEYS', K), false
+for _, field in ipairs(fields) do
+  if string.sub(field, 1, 2) == 'o:' then open = true break end
+end
+if not open then  -- logic.settle: nothing in flight holds anything
+  for _, field in ipairs(fields) do
+    if string.sub(field, 1, 2) == 'r:' then redis.call('HSET', K, field, num(0.0)) end
+  end
 end
 for _, pair in ipairs(A[4]) do
   local field = 'u:' .. pair[1]

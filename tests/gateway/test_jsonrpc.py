@@ -69,11 +69,13 @@ def test_routing_headers_must_match_the_body() -> None:
                                           "params": {"name": "re\u0430d"}}), 64)
     encoded = "=?base64?" + base64.b64encode("re\u0430d".encode()).decode() + "?="
     assert decode_header_value(encoded) == "re\u0430d" and decode_header_value("=?base64?!!?=") == "=?base64?!!?="
-    check_routing_headers(message, "tools/call", encoded)
-    check_routing_headers(message, None, None)
-    for method, name in (("tools/list", None), (None, "read"), (None, "=?base64?cmVhZA==?=")):
+    check_routing_headers(message, ["tools/call"], [encoded])
+    check_routing_headers(message, [], [])
+    check_routing_headers(message, ["tools/call", "tools/call"], [encoded, "re\u0430d"])
+    for methods, names in ((["tools/list"], []), ([], ["read"]), ([], ["=?base64?cmVhZA==?="]),
+                           (["tools/call", "tools/list"], []), ([], [encoded, "admin_reset"])):
         with pytest.raises(BadMessage) as info:
-            check_routing_headers(message, method, name)
+            check_routing_headers(message, methods, names)  # every copy must agree
         assert info.value.rpc_code == -32020
 
 

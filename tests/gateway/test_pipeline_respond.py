@@ -92,7 +92,9 @@ def test_base_headers(with_identity: bool, max_set: int | None, expected: dict[s
         ({RUN: "r\u00e9sum\u00e9"}, {}),
         ({RUN: "run;1"}, {}),
         ({RUN: "run%201"}, {}),
-        ({"baggage": "tollgate.run_id=from-baggage"}, {}),  # only the agent's own header is echoed
+        ({"baggage": "tollgate.run_id=from-baggage"}, {RUN: "from-baggage"}),  # the run the request names
+        ({"baggage": "tollgate.run_id=bad%20id"}, {}),
+        ({RUN: "header", "baggage": "tollgate.run_id=from-baggage"}, {RUN: "header"}),
         ({"x-tollgate-agent": "bot"}, {}),
     ],
 )

@@ -80,6 +80,21 @@ async def test_reserve_and_settle(store: RunStore) -> None:
     )
 
 
+async def test_nothing_stays_reserved_once_nothing_is_in_flight(store: RunStore) -> None:
+    """A huge reservation beside a small one: the running float sum rounds the small amount (1.8e19 +
+    3100 - 1.8e19 is 4096), which must not stay held once both settled, in any order."""
+    huge = ReserveRequest((Claim("tokens", 100, 1.0),), 16, 2**64 - 1)
+    small = ReserveRequest((Claim("tokens", 100, 1.0),), 16, 3000)
+    for first_small in (True, False):
+        run = f"round-{first_small}"
+        a, b = await grant(store, run, small), await grant(store, run, huge)
+        for res in ((a, b) if first_small else (b, a)):
+            await store.settle(res, {"tokens": 10.0}, NOW + 1)
+        state = await store.get(run)
+        assert state is not None and state.open == {}
+        assert state.reserved == {"tokens": 0.0} and state.used["tokens"] == 20.0
+
+
 async def test_a_spent_limit_stops_the_run_though_another_is_only_held(store: RunStore) -> None:
     """Tokens are held by a step in flight, USD is spent: the run stops on USD, in every backend."""
     usd = Claim("usd", 0.0, 0.001, 0.1, "budget_exhausted")

@@ -74,8 +74,12 @@ CALLS = (ToolCall("toolu_1", "get", '{"q":1}'), ToolCall("toolu_2", "f", "{}"))
          True),
         (TOOL[:5], LOOK, 5, 1, True, False),  # a tool_use block without input deltas: arguments {}
         (TEXT[:5], Answer("msg_1", "claude-x", "Hello"), 5, 1, False, False),  # no stop reason: no usage
-        ([FIRST, ending("end_turn", None)],  # the output count of message_start stands
-         Answer("msg_1", "claude-x", "", (), ("end_turn",), Usage(12, 1, 2)), 0, 0, False, False),
+        # message_start's output count is a placeholder: without message_delta's there is no usage
+        # (the step settles at its reservation, never at 1 output token)
+        ([FIRST, ending("end_turn", None)],
+         Answer("msg_1", "claude-x", "", (), ("end_turn",)), 0, 0, False, False),
+        ([FIRST, ending("end_turn", {"output_tokens": 7.0})],  # JSON may write a count as 7.0
+         Answer("msg_1", "claude-x", "", (), ("end_turn",), Usage(12, 7, 2)), 0, 0, False, False),
         ([start({"input_tokens": 3}), ending("max_tokens", None), {"type": "message_stop"}],
          Answer("msg_1", "claude-x", "", (), ("max_tokens",)), 0, 0, False, True),  # never an output count
     ],

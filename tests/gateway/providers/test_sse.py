@@ -53,3 +53,27 @@ def test_a_large_chunk_is_framed_in_linear_time() -> None:
     events = SseParser().feed(chunk)
     assert len(events) == 200_000
     assert time.perf_counter() - started < 10  # ~0.6 s here; quadratic took minutes
+
+
+MIXED = (
+    b"data: lf-then-crlf\n\r\n"
+    b"data: crlf-then-lf\r\n\n"
+    b"data: lf-then-cr\n\r"
+    b"data: cr-then-crlf\r\r\n"
+    b'data: {"t": "a\xe2\x80\xa8b"}\n\n'  # U+2028 inside the data is not a line end
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, len(MIXED)])
+def test_mixed_line_terminators_end_events_where_clients_see_them_end(size: int) -> None:
+    parser = SseParser()
+    events = [e for i in range(0, len(MIXED), size) for e in parser.feed(MIXED[i : i + size])]
+    assert [e.data for e in events] == ["lf-then-crlf", "crlf-then-lf", "lf-then-cr", "cr-then-crlf",
+                                        '{"t": "a\u2028b"}']
+    assert b"".join(e.raw for e in events) == MIXED and parser.tail() == b""
+
+
+def test_a_trailing_cr_waits_for_what_follows() -> None:
+    parser = SseParser()
+    assert parser.feed(b"data: x\r\r") == []  # the second CR may start a CRLF
+    assert [e.raw for e in parser.feed(b"\ndata: y\r\n\r\n")] == [b"data: x\r\r\n", b"data: y\r\n\r\n"]

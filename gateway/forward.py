@@ -1,0 +1,191 @@
+"""Paths other than the guarded model calls: `GET /v1/models` (every provider's list, merged), other
+`/v1/...` calls forwarded unguarded and traced (a spelling of a guarded path is that model call), and
+a JSON 404 for anything else."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    PathNotFound,
+    ShuttingDown,
+    StateUnavailable,
+    Stopped,
+    UpstreamUnavailable,
+    both_formats,
+)
+from gateway.identity import Identity
+from gateway.observe_forward import end_forward, refused_forward, start_forward
+from gateway.pipeline import (
+    CREDENTIALS,
+    JSON,
+    TRACE_HEADERS,
+    add_credentials,
+    base_headers,
+    echo_headers,
+    error_response,
+    parse_json,
+    read_body,
+)
+from gateway.providers.base import Adapter
+from gateway.proxy import GATEWAY, handle_chat
+from gateway.upstream import answer_headers, forwardable
+from otel.http import operation_for_path
+from otel.spans import StepSpan
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """`GET /v1/models`: the merged lists of every provider."""
+    gw = request.app[GATEWAY]
+    adapter = gw.adapters["openai"]
+    try:
+        identity = gw.identifier.identify(request.headers)
+    except GatewayError as exc:
+        return error_response(adapter, exc, echo_headers(request.headers))
+    merged: list[object] = []
+    reached = 0
+    for name, provider in gw.config.providers.items():
+        base = provider.base_url.rstrip("/")
+        url = base + ("/v1/models" if provider.type == "anthropic" else "/models")
+        headers: dict[str, str] = {}
+        if provider.api_key:
+            if provider.type == "anthropic":
+                headers = {"x-api-key": provider.api_key, "anthropic-version": "2023-06-01"}
+            else:
+                headers = {"Authorization": f"Bearer {provider.api_key}"}
+        try:
+            upstream = await gw.upstream.open("GET", url, headers, None, provider.timeouts)
+            try:
+                data = await upstream.read()
+            finally:
+                upstream.release()
+        except GatewayError:
+            continue
+        if upstream.status >= 300:
+            continue
+        try:
+            items = orjson.loads(data).get("data") or []
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        reached += 1
+        for item in items:
+            if isinstance(item, dict):
+                merged.append({**item, "owned_by": item.get("owned_by", name), "provider": name})
+    if gw.config.providers and reached == 0:
+        return error_response(adapter, UpstreamUnavailable("no provider answered the model list"),
+                              base_headers(identity))
+    body = orjson.dumps({"object": "list", "data": merged})
+    return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
+
+
+# the guarded model-call paths, by the protocol their handler speaks
+GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic", "/v1/responses": "openai_responses"}
+_BLANKS = "".join(map(chr, range(33)))  # controls and space, trimmed off path segments
+
+
+def canonical_path(path: str) -> str:
+    """`path` (decoded) as a lenient server reads it: lower case, each segment without `;parameters`
+    and surrounding whitespace or control characters, no empty segments. `/v1//Chat/completions;x/`
+    is `/v1/chat/completions`."""
+    parts = (part.partition(";")[0].strip(_BLANKS).lower() for part in path.split("/"))
+    return "/" + "/".join(part for part in parts if part)
+
+
+async def forward_other(request: web.Request) -> web.StreamResponse:
+    """Any other `/v1/...` call: routed by the body's `model` (or to the first OpenAI provider), streamed
+    back unchanged, unless the run is stopped. A POST to a spelling of a guarded path (doubled or
+    trailing slashes, case, an encoded slash or space) is that model call, guards and all: an upstream
+    that normalises paths must not make it a way around them; other methods than GET there are refused."""
+    protocol = GUARDED_PATHS.get(canonical_path(request.path))
+    if protocol is not None and request.method == "POST":
+        return await handle_chat(request, protocol)
+    gw = request.app[GATEWAY]
+    adapter: Adapter = gw.adapters["openai"]
+    identity: Identity | None = None
+    tail = request.rel_url.raw_path.removeprefix("/v1")
+    operation = operation_for_path(tail)
+    epoch = 1
+    span: StepSpan | None = None
+    try:
+        if gw.shutting_down:
+            raise ShuttingDown("tollgate is shutting down")
+        identity = gw.identifier.identify(request.headers)
+        if protocol is not None and request.method not in ("GET", "HEAD"):
+            raise InvalidRequest(f"{request.method} is not a method of {canonical_path(request.path)}")
+        try:
+            state = await gw.store.get(identity.run_id, steps=False, reservations=False)
+        except StateUnavailable:
+            if identity.policy.state_failure != "fail_open":
+                raise
+            state = None
+        if state is not None:
+            epoch = state.epoch
+            if state.stopped:  # a stopped run is stopped on every upstream path
+                raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+        raw = await read_body(request, gw.config.limits)
+        route = None
+        model = None
+        if raw and request.content_type == JSON:
+            model = parse_json(raw, gw.config.limits).get("model")
+            if isinstance(model, str):
+                route = gw.router.route(model)
+                if route.prefixed:
+                    raw = orjson.dumps({**orjson.loads(raw), "model": route.model})
+        route = route or gw.router.default_for("openai")
+        if route is None:
+            raise ModelNotFound("no provider is configured for this path")
+        provider = route.provider
+        base = provider.base_url.rstrip("/")
+        url = base + (("/v1" + tail) if provider.type == "anthropic" else tail)
+        drop = frozenset() if provider.passthrough_auth else CREDENTIALS
+        headers = forwardable(request.headers, drop=drop | TRACE_HEADERS)  # repeated fields as they came
+        add_credentials(provider, headers)
+        span = start_forward(gw, identity, request.headers, method=request.method, url=url, operation=operation,
+                             model=model if isinstance(model, str) else None, route=route, epoch=epoch)
+        headers.update(span.trace_headers() if span is not None else _agent_trace(request.headers))
+        if request.rel_url.raw_query_string:
+            url += "?" + request.rel_url.raw_query_string
+        upstream = await gw.upstream.open(request.method, url, headers, raw or None, provider.timeouts)
+    except GatewayError as exc:
+        if span is not None:
+            end_forward(span, status=None, failure=exc.code)
+        elif identity is not None:
+            refused_forward(gw, identity, exc, request.headers, method=request.method, operation=operation,
+                            epoch=epoch)
+        return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
+    headers_out = answer_headers(upstream.headers, base_headers(identity))
+    out = web.StreamResponse(status=upstream.status, headers=headers_out)
+    failure: str | None = None
+    try:
+        await out.prepare(request)
+        async for chunk in upstream.chunks():
+            await out.write(chunk)
+        await out.write_eof()
+    except GatewayError as exc:
+        failure = exc.code  # the status line is gone; closing the stream early is the only signal left
+    except ConnectionResetError:
+        failure = "client_disconnected"
+    finally:
+        upstream.release()
+        end_forward(span, status=upstream.status, failure=failure)
+    return out
+
+
+def _agent_trace(headers: Mapping[str, str]) -> dict[str, str]:
+    """Telemetry off: the agent's own trace context goes upstream as it came (not its baggage, which
+    carries tollgate's run id, as on model calls)."""
+    return {name: value for name in ("traceparent", "tracestate") if (value := headers.get(name)) is not None}
+
+
+async def unknown_path(request: web.Request) -> web.Response:
+    """Any other path of the proxy port: a JSON 404 both SDKs read, with the run id echoed."""
+    error = PathNotFound(f"tollgate serves nothing at {request.path[:200]!r} (model calls are under /v1/, "
+                         f"MCP servers under /mcp/<server>)")
+    return web.Response(status=error.status, body=both_formats(error), content_type=JSON,
+                        headers=echo_headers(request.headers))

@@ -1,0 +1,89 @@
+"""Stage `record` for the `/v1` paths tollgate forwards unguarded (embeddings, files, models, ...).
+
+Each forwarded call gets one CLIENT span under the agent's trace context (else its run's root), whose
+context goes upstream in `traceparent`; it ends once the answer has streamed back, with the status or
+the failure. A call refused because its run is stopped gets a span and a ledger row saying so, as
+every stop does (DESIGN section 4). Never raises: telemetry errors are counted by `Telemetry`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry.context import Context
+
+from gateway.call import Call
+from gateway.errors import GatewayError
+from gateway.identity import Identity
+from gateway.ledger import Ledger, LedgerEntry
+from gateway.observe import provider_endpoint, telemetry_of
+from gateway.routing import Route
+from gateway.runtime import Gateway
+from otel.http import HTTP_RESPONSE_STATUS_CODE
+from otel.propagation import context_from_headers
+from otel.spans import StepLabels, StepSpan
+from otel.telemetry import Telemetry
+
+__all__ = ["end_forward", "refused_forward", "start_forward"]
+
+
+def start_forward(gw: Gateway, identity: Identity, headers: Mapping[str, str], *, method: str, url: str,
+                  operation: str | None, model: str | None, route: Route, epoch: int) -> StepSpan | None:
+    """Open the span of a call about to be forwarded; None when telemetry is off."""
+    telemetry = telemetry_of(gw)
+    if telemetry is None:
+        return None
+    provider = route.provider
+    provider_name, address, port = provider_endpoint(provider.type, provider.base_url, route.provider_name)
+    parent = context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch)
+    return _open(telemetry, method, url.partition("?")[0], operation, model, parent, identity,
+                 StepLabels(operation=operation or "", provider=provider_name, request_model=model,
+                            server_address=address or None, server_port=port))
+
+
+def _open(telemetry: Telemetry, method: str, url: str, operation: str | None, model: str | None,
+          parent: Context, identity: Identity, labels: StepLabels) -> StepSpan:
+    if operation is None:
+        return telemetry.start_http(method, url, labels=labels, parent=parent, run_id=identity.run_id,
+                                    agent=identity.agent)
+    return telemetry.start_inference(Call(protocol="openai", operation=operation, model=model or ""),
+                                     provider_name=labels.provider, server_address=labels.server_address or "",
+                                     server_port=labels.server_port or 0, parent=parent,
+                                     run_id=identity.run_id, agent=identity.agent)
+
+
+def end_forward(span: StepSpan | None, *, status: int | None, failure: str | None = None) -> None:
+    """End the span: the upstream's `status` (an error from 400 on), or `failure`, the code of what broke
+    (`upstream_timeout`, `client_disconnected`, ...)."""
+    if span is None:
+        return
+    if status is not None:
+        span.set(HTTP_RESPONSE_STATUS_CODE, status)
+    if failure is not None:
+        span.error(failure, None, upstream=failure != "client_disconnected")
+        span.end()
+    elif status is not None and status >= 400:
+        span.fail(str(status))
+    else:
+        span.finish(None)
+
+
+def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, headers: Mapping[str, str], *,
+                    method: str, operation: str | None, epoch: int) -> None:
+    """A call refused before forwarding because its run is stopped: a span and a ledger row with the
+    stop's reason (other refusals are the caller's mistakes, answered without either)."""
+    reason = error.stop_reason
+    if reason is None:
+        return
+    telemetry = telemetry_of(gw)
+    if telemetry is not None:
+        parent = context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent,
+                                                                       epoch=epoch)
+        span = _open(telemetry, method, "", operation, None, parent, identity, StepLabels(operation=operation or ""))
+        span.stop(reason, error.message)
+        span.end()
+    ledger: Ledger | None = gw.services.get("ledger")
+    if ledger is not None:
+        ledger.append_nowait(LedgerEntry(agent=identity.agent, run_id=identity.run_id,
+                                         operation=operation or "http", model="", input_hash="",
+                                         decision="stop", reason=reason, detail=error.message))

@@ -1,0 +1,52 @@
+"""Paths other than the guarded model calls: canonical spellings, and the JSON 404 of unknown paths."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from gateway.forward import GUARDED_PATHS, canonical_path
+from tests.conftest import Harness
+
+
+@pytest.mark.parametrize(
+    ("path", "canonical"),
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/v1//Chat/completions;x/", "/v1/chat/completions"),
+        ("/V1/messages/ ", "/v1/messages"),
+        ("/v1/responses\t", "/v1/responses"),
+        ("/v1/embeddings", "/v1/embeddings"),
+        ("/", "/"),
+    ],
+)
+def test_canonical_path(path: str, canonical: str) -> None:
+    assert canonical_path(path) == canonical
+
+
+def test_guarded_paths_name_every_model_call_protocol() -> None:
+    assert set(GUARDED_PATHS.values()) == {"openai", "anthropic", "openai_responses"}
+
+
+@pytest.mark.parametrize("path", ["/", "/nope", "/mcp/a/b", "/v2/chat/completions"])
+async def test_unknown_paths_are_a_json_404_with_the_run_id(gw: Harness, path: str) -> None:
+    headers = {"baggage": "user=x,tollgate.run_id=r-404"}
+    async with gw.session.post(f"{gw.url}{path}", json={}, headers=headers) as resp:
+        assert resp.status == 404
+        body = await resp.json()
+        assert resp.headers["x-tollgate-run-id"] == "r-404"
+    assert body["type"] == "error" and body["error"]["code"] == "not_found"
+    assert path[:20] in body["error"]["message"]
+
+
+async def test_both_sdks_read_the_404(gw: Harness) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/nope", api_key="k", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.models.list()
+    assert caught.value.code == "not_found"
+    async with anthropic.AsyncAnthropic(base_url=f"{gw.url}/nope", api_key="k", max_retries=0) as aclient:
+        with pytest.raises(anthropic.NotFoundError) as acaught:
+            await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=5,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert "not_found" in str(acaught.value)

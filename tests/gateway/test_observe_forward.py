@@ -1,0 +1,106 @@
+"""Spans and ledger rows of the `/v1` paths tollgate forwards unguarded (embeddings, files, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from otel.setup import setup_telemetry
+from otel.telemetry import Telemetry
+from tests.conftest import GatewayFactory, Harness
+from tests.fakes.upstream import Reply
+
+EMBEDDING = {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.1]}],
+             "model": "text-embedding-3-small", "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+
+
+async def traced(gateway_factory: GatewayFactory, **config: Any) -> tuple[Harness, Telemetry, InMemorySpanExporter]:
+    h = await gateway_factory(**config)
+    exporter = InMemorySpanExporter()
+    telemetry = setup_telemetry({}, exporter=exporter)
+    h.gateway.services["telemetry"] = telemetry
+    return h, telemetry, exporter
+
+
+def finished(telemetry: Telemetry, exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    assert telemetry.force_flush()
+    return list(exporter.get_finished_spans())
+
+
+def traceparent(span: ReadableSpan) -> str:
+    ctx = span.context
+    assert ctx is not None
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+
+
+async def test_embeddings_are_an_inference_span_whose_context_goes_upstream(gateway_factory: GatewayFactory) -> None:
+    h, telemetry, exporter = await traced(gateway_factory)
+    h.fake.queue(Reply(body=EMBEDDING))
+    async with h.session.post(f"{h.url}/v1/embeddings", data=orjson.dumps({"model": "gpt-embed", "input": "x"}),
+                              headers={"content-type": "application/json", "x-tollgate-run-id": "emb",
+                                       "traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    [span] = [s for s in finished(telemetry, exporter) if s.name == "embeddings gpt-embed"]
+    attrs = dict(span.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "embeddings" and attrs["gen_ai.request.model"] == "gpt-embed"
+    assert attrs["gen_ai.provider.name"] == "openai" and attrs["http.response.status_code"] == 200
+    assert attrs["tollgate.run_id"] == "emb" and "error.type" not in attrs
+    assert span.parent is not None and f"{span.parent.trace_id:032x}" == "ab" * 16  # the agent's trace
+    assert h.fake.seen[-1].headers["traceparent"] == traceparent(span)  # the span's, not the agent's
+    metrics = telemetry.metrics.render()[0].decode()
+    assert 'gen_ai_operation_name="embeddings"' in metrics
+    telemetry.shutdown()
+
+
+async def test_other_paths_are_http_spans_without_the_query_or_genai_metrics(gateway_factory: GatewayFactory) -> None:
+    h, telemetry, exporter = await traced(gateway_factory)
+    h.fake.queue(Reply(status=404, body={"error": {"message": "no such file"}}))
+    async with h.session.get(f"{h.url}/v1/files/file-1?key=secret", headers={"x-tollgate-run-id": "f"}) as resp:
+        assert resp.status == 404
+        await resp.read()
+    [span] = [s for s in finished(telemetry, exporter) if s.name == "GET"]
+    attrs = dict(span.attributes or {})
+    assert attrs["http.request.method"] == "GET" and attrs["http.response.status_code"] == 404
+    assert str(attrs["url.full"]).endswith("/v1/files/file-1") and "secret" not in str(attrs)
+    assert attrs["error.type"] == "404" and "gen_ai.operation.name" not in attrs
+    assert "gen_ai_client_operation_duration_seconds_count" not in telemetry.metrics.render()[0].decode()
+    telemetry.shutdown()
+
+
+async def test_an_unreachable_upstream_is_the_spans_error(gateway_factory: GatewayFactory) -> None:
+    h, telemetry, exporter = await traced(gateway_factory, providers={
+        "openai": {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "k",
+                   "timeouts": {"connect": 1}}}, models={"gpt-*": "openai"})
+    async with h.session.post(f"{h.url}/v1/embeddings", json={"model": "gpt-embed", "input": "x"}) as resp:
+        assert resp.status == 502
+    [span] = [s for s in finished(telemetry, exporter) if s.name.startswith("embeddings")]
+    assert dict(span.attributes or {})["error.type"] == "upstream_unavailable"
+    telemetry.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/files"])
+async def test_a_stopped_run_refused_on_another_path_leaves_a_span_and_a_ledger_row(
+        gateway_factory: GatewayFactory, path: str) -> None:
+    h, telemetry, exporter = await traced(gateway_factory, agents={"default": {"caps": {"llm_calls": 1}}})
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    for expected in (200, 403):
+        async with h.session.post(f"{h.url}/v1/chat/completions", json=chat,
+                                  headers={"x-tollgate-run-id": "stopped"}) as resp:
+            assert resp.status == expected
+    async with h.session.post(f"{h.url}{path}", json={"model": "gpt-embed", "input": "x"},
+                              headers={"x-tollgate-run-id": "stopped"}) as resp:
+        assert resp.status == 403 and resp.headers["x-tollgate-stop-reason"] == "llm_call_cap"
+    assert len(h.fake.seen) == 1
+    spans = [s for s in finished(telemetry, exporter) if s.name in ("embeddings", "POST")]
+    assert [dict(s.attributes or {})["tollgate.stop_reason"] for s in spans] == ["llm_call_cap"]
+    ledger = h.gateway.services["ledger"]
+    await ledger.flush()
+    rows = [r for r in ledger.rows() if r["run_id"] == "stopped"]
+    assert (rows[-1]["decision"], rows[-1]["reason"], rows[-1]["operation"]) == (
+        "stop", "llm_call_cap", "embeddings" if path.endswith("embeddings") else "http")
+    telemetry.shutdown()
