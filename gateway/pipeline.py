@@ -47,6 +47,7 @@ from guards.chain import Verdict
 MIN_OUTPUT_TOKENS = 16
 STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
+JUDGED = "judged"  # step.extra: guard_after ran on the step's answer
 JSON = "application/json"
 # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
 TRACE_HEADERS = frozenset({"baggage", "traceparent", "tracestate"})
@@ -275,6 +276,7 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
 async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     """Judge the answer before the agent sees it; a stop withholds it. Raises Stopped."""
     ident = step.identity
+    step.extra[JUDGED] = True  # what the provider ran is counted here (see count_unjudged_hosted)
     # the snapshot taken before the step: histories judged here change only through this run's own
     # steps, and the limits that must hold under concurrency (tool-call cap) are applied atomically
     snapshot = step.extra.get("snapshot")
@@ -285,6 +287,23 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     if verdict.stop is not None:
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     await apply_effects(gw, step, verdict)
+
+
+async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
+    """Tool calls the provider ran itself (web search, its MCP client, ...) in a step that ended before
+    its answer was judged (a stream that broke, an answer still nonconforming after its re-asks): they
+    ran, so they count toward `caps.tool_calls`, and crossing the cap stops the run. Never raises."""
+    if step.extra.get(JUDGED):
+        return
+    hosted = step.extra.get("hosted_discarded", 0) + (step.answer.hosted_calls if step.answer is not None else 0)
+    if not hosted:
+        return
+    limit = step.identity.policy.caps.tool_calls
+    add = Add("tool_calls", float(hosted), None if limit is None else float(limit), "tool_call_cap")
+    try:
+        await gw.store.apply(step.run_id, step.agent, (add,), (), time.time())
+    except GatewayError:
+        step.extra["record_failed"] = True  # the store is down; the answer is already decided
 
 
 # -- respond -----------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from gateway.observe import begin_step, end_run, start_span
 from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
 from gateway.pipeline import (
     base_headers,
+    count_unjudged_hosted,
     echo_headers,
     error_response,
     guard_after,
@@ -113,6 +114,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
                 await settle(gw, step, None, charged=bool(step.extra.get("sent")))
             except GatewayError:
                 step.extra["settle_failed"] = True  # the store is down; the response is already decided
+        await count_unjudged_hosted(gw, step)
         await record(gw, step)
         if response is None:  # no answer to send: cancelled, or failed unexpectedly
             gw.notify(step)

@@ -260,3 +260,40 @@ async def test_calls_openai_ran_for_a_re_asked_attempt_count_too(gateway_factory
         answer = await c.responses.create(model="gpt-4o-mini", input="ok?", tools=[{"type": "web_search"}])  # type: ignore[list-item]
     assert answer.output_text == "yes"
     assert (await h.run("reasked"))["tool_calls"] == 3  # the discarded attempt's searches ran, and count
+
+
+async def test_calls_openai_ran_in_a_step_that_ended_in_an_error_count_too(gateway_factory: GatewayFactory) -> None:
+    """The searches ran before the answer failed (still nonconforming after its re-asks): they count, and
+    crossing the cap stops the run."""
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 4},
+                                                  "output": {"grammar": 'choice:["yes", "no"]', "retries": 1}}})
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}
+    first, second = response_body("maybe"), response_body("perhaps")
+    first["output"] = [search, search, *first["output"]]
+    second["output"] = [search, *second["output"]]
+    h.fake.queue(Reply(body=first), Reply(body=second))
+    async with client(h, "failed") as c:
+        with pytest.raises(openai.UnprocessableEntityError):
+            await c.responses.create(model="gpt-4o-mini", input="ok?", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    run = await h.run("failed")
+    assert (run["tool_calls"], run["status"]) == (3, "active")
+    h.fake.queue(Reply(body=first), Reply(body=response_body("no")))
+    async with client(h, "failed") as c:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await c.responses.create(model="gpt-4o-mini", input="ok?", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    assert caught.value.code == "tool_call_cap"
+
+
+async def test_calls_openai_ran_in_a_stream_that_broke_count(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"caps": {"tool_calls": 10}}})
+    search = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}}
+    events = response_stream(["Found"], complete=False)
+    added = b"event: response.output_item.added\ndata: " + orjson.dumps(
+        {"type": "response.output_item.added", "sequence_number": 90, "output_index": 1, "item": search}) + b"\n\n"
+    h.fake.queue(Reply(chunks=[*events, added]))
+    async with client(h, "broke") as c:
+        with pytest.raises(openai.APIError):
+            async with c.responses.stream(model="gpt-4o-mini", input="hi", tools=[{"type": "web_search"}]) as stream:  # type: ignore[list-item]
+                async for _ in stream:
+                    pass
+    assert (await h.run("broke"))["tool_calls"] == 1
