@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from gateway.approvals import routes as approval_routes
+from gateway.errors import StateUnavailable
 from gateway.proxy import GATEWAY
 from gateway.runtime import Gateway
 
@@ -44,7 +45,10 @@ async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable
             response = _json({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
             response.headers["WWW-Authenticate"] = 'Bearer realm="tollgate-admin"'
             return response
-    return await handler(request)
+    try:
+        return await handler(request)
+    except StateUnavailable as exc:  # the run store is down: say so, as the proxy port does
+        return _json({"error": {"code": exc.code, "message": exc.message}}, exc.status)
 
 
 async def healthz(request: web.Request) -> web.Response:

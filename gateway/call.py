@@ -18,8 +18,19 @@ Protocol_ = Literal["openai", "anthropic", "openai_responses", "mcp"]
 
 
 def canonical_json(value: Any) -> bytes:
-    """Canonical JSON bytes: sorted keys, no whitespace. Equal values give equal bytes."""
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    """Canonical JSON bytes: sorted keys, no whitespace, a number with an integral value written as an
+    integer (`1`, `1.0` and `1e0` are one JSON value). Equal values give equal bytes."""
+    return orjson.dumps(_integral(value), option=orjson.OPT_SORT_KEYS)
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) <= 2**53 else value
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
 
 
 def canonical_arguments(arguments: str) -> bytes:
@@ -131,6 +142,7 @@ class Call:
     params: RequestParams = field(default_factory=RequestParams)
     request_hash: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    prefill: str = ""  # text the request puts in the answer's mouth (Anthropic: a last assistant message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +158,4 @@ class Answer:
     is_error: bool = False  # MCP `CallToolResult.isError`
     hosted_calls: int = 0  # tool calls the provider ran itself (web search, its MCP client): counted only
     tool_result: ToolResult | None = None  # MCP: the result the server returned
+    other_texts: tuple[str, ...] = ()  # the text of every choice after the first (OpenAI's `n` > 1)

@@ -229,6 +229,9 @@ class Config(Frozen):
                 message = ("type outlines needs model (a saved transformers model directory)"
                            if prov.engine == "outlines" else "only type outlines takes model")
                 raise _Dangling(f"providers.{name}.model", message)
+            if prov.type == "anthropic" and prov.dialect != "none":
+                # the Messages API has no structured-output field of these dialects: answers are validated
+                raise _Dangling(f"providers.{name}.structured_outputs", "type anthropic takes none")
             if prov.engine == "outlines" and prov.dialect not in ("vllm", "vllm-legacy"):
                 # the local transport reads vLLM's fields: another dialect would generate unconstrained
                 raise _Dangling(f"providers.{name}.structured_outputs", "type outlines takes vllm or vllm-legacy")

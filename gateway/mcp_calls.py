@@ -35,6 +35,7 @@ from gateway.errors import (
     DuplicateToolCall,
     GatewayError,
     InvalidGrammar,
+    StateUnavailable,
     Stopped,
     ToolNotAllowed,
     UpstreamError,
@@ -80,6 +81,7 @@ class ToolStep:
     record: bool = False  # the outcome is a final result worth replaying
     span: StepSpan | None = None  # the MCP client span, once the call is forwarded
     response: dict[str, Any] | None = None  # the server's JSON-RPC response, as it answered
+    unguarded: bool = False  # the run store is down and the policy says `state_failure: fail_open`
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
@@ -106,7 +108,13 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
             if mcp.policy.on_violation == "reject":
                 await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
             raise ToolNotAllowed(detail)
-        run = await mcp.gw.store.get(ident.run_id, steps=False, reservations=False)
+        unguarded = False
+        try:
+            run = await mcp.gw.store.get(ident.run_id, steps=False, reservations=False)
+        except StateUnavailable:
+            if ident.policy.state_failure != "fail_open":
+                raise
+            unguarded = True  # the call goes on without the run's guards, as the agent's model calls do
         _refuse_if_stopped(run)
         _check_arguments(mcp, tool, arguments)
         args_json = canonical_json(arguments).decode()
@@ -114,7 +122,7 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
                     tool_call=ToolCall(str(message.id), tool, args_json),
                     request_hash=digest(qualified.encode(), args_json.encode()), raw=message.body)
         ctx = StepContext(call, ident.agent, ident.run_id, ident.policy, run, time.time())
-        step = ToolStep(mcp, message, call, qualified, arguments, ctx, started)
+        step = ToolStep(mcp, message, call, qualified, arguments, ctx, started, unguarded=unguarded)
         if mcp.policy.tier(qualified) in SIDE_EFFECT_TIERS:
             response = await _idempotent(step, run)
         else:
@@ -205,7 +213,7 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
         outcome = step.outcome or error_message(
             message.id, UPSTREAM_FAILED, "upstream_failed: the identical call in flight got no result")
         cache.finish(key, outcome, record=step.record)
-        if step.record:
+        if step.record and not step.unguarded:
             await mcp.gw.store.push(mcp.identity.run_id, mcp.identity.agent, WRITES_LIST, (key[2],), WRITES_KEEP)
     return response
 
@@ -266,13 +274,15 @@ async def _carry(step: ToolStep) -> None:
     an identical retry of it is this call, as a model's proposal is, and does not count again."""
     assert step.call.tool_call is not None
     ctx = step.ctx
-    await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,), PENDING_KEEP)
+    if not step.unguarded:
+        await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
+                                     PENDING_KEEP)
 
 
 async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
     """True when this call executes a tool call the model proposed in this run (already counted)."""
     pending = step.ctx.history(PENDING)
-    if not pending:
+    if not pending or step.unguarded:
         return False
     qualified = dataclasses.replace(call, name=step.qualified)
     store, run_id = step.mcp.gw.store, step.ctx.run_id
@@ -286,6 +296,8 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
     """A stop stops the run; effects go to the store in one atomic operation (an `Add` over its
     limit stops the run there). Raises Stopped."""
     gw, ctx = step.mcp.gw, step.ctx
+    if step.unguarded:
+        return
     if verdict.stop is not None:
         reason = verdict.stop.reason or "stopped"
         await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
@@ -309,4 +321,11 @@ async def _approve(step: ToolStep) -> None:
         raise ApprovalTimeout(f"nobody decided on {step.qualified} within {timeout:g}s (approval {item.id})")
     if item.status != "approved":
         raise ApprovalDenied(f"{step.qualified} was denied by {item.decided_by} (approval {item.id})")
-    _refuse_if_stopped(await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False))  # it may have stopped meanwhile
+    if step.unguarded:
+        return
+    run = await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
+    _refuse_if_stopped(run)  # it may have stopped meanwhile
+    # a guard may stop it now that did not when the call arrived (the time cap ran out while it waited)
+    verdict = mcp.gw.chain(ctx.agent, ctx.policy).before(dataclasses.replace(ctx, run=run, now=time.time()))
+    if verdict.stop is not None:
+        await _apply(step, dataclasses.replace(verdict, effects=()))

@@ -34,13 +34,25 @@ _FROM_BODY: dict[str, Callable[[Mapping[str, Any]], tuple[ConstraintSpec, ...]]]
 }
 
 
-def _native_in_body(call: Call, dialect: str) -> bool:
-    """The request already asks the upstream for its first constraint in the upstream's own form."""
+def _native_in_body(call: Call, dialect: str) -> tuple[bool, bool]:
+    """Whether the request already asks the upstream for its first constraint in the upstream's own
+    form, and whether that form fixes the output exactly, key order included: OpenAI's only in strict
+    mode; vLLM's only in the fields of the generation the dialect names (the other one's it ignores)."""
+    raw = call.raw
     if call.protocol == "openai_responses":
-        fmt = (call.raw.get("text") or {}).get("format") or {}
-        return dialect == "openai" and fmt.get("type") in ("json_schema", "json_object")
-    return ("response_format" in call.raw and dialect == "openai") or (
-        any(k in call.raw for k in _GUIDED) and dialect in _VLLM)
+        fmt = raw.get("text") if isinstance(raw.get("text"), Mapping) else {}
+        fmt = fmt.get("format") if isinstance(fmt.get("format"), Mapping) else {}
+        native = dialect == "openai" and fmt.get("type") in ("json_schema", "json_object")
+        return native, native and fmt.get("strict") is True
+    if dialect == "openai" and "response_format" in raw:
+        rf = raw.get("response_format")
+        schema = rf.get("json_schema") if isinstance(rf, Mapping) else None
+        return True, isinstance(schema, Mapping) and schema.get("strict") is True
+    if dialect == "vllm" and "structured_outputs" in raw:
+        return True, True
+    if dialect == "vllm-legacy" and any(k in raw for k in _GUIDED if k != "structured_outputs"):
+        return True, True
+    return False, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +109,9 @@ async def plan_outputs(
     stream_check: str, dialect: str,
 ) -> OutputPlan | None:
     """The constraints of a step, compiled (cached by content). Raises InvalidGrammar (400)."""
-    header = headers.get(GRAMMAR_HEADER)
+    getall = getattr(headers, "getall", None)  # every copy of the header applies (a multidict keeps them)
+    header = tuple(getall(GRAMMAR_HEADER, ())) if getall is not None else (
+        (headers[GRAMMAR_HEADER],) if GRAMMAR_HEADER in headers else ())
     body_constraints = _FROM_BODY.get(call.protocol)
     from_request = body_constraints(call.raw) if body_constraints is not None else ()
     if not (grammar_ref or header or from_request):
@@ -113,18 +127,18 @@ async def plan_outputs(
     specs: list[ConstraintSpec] = []
     if grammar_ref:
         specs.append(library.resolve(grammar_ref))
-    if header:
-        specs.append(library.resolve(header.strip()))
+    specs.extend(library.resolve(value.strip()) for value in header)
     specs.extend(from_request)
     unique = list({s.key: s for s in specs}.values())
     native: Mapping[str, Any] | None = None
     exact = False
     first = unique[0]
-    already_native = bool(from_request) and first in from_request and _native_in_body(call, dialect)
+    already_native, body_exact = (_native_in_body(call, dialect) if from_request and first in from_request
+                                  else (False, False))
     if not already_native:
         native = native_params(dialect, first)
-    exact = native_is_exact(dialect, first) and (native is not None or already_native)
-    if native is not None or already_native:
+    exact = native_is_exact(dialect, first) and (native is not None or body_exact)
+    if native is not None or body_exact:
         # OpenAI strict mode turns optional properties into required-but-nullable ones: a valid
         # answer may carry nulls the original schema would reject
         unique[0] = validation_spec(dialect, first)
@@ -195,12 +209,16 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
     verdict = judge_tool_arguments(call, answer)
     if verdict is not None:
         return verdict
-    if plan is None or (answer.tool_calls and not answer.text):
+    if plan is None:
         return None
-    for constraint in plan.constraints:
-        violation = constraint.validate(answer.text)
-        if violation is not None:
-            return OutputVerdict(violation, constraint.spec.kind, reask_instruction(violation, constraint.spec))
+    # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
+    # only calls tools (no text, with calls in the answer) is not held to the text constraints
+    first = call.prefill + answer.text if answer.text or not answer.tool_calls else ""
+    for text in [t for t in (first, *answer.other_texts) if t or not answer.tool_calls]:
+        for constraint in plan.constraints:
+            violation = constraint.validate(text)
+            if violation is not None:
+                return OutputVerdict(violation, constraint.spec.kind, reask_instruction(violation, constraint.spec))
     return None
 
 

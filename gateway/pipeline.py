@@ -40,7 +40,7 @@ from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import Denial, ReserveRequest
 from gateway.upstream import forwardable
-from guards.base import Add, Decision, Push, StepContext
+from guards.base import REASK, Add, Decision, Push, StepContext
 from guards.budget import settlement
 from guards.chain import Verdict
 
@@ -124,7 +124,13 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         return
     step.extra["snapshot"] = snapshot
     step.extra["epoch"] = snapshot.epoch if snapshot is not None else 1
-    ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price)
+    if snapshot is not None and snapshot.stopped:  # sticky: the run's own reason, whatever else holds now
+        step.stop_reason = snapshot.stop_reason or "stopped"
+        step.stop_detail = snapshot.stop_detail or f"the run is stopped ({step.stop_reason})"
+        raise Stopped(step.stop_reason, step.stop_detail)
+    # a re-ask is tollgate's own request, not a step of the agent: `reask` tells the guards so
+    extra = {REASK: True} if step.attempts else {}
+    ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price, extra)
     verdict = gw.chain(ident.agent, ident.policy).before(ctx)
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None:
@@ -270,7 +276,10 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
     for key in ("usd", "input_tokens", "output_tokens"):
         if key in actual:
             step.spent[key] = step.spent.get(key, 0.0) + actual[key]
-    await gw.store.settle(reservation, actual, time.time())
+    try:
+        await gw.store.settle(reservation, actual, time.time())
+    except StateUnavailable as exc:  # the store keeps the settlement for replay; the answer exists
+        await _state_failed(step, exc)
 
 
 async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
@@ -285,8 +294,19 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None:
+        if await _reset_since(gw, step):
+            return  # judged on a history a reset cleared while the step was in flight: the fresh run goes on
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     await apply_effects(gw, step, verdict)
+
+
+async def _reset_since(gw: Gateway, step: Step) -> bool:
+    """The run was reset after the step's snapshot was taken (its epoch moved on)."""
+    try:
+        state = await gw.store.get(step.run_id, steps=False, reservations=False)
+    except StateUnavailable:
+        return False
+    return state is not None and state.epoch != step.extra.get("epoch", 1)
 
 
 async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:

@@ -16,6 +16,7 @@ from gateway.errors import (
     InvalidRequest,
     OutputNonconforming,
     ShuttingDown,
+    StateUnavailable,
     Stopped,
     UpstreamError,
 )
@@ -155,7 +156,9 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         except GatewayError as exc:
             step.extra["sent"] = isinstance(exc, UpstreamError) and exc.request_sent
             raise
-        if step.call.stream and upstream.status < 300 and (plan is None or plan.stream_check != "buffer"):
+        # several choices (`n`) interleave in one stream: checked as a whole, like `stream_check: buffer`
+        incremental = plan is None or (plan.stream_check != "buffer" and (step.call.params.choice_count or 1) == 1)
+        if step.call.stream and upstream.status < 300 and incremental:
             return await relay_stream(gw, step, request, upstream)
         if step.call.stream and upstream.status < 300:
             data, answer = await collect_stream(step, upstream)
@@ -257,6 +260,8 @@ def add_native(step: Step, plan: OutputPlan) -> bool:
 async def record(gw: Gateway, step: Step) -> None:
     """Stage `record`: the run's step list (and a stopped run's trace ends). The step's own telemetry
     hooks (`gw.notify`, which never raise) run once the answer is sent."""
+    if step.extra.get("state_failed") or step.error_type == StateUnavailable.code:
+        return  # the store just failed this step: waiting out its deadline again would delay the answer
     try:
         await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
         if step.stop_reason:

@@ -41,6 +41,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     failure: GatewayError | None = None
     client_gone = False
     checkers = step.outputs.checkers() if step.outputs is not None else []
+    if checkers and step.call.prefill:  # the answer is the prefill plus what streams back
+        for checker in checkers:
+            checker.feed(step.call.prefill)
     try:
         async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
@@ -50,7 +53,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     break
                 if not emitted.out:
                     continue
-                if reader.holding:
+                # the stream's end waits for the final verdict too: an SDK stops reading at it, so an
+                # error event after it would never be seen
+                if reader.holding or (emitted.done and checkers):
                     held.append(emitted.out)
                     continue
                 if step.first_chunk_at is None:

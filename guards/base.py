@@ -19,7 +19,7 @@ from gateway.config import Agent
 from gateway.pricing import ModelPrice
 from gateway.store.base import Add, Claim, Push, RunState
 
-__all__ = ["Add", "BaseGuard", "Decision", "Effect", "Push", "StepContext", "StopCondition"]
+__all__ = ["REASK", "Add", "BaseGuard", "Decision", "Effect", "Push", "StepContext", "StopCondition"]
 
 
 Effect = Add | Push
@@ -61,6 +61,9 @@ class Decision:
 def _plain_allow(guard: str) -> Decision:
     # guards allow most steps with nothing to claim: building the frozen dataclass each time costs more
     return Decision(guard, "allow")
+
+
+REASK = "reask"  # StepContext.extra: the step is a re-ask tollgate sends, not the agent's own request
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ back to the model is not counted twice.
 from __future__ import annotations
 
 from gateway.call import Answer
-from guards.base import BaseGuard, Decision, Push, StepContext
+from guards.base import REASK, BaseGuard, Decision, Push, StepContext
 
 RESULT_KEEP = 1000
 
@@ -53,9 +53,8 @@ class ProgressGuard(BaseGuard):
         if loop is None or loop.stall_steps is None:
             return Decision.allow(self.name)
         call = ctx.call
-        mcp = call.operation == "execute_tool"
-        if mcp:
-            return Decision.allow(self.name)
+        if call.operation == "execute_tool" or ctx.extra.get(REASK):
+            return Decision.allow(self.name)  # a re-ask is tollgate's request: the agent's was judged
         seen_key = "results"
         prints = tuple(r.fingerprint for r in call.tool_results)
         seen = set(ctx.history(seen_key))

@@ -134,6 +134,7 @@ class AnthropicMessages:
             params=params,
             request_hash=digest(raw),
             raw=body,
+            prefill=_prefill(messages),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -264,9 +265,21 @@ class AnthropicMessages:
 
     def with_instruction(self, body: Mapping[str, Any], answer_text: str, instruction: str) -> dict[str, Any]:
         messages = list(body.get("messages") or [])
-        messages.append({"role": "assistant", "content": answer_text or "(empty)"})
+        prefill = _prefill(messages)
+        if prefill:  # roles must alternate: the prefill and its continuation are one assistant turn
+            messages.pop()
+        messages.append({"role": "assistant", "content": (prefill + answer_text) or "(empty)"})
         messages.append({"role": "user", "content": instruction})
         return {**body, "messages": messages}
+
+
+def _prefill(messages: list[Any]) -> str:
+    """The text of a last assistant message: Claude continues it, so the answer is that text plus what
+    comes back."""
+    last = messages[-1] if messages else None
+    if isinstance(last, Mapping) and last.get("role") == "assistant":
+        return content_text(last.get("content"))
+    return ""
 
 
 def _error(error: GatewayError) -> dict[str, Any]:

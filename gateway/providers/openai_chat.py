@@ -63,7 +63,8 @@ def _forced(body: Mapping[str, Any]) -> str | None:
 
 
 def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
-    """Tool results of the latest round: the `role: tool` messages after the last assistant message."""
+    """Tool results of the latest round: the `role: tool` (legacy: `role: function`) messages after the
+    last assistant message."""
     results: list[ToolResult] = []
     for message in reversed(messages):
         if not isinstance(message, Mapping):
@@ -71,6 +72,8 @@ def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
         role = message.get("role")
         if role == "tool":
             results.append(ToolResult(str(message.get("tool_call_id", "")), content_text(message.get("content"))))
+        elif role == "function":
+            results.append(ToolResult(str(message.get("name", "")), content_text(message.get("content"))))
         elif role == "assistant":
             break
     results.reverse()
@@ -119,12 +122,16 @@ class OpenAIChat:
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
         text = ""
+        others: list[str] = []
         calls: list[ToolCall] = []
         reasons: list[str] = []
         for index, choice in enumerate(body.get("choices") or ()):
             message = choice.get("message") or {}
             if index == 0:
                 text = message.get("content") or ""
+            else:
+                content = message.get("content")
+                others.append(content if isinstance(content, str) else "")
             for tc in message.get("tool_calls") or ():
                 fn = tc.get("function") or {}
                 calls.append(ToolCall(str(tc.get("id", "")), str(fn.get("name", "")), str(fn.get("arguments", ""))))
@@ -140,6 +147,7 @@ class OpenAIChat:
             tool_calls=tuple(calls),
             finish_reasons=tuple(reasons),
             usage=usage_from(body.get("usage")),
+            other_texts=tuple(others),
         )
 
     def stream_reader(self, *, hide_usage: bool) -> OpenAIStreamReader:
@@ -251,6 +259,7 @@ class OpenAIStreamReader:
         self._id: str | None = None
         self._model: str | None = None
         self._text: list[str] = []
+        self._others: dict[int, list[str]] = {}  # the text of the choices after the first (`n` > 1)
         self._calls: dict[tuple[int, int], list[str]] = {}
         self._reasons: dict[int, str] = {}
         self._usage: Usage | None = None
@@ -289,6 +298,8 @@ class OpenAIStreamReader:
                 if index == 0:
                     self._text.append(content)
                     self.delta += content
+                else:
+                    self._others.setdefault(index, []).append(content)
             legacy = proposed(delta)
             if legacy is not None:
                 self.holding = True
@@ -325,4 +336,5 @@ class OpenAIStreamReader:
             tool_calls=calls,
             finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
             usage=self._usage,
+            other_texts=tuple("".join(parts) for _, parts in sorted(self._others.items())),
         )

@@ -16,7 +16,8 @@ Contracts:
   connection included, gives up after 2 s; no automatic retries (a retried reserve could reserve
   twice). The pool reconnects on the next call once Redis is back. `open()` does not connect, so a
   gateway can start while Redis is down.
-* A settle that failed is kept (bounded) and replayed before this store's next call, and a reserve
+* A settle that failed is kept (bounded) and replayed before this store's next call (and when it
+  closes), also after errors of a Redis that cannot write for now (READONLY, NOREPLICAS, ...); a reserve
   whose answer was lost is released at zero then (the step never went upstream): settle is idempotent,
   so a replay that already happened is a no-op. Reservations of a process that died are never
   released: they stay charged against the budget (as SQLite's crash recovery charges them) until the
@@ -26,6 +27,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -39,7 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import StateUnavailable
@@ -51,6 +53,14 @@ T = TypeVar("T")
 MAX_UNSETTLED = 10_000  # settles kept for replay while Redis is away; beyond, the oldest stay reserved
 REPLAY_BATCH = 64
 _IDLE_DEFAULT_S = 30 * 24 * 3600
+# errors of a Redis that cannot write for now (a replica after failover, too few replicas, a full disk,
+# busy with a script or loading): what failed then succeeds later
+_PASSING_CODES = ("NOREPLICAS", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+log = logging.getLogger(__name__)
+
+
+def _passing(exc: RedisError) -> bool:
+    return isinstance(exc, ReadOnlyError | OutOfMemoryError) or str(exc).startswith(_PASSING_CODES)
 
 
 class RedisRunStore:
@@ -148,8 +158,9 @@ class RedisRunStore:
 
     async def _replay(self) -> None:
         """Settle what failed to settle earlier, oldest first, a bounded batch per call (the caller's
-        deadline covers it). Connection trouble stops the replay (and the caller's operation); any other
-        error drops that entry, since retrying cannot help."""
+        deadline covers it). Trouble that passes (no connection, a server that refuses writes for now)
+        stops the replay (and the caller's operation); any other error drops that entry, since retrying
+        cannot help."""
         for _ in range(REPLAY_BATCH):
             if not self._unsettled:
                 return
@@ -158,9 +169,23 @@ class RedisRunStore:
                 await self._eval("settle", run_id, "", args)
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 raise
-            except RedisError:
-                pass
+            except RedisError as exc:
+                if _passing(exc):
+                    raise
             self._unsettled.pop(rid, None)
+
+    async def replay_unsettled(self) -> int:
+        """Settle now what an outage left unsettled (`close` does, and a sidecar that goes idle would
+        otherwise never replay); how many are still unsettled. Never raises."""
+        try:
+            while self._unsettled:
+                before = len(self._unsettled)
+                await self._guard(self._replay)
+                if len(self._unsettled) == before:
+                    break
+        except StateUnavailable:
+            pass
+        return len(self._unsettled)
 
     def _keep_unsettled(self, run_id: str, rid: str, args: list[Any]) -> None:
         self._unsettled[rid] = (run_id, args)
@@ -286,4 +311,8 @@ class RedisRunStore:
         return runs[:limit]
 
     async def close(self) -> None:
+        left = await self.replay_unsettled()
+        if left:
+            log.warning("run store closing with %d settlement(s) Redis did not take: their reservations "
+                        "stay open until the run expires or is reset", left)
         await self._client.aclose()

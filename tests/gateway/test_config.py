@@ -111,6 +111,10 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
     ("empty agent key", {"agents": {"a": {"keys": [""]}}}, "agents.a.keys.0", "empty"),
     ("approval outside allow", {"agents": {"a": {"tools": {"allow": ["x"], "approval": ["y"]}}}},
      "agents.a.tools.approval.0", "allowed"),
+    ("anthropic with a dialect", {"providers": {"a": {"type": "anthropic", "base_url": "https://api.anthropic.com",
+                                                      "structured_outputs": "openai"}}},
+     "providers.a.structured_outputs", "anthropic takes none"),
+    ("base_dir is not a key", {"base_dir": "/elsewhere"}, "base_dir", "unknown key"),
 ]
 
 

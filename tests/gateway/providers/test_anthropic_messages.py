@@ -277,6 +277,18 @@ def test_with_instruction(body: dict[str, Any], answer: str, said: str) -> None:
     assert parse(out).tool_results == ()  # still a request the adapter accepts
 
 
+def test_an_assistant_prefill_is_part_of_the_answer_and_of_its_re_ask() -> None:
+    user = {"role": "user", "content": "JSON please"}
+    body = {"model": "m", "max_tokens": 5, "messages": [user, {"role": "assistant", "content": [
+        {"type": "text", "text": '{"answer":'}]}]}
+    assert parse(body).prefill == '{"answer":'
+    assert parse({"model": "m", "max_tokens": 5, "messages": [user]}).prefill == ""
+    out = ADAPTER.with_instruction(body, ' "four"}', "Answer with JSON only.")
+    assert out["messages"] == [user, {"role": "assistant", "content": '{"answer": "four"}'},
+                               {"role": "user", "content": "Answer with JSON only."}]  # roles alternate
+    assert parse(out).prefill == ""
+
+
 def test_blocks_of_tools_anthropic_ran_are_counted_not_judged() -> None:
     body = {"id": "msg_1", "model": "m", "stop_reason": "end_turn", "usage": {"input_tokens": 1, "output_tokens": 1},
             "content": [{"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {"query": "x"}},

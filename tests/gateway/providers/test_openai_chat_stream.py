@@ -51,7 +51,7 @@ SPLIT_NAME = [  # a name in pieces; an id repeated later; arguments null
     chunk([delta(tool_calls=[tc(0, "call_y", "_up", '{"a":')])]),
     chunk([delta(tool_calls=[tc(0, args="2}")])]), chunk([delta(finish="tool_calls")], usage=USAGE),
 ]
-TWO = [  # n=2: text only from choice 0; every choice's characters count
+TWO = [  # n=2: the text of choice 0, the others' apart; every choice's characters count
     chunk([delta(0, content="ab"), delta(1, content="xyz")]),
     chunk([delta(1, "length"), delta(0, "stop")], usage=USAGE),
 ]
@@ -61,7 +61,7 @@ CUT_TOOLS = Answer("c1", "gpt-4o", "", (ToolCall("call_a", "get", '{"q"'),))
 SPLIT_ANSWER = Answer(
     "c1", "gpt-4o", "", (ToolCall("call_x", "look_up", '{"a":2}'),), ("tool_calls",), Usage(10, 5)
 )
-TWO_ANSWER = Answer("c1", "gpt-4o", "ab", (), ("stop", "length"), Usage(10, 5))
+TWO_ANSWER = Answer("c1", "gpt-4o", "ab", (), ("stop", "length"), Usage(10, 5), other_texts=("xyz",))
 NULL_ANSWER = Answer("c1", "gpt-4o", "ok", (), ("stop",), Usage(10, 5))
 TOOLS_ANSWER = Answer(
     "c1", "gpt-4o", "", (ToolCall("call_a", "get", '{"q":1}'), ToolCall("call_b", "f", "{}")), ("tool_calls",)
