@@ -257,8 +257,9 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         step.record = True
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
-        try:  # judged on the snapshot taken before the step, as model answers are (see guard_after)
-            await _apply(step, chain.after(dataclasses.replace(ctx, now=time.time()), answer))
+        try:  # judged on the run as it is now: calls of one run may overlap (see guard_after)
+            run = ctx.run if step.unguarded else await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
+            await _apply(step, chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer))
         except Stopped as exc:  # e.g. no_progress: the result is withheld
             mcp.headers[STOP_HEADER] = exc.reason
             response = step.outcome = gateway_error(message.id, exc)[1]

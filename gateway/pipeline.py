@@ -286,9 +286,15 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     """Judge the answer before the agent sees it; a stop withholds it. Raises Stopped."""
     ident = step.identity
     step.extra[JUDGED] = True  # what the provider ran is counted here (see count_unjudged_hosted)
-    # the snapshot taken before the step: histories judged here change only through this run's own
-    # steps, and the limits that must hold under concurrency (tool-call cap) are applied atomically
+    # the limits that must hold under concurrency (tool-call cap) are applied atomically; the histories
+    # (loop detection) are judged on the run as it is now when the answer proposes calls, since steps of
+    # one run may overlap: read, judged and written without yielding to another step in this process
     snapshot = step.extra.get("snapshot")
+    if answer.tool_calls and not step.extra.get("state_failed"):
+        try:
+            snapshot = await gw.store.get(ident.run_id, steps=False, reservations=False)
+        except StateUnavailable as exc:
+            await _state_failed(step, exc)
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
                       step.extra)
     verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)
