@@ -117,6 +117,8 @@ class State(Frozen):
     path: str = "tollgate.db"
     url: str | None = None
     run_ttl_s: PosInt = 7 * 24 * 3600  # finished runs expire after this (redis)
+    # redis: a reservation older than this is charged in full (the process that made it is presumed dead)
+    reservation_lease_s: PosInt = 3600
 
     @model_validator(mode="after")
     def _check_url(self) -> State:

@@ -21,7 +21,8 @@ def _sqlite(config: Config) -> RunStore:
 def _redis(config: Config) -> RunStore:
     from gateway.store.redis import RedisRunStore
 
-    return RedisRunStore.open(config.state.url or "", ttl_s=config.state.run_ttl_s)
+    return RedisRunStore.open(config.state.url or "", ttl_s=config.state.run_ttl_s,
+                              lease_s=config.state.reservation_lease_s)
 
 
 BACKENDS: dict[str, Callable[[Config], RunStore]] = {"memory": _memory, "sqlite": _sqlite, "redis": _redis}

@@ -112,6 +112,16 @@ def recover(state: RunState, now: float) -> int:
     return count
 
 
+def expire(state: RunState, before: float, now: float) -> int:
+    """Charge what they held to the reservations made before `before` (their process is presumed dead:
+    the Redis store's lease); how many. What `reserve` runs first in the Redis twin."""
+    stale = [rid for rid, held in state.open.items() if held["at"] < before]
+    for rid in stale:
+        held = state.open[rid]["amounts"]
+        settle(state, Reservation(rid, state.run_id, state.epoch, 0, held), held, now)
+    return len(stale)
+
+
 def add(state: RunState, counter: str, amount: float, limit: float | None, code: str, now: float) -> Denial | None:
     """Add to a used counter; exceeding `limit` stops the run with `code` (default `<counter>_limit`)
     and adds nothing."""

@@ -21,7 +21,9 @@ Contracts:
   whose answer was lost is released at zero then (the step never went upstream): settle is idempotent,
   so a replay that already happened is a no-op. Reservations of a process that died are never
   released: they stay charged against the budget (as SQLite's crash recovery charges them) until the
-  run is reset or expires.
+  run is reset or expires, or until their lease (`lease_s`, `state.reservation_lease_s`) runs out: a
+  reserve finds a reservation older than that and charges it in full (`logic.expire`), as SQLite's crash
+  recovery does, so a dead process never holds a budget forever.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def _passing(exc: RedisError) -> bool:
 
 class RedisRunStore:
     def __init__(
-        self, client: Redis, ttl_s: int, idle_s: int, prefix: str, where: str, deadline: float, slots: int
+        self, client: Redis, ttl_s: int, idle_s: int, prefix: str, where: str, deadline: float, slots: int,
+        lease_s: int = 3600,
     ) -> None:
         self._client = client
+        self._lease = float(lease_s)
         self._deadline = deadline
         # FIFO admission to the pool's connections: redis-py's own blocking pool costs more per call and
         # lets a waiter starve past its timeout under a burst
@@ -94,6 +98,7 @@ class RedisRunStore:
         connect_timeout_s: float = 1.0,
         op_timeout_s: float = 2.0,
         max_connections: int = 32,
+        lease_s: int = 3600,
     ) -> RedisRunStore:
         """A store on `url` (redis://, rediss://, unix://). Synchronous and lazy: connects on first use.
 
@@ -116,7 +121,7 @@ class RedisRunStore:
         idle = _IDLE_DEFAULT_S if idle_ttl_s is None else idle_ttl_s
         if idle:
             idle = max(idle, ttl_s)
-        return cls(Redis.from_pool(pool), ttl_s, idle, prefix, where, op_timeout_s, max_connections)
+        return cls(Redis.from_pool(pool), ttl_s, idle, prefix, where, op_timeout_s, max_connections, lease_s)
 
     # -- plumbing ------------------------------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class RedisRunStore:
                     run_id,
                     agent,
                     [float(now), rid, int(request.min_units), int(request.max_units), claims,
-                     request.clamp_units],
+                     request.clamp_units, float(now) - self._lease],
                 )
             )
         except StateUnavailable:

@@ -7,7 +7,7 @@ calling convention it documents): `A` is the decoded JSON array of the operation
 from __future__ import annotations
 
 # A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...],
-#     clamp_units|null].
+#     clamp_units|null, expire_before|null].
 # Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail].
 _RESERVE = """
 create()
@@ -15,6 +15,31 @@ local now, rid, min_units, max_units, clamp = A[1], A[2], A[3], A[4], opt(A[6])
 local denied = stopped_denial()
 if denied then touch(); return cjson.encode(denied) end
 start(now)
+local before = opt(A[7])
+if before ~= nil then  -- logic.expire: a reservation older than its lease is charged what it held
+  local fields, open = redis.call('HKEYS', K), false
+  for _, field in ipairs(fields) do
+    if string.sub(field, 1, 2) == 'o:' then
+      local held = cjson.decode(redis.call('HGET', K, field))
+      if tonumber(held['at']) < before then
+        redis.call('HDEL', K, field)
+        for counter, amount in pairs(held['amounts']) do
+          local left = (getnum('r:' .. counter) or 0.0) - tonumber(amount)
+          if left < 0.0 then left = 0.0 end
+          redis.call('HSET', K, 'r:' .. counter, num(left))
+          redis.call('HSET', K, 'u:' .. counter, num((getnum('u:' .. counter) or 0.0) + tonumber(amount)))
+        end
+      else
+        open = true
+      end
+    end
+  end
+  if not open then
+    for _, field in ipairs(fields) do
+      if string.sub(field, 1, 2) == 'r:' then redis.call('HSET', K, field, num(0.0)) end
+    end
+  end
+end
 local claims = {}
 for _, c in ipairs(A[5]) do
   claims[#claims + 1] = {counter = c[1], fixed = c[2], per_unit = c[3], limit = opt(c[4]), code = c[5]}

@@ -261,23 +261,21 @@ async def test_admin_run_during_a_redis_outage_is_a_clear_503(
             assert "state_unavailable" in await resp.text()
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation (README, Many sidecars): Redis has no lease on a "
-                   "reservation, so one of a process that died stays held until the run is reset or expires")
 async def test_reservation_of_a_killed_replica_does_not_hold_the_run_forever(
     fake: tuple[FakeProvider, str], session: aiohttp.ClientSession, served_list: list[Served], tmp_path: Path,
 ) -> None:
-    """Replica A is SIGKILLed with a call in flight; it is restarted. No step of the run is in flight
-    anywhere, yet replica B's calls are refused forever as 'held by 1 step(s) in flight ... retry once
-    they settle': nothing will ever settle it (the SQLite backend charges such a reservation in full
-    on recovery; the Redis one never recovers it)."""
+    """Replica A is SIGKILLed with a call in flight; it is restarted. Its reservation is held (B is told
+    to retry) only until its lease (`state.reservation_lease_s`) runs out; then B's next reserve charges
+    it in full, as SQLite's recovery does, and the run goes on or stops for its budget, never 'held'."""
     provider, upstream = fake
     server = start_server(tmp_path / "redis")
     try:
         agent = {"budget": {"tokens": PER_CALL * 3 // 2}}
         replicas = []
+        state = {"backend": "redis", "url": server.url, "reservation_lease_s": 1}
         for name in ("a", "b"):
-            config = write_config(tmp_path / f"{name}.yaml", upstream, {"backend": "redis", "url": server.url},
-                                  agent, ledger={"path": f"ledger-{name}.db"})
+            config = write_config(tmp_path / f"{name}.yaml", upstream, state, agent,
+                                  ledger={"path": f"ledger-{name}.db"})
             replicas.append(Served(config, tmp_path / f"{name}.log"))
         served_list.extend(replicas)
         a, b = replicas
@@ -289,9 +287,11 @@ async def test_reservation_of_a_killed_replica_does_not_hold_the_run_forever(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await a.start(session)  # the crashed replica is back
+        await asyncio.sleep(1.1)  # the lease is time itself: nothing to await but its end
         status, body = await post(session, b.url, "orphan")
-        assert status == 403, body
-        assert "in flight" not in body["error"]["message"], body["error"]["message"]
+        assert status in (200, 403), body
+        if status == 403:
+            assert "in flight" not in body["error"]["message"], body["error"]["message"]
     finally:
         server.stop()
 

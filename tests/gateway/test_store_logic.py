@@ -277,6 +277,18 @@ def test_settle_moves_actual_amounts_to_used_and_releases_the_rest() -> None:
     assert state.open == {} and state.updated_at == NOW + 1
 
 
+def test_expire_charges_only_reservations_older_than_the_lease() -> None:
+    state = fresh()
+    old = granted(reserve(state, req(Claim("tokens", 100, 1.0, 10_000.0), max_units=400), now=NOW))
+    new = granted(reserve(state, req(Claim("tokens", 100, 1.0, 10_000.0), max_units=200), now=NOW + 50))
+    assert logic.expire(state, NOW + 10, NOW + 60) == 1
+    assert state.used == {"tokens": 500.0} and list(state.open) == [new.id]
+    assert state.reserved == {"tokens": 300.0}
+    logic.settle(state, old, {"tokens": 1.0}, NOW + 61)  # the expired one settles into nothing
+    assert state.used == {"tokens": 500.0}
+    assert logic.expire(state, NOW + 100, NOW + 100) == 1 and state.reserved == {"tokens": 0.0}
+
+
 def test_settle_is_idempotent() -> None:
     state, grant = held_run()
     actual = {"usd": 0.001, "tokens": 500.0, "llm_calls": 1.0}

@@ -258,6 +258,31 @@ async def test_four_stores_hold_one_limit(redis_server: RedisServer) -> None:  #
             await store.close()
 
 
+async def test_a_dead_processes_reservation_is_charged_once_its_lease_runs_out(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """Process A reserves and dies (never settles). Within the lease B is refused as held; after it, B's
+    reserve charges A's reservation in full (as SQLite's recovery does) and goes on: never held forever."""
+    prefix = f"t-{uuid.uuid4().hex}:"
+    dead, alive = (RedisRunStore.open(redis_server.url, prefix=prefix, lease_s=60) for _ in range(2))
+    request = ReserveRequest((Claim("tokens", 100.0, 1.0, 1000.0, "token_budget_exhausted"),), 16, 500)
+    try:
+        first = await dead.reserve("run", "bot", request, NOW)
+        assert isinstance(first, Reservation) and first.units == 500
+        held = await alive.reserve("run", "bot", request, NOW + 59)
+        assert isinstance(held, Reservation) and held.units == 300  # 600 of 1000 held by the dead one
+        await alive.settle(held, {"tokens": 150.0}, NOW + 59)
+        later = await alive.reserve("run", "bot", request, NOW + 61)
+        assert isinstance(later, Reservation) and later.units == 150  # 1000 - 600 charged - 150 used - 100
+        state = await alive.get("run")
+        assert state is not None and state.used["tokens"] == 750.0 and first.id not in state.open
+        assert state.reserved["tokens"] == 250.0 and list(state.open) == [later.id]
+        await dead.settle(first, {"tokens": 10.0}, NOW + 62)  # a late settle of the expired one: no-op
+        assert (await alive.get("run")).used["tokens"] == 750.0  # type: ignore[union-attr]
+    finally:
+        await dead.close()
+        await alive.close()
+
+
 # -- expiry ------------------------------------------------------------------------------------------
 
 
