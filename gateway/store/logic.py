@@ -46,7 +46,7 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
     amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
     for counter, amount in amounts.items():
         state.reserved[counter] = state.reserved.get(counter, 0.0) + amount
-    state.open[reservation_id] = {"amounts": amounts, "at": now}
+    state.open[reservation_id] = {"amounts": amounts, "at": now, "units": units}
     state.updated_at = now
     return Reservation(reservation_id, state.run_id, state.epoch, units, amounts)
 
@@ -105,20 +105,30 @@ def recover(state: RunState, now: float) -> int:
     """Settle reservations left open by a crashed process at their reserved amount (never at zero)."""
     count = 0
     for rid in list(state.open):
-        held = state.open[rid]["amounts"]
-        res = Reservation(rid, state.run_id, state.epoch, 0, held)
-        settle(state, res, held, now)
+        record = state.open[rid]
+        settle(state, Reservation(rid, state.run_id, state.epoch, 0, record["amounts"]), charged(record), now)
         count += 1
     return count
+
+
+def charged(record: Mapping[str, Any]) -> dict[str, float]:
+    """What an open reservation charges when its process is gone: what it held, its tokens split as a
+    settlement without usage splits them (its output units, the rest input)."""
+    held: dict[str, float] = dict(record["amounts"])
+    if "tokens" in held:
+        output = min(float(record.get("units", 0)), held["tokens"])
+        held["output_tokens"] = output
+        held["input_tokens"] = held["tokens"] - output
+    return held
 
 
 def expire(state: RunState, before: float, now: float) -> int:
     """Charge what they held to the reservations made before `before` (their process is presumed dead:
     the Redis store's lease); how many. What `reserve` runs first in the Redis twin."""
-    stale = [rid for rid, held in state.open.items() if held["at"] < before]
+    stale = [rid for rid, record in state.open.items() if record["at"] < before]
     for rid in stale:
-        held = state.open[rid]["amounts"]
-        settle(state, Reservation(rid, state.run_id, state.epoch, 0, held), held, now)
+        record = state.open[rid]
+        settle(state, Reservation(rid, state.run_id, state.epoch, 0, record["amounts"]), charged(record), now)
     return len(stale)
 
 

@@ -23,11 +23,20 @@ if before ~= nil then  -- logic.expire: a reservation older than its lease is ch
       local held = cjson.decode(redis.call('HGET', K, field))
       if tonumber(held['at']) < before then
         redis.call('HDEL', K, field)
+        local charged = {}  -- logic.charged
         for counter, amount in pairs(held['amounts']) do
           local left = (getnum('r:' .. counter) or 0.0) - tonumber(amount)
           if left < 0.0 then left = 0.0 end
           redis.call('HSET', K, 'r:' .. counter, num(left))
-          redis.call('HSET', K, 'u:' .. counter, num((getnum('u:' .. counter) or 0.0) + tonumber(amount)))
+          charged[counter] = tonumber(amount)
+        end
+        if charged['tokens'] ~= nil then
+          local output = math.min(tonumber(held['units'] or 0), charged['tokens'])
+          charged['output_tokens'] = output
+          charged['input_tokens'] = charged['tokens'] - output
+        end
+        for counter, amount in pairs(charged) do
+          redis.call('HSET', K, 'u:' .. counter, num((getnum('u:' .. counter) or 0.0) + amount))
         end
       else
         open = true
@@ -107,7 +116,8 @@ for _, counter in ipairs(order) do
   out[#out + 1] = counter
   out[#out + 1] = num(amount)
 end
-redis.call('HSET', K, 'o:' .. rid, cjson.encode({amounts = held, at = num(now)}), 'updated_at', num(now))
+redis.call('HSET', K, 'o:' .. rid, cjson.encode({amounts = held, at = num(now), units = num(units)}),
+  'updated_at', num(now))
 touch()
 return cjson.encode(out)
 """

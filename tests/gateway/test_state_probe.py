@@ -348,8 +348,6 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=30)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: crash recovery charges the reservation in full (budget right) "
-                   "but cannot split its tokens into input and output, so the run view's token counts leave it out")
 async def test_sqlite_kill9_mid_stream_charges_the_reservation_and_keeps_the_ledger_chain(
     fake: tuple[FakeProvider, str], session: aiohttp.ClientSession, served_list: list[Served], tmp_path: Path,
 ) -> None:

@@ -282,10 +282,11 @@ def test_expire_charges_only_reservations_older_than_the_lease() -> None:
     old = granted(reserve(state, req(Claim("tokens", 100, 1.0, 10_000.0), max_units=400), now=NOW))
     new = granted(reserve(state, req(Claim("tokens", 100, 1.0, 10_000.0), max_units=200), now=NOW + 50))
     assert logic.expire(state, NOW + 10, NOW + 60) == 1
-    assert state.used == {"tokens": 500.0} and list(state.open) == [new.id]
-    assert state.reserved == {"tokens": 300.0}
+    # charged what it held, its tokens split as a settlement without usage splits them
+    assert state.used == {"tokens": 500.0, "output_tokens": 400.0, "input_tokens": 100.0}
+    assert list(state.open) == [new.id] and state.reserved == {"tokens": 300.0}
     logic.settle(state, old, {"tokens": 1.0}, NOW + 61)  # the expired one settles into nothing
-    assert state.used == {"tokens": 500.0}
+    assert state.used["tokens"] == 500.0
     assert logic.expire(state, NOW + 100, NOW + 100) == 1 and state.reserved == {"tokens": 0.0}
 
 
