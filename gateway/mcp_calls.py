@@ -258,7 +258,7 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
         try:  # judged on the run as it is now: calls of one run may overlap (see guard_after)
-            run = ctx.run if step.unguarded else await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
+            run = await _current(step) if ctx.policy.loop is not None else ctx.run
             await _apply(step, chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer))
         except Stopped as exc:  # e.g. no_progress: the result is withheld
             mcp.headers[STOP_HEADER] = exc.reason
@@ -268,6 +268,20 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         return response
 
     return await relay(mcp, upstream, message.id, judge)
+
+
+async def _current(step: ToolStep) -> RunState | None:
+    """The run as it is now; with the store down, a fail_open agent's call goes on unguarded (the tool
+    already ran: its result is delivered)."""
+    if step.unguarded:
+        return step.ctx.run
+    try:
+        return await step.mcp.gw.store.get(step.ctx.run_id, steps=False, reservations=False)
+    except StateUnavailable:
+        if step.ctx.policy.state_failure != "fail_open":
+            raise
+        step.unguarded = True
+        return step.ctx.run
 
 
 async def _carry(step: ToolStep) -> None:

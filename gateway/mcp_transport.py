@@ -63,11 +63,11 @@ class McpRequest:
     def allowed(self, tool: str) -> bool:
         return self.policy.allowed(mcp_tool_name(self.server_name, tool))
 
-    def request_key(self, rpc_id: Any) -> tuple[str, str, str]:
-        """Names one JSON-RPC request of this client (run, MCP session, id as the SDKs match it), so a
-        `notifications/cancelled` finds the call it cancels."""
+    def request_key(self, rpc_id: Any) -> tuple[str, str, str, str]:
+        """Names one JSON-RPC request of this client (run, server, MCP session, id as the SDKs match
+        it), so a `notifications/cancelled` finds the call it cancels and no other."""
         number = _as_number(rpc_id)
-        return (self.identity.run_id, self.request.headers.get("Mcp-Session-Id", ""),
+        return (self.identity.run_id, self.server_name, self.request.headers.get("Mcp-Session-Id", ""),
                 str(number) if number is not None else repr(rpc_id))
 
     async def open(self, method: str, body: bytes | None) -> UpstreamResponse:

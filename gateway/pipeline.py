@@ -319,7 +319,7 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
     """Tool calls the provider ran itself (web search, its MCP client, ...) in a step that ended before
     its answer was judged (a stream that broke, an answer still nonconforming after its re-asks): they
     ran, so they count toward `caps.tool_calls`, and crossing the cap stops the run. Never raises."""
-    if step.extra.get(JUDGED):
+    if step.extra.get(JUDGED) or step.extra.get("state_failed") or step.error_type == StateUnavailable.code:
         return
     hosted = step.extra.get("hosted_discarded", 0) + (step.answer.hosted_calls if step.answer is not None else 0)
     if not hosted:
@@ -327,9 +327,12 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
     limit = step.identity.policy.caps.tool_calls
     add = Add("tool_calls", float(hosted), None if limit is None else float(limit), "tool_call_cap")
     try:
-        await gw.store.apply(step.run_id, step.agent, (add,), (), time.time())
+        denial = await gw.store.apply(step.run_id, step.agent, (add,), (), time.time())
     except GatewayError:
         step.extra["record_failed"] = True  # the store is down; the answer is already decided
+        return
+    if denial is not None and not step.stop_reason:  # the run stopped here: say so (span, ledger, run)
+        step.stop_reason, step.stop_detail = denial.reason, denial.detail
 
 
 # -- respond -----------------------------------------------------------------------------------------

@@ -266,10 +266,13 @@ class AnthropicMessages:
     def with_instruction(self, body: Mapping[str, Any], answer_text: str, instruction: str) -> dict[str, Any]:
         messages = list(body.get("messages") or [])
         prefill = _prefill(messages)
-        if prefill:  # roles must alternate: the prefill and its continuation are one assistant turn
-            messages.pop()
+        last = messages.pop() if prefill else None
+        # roles alternate: the prefill and its continuation are one assistant turn; the re-ask ends with
+        # the prefill again, so what comes back continues it as the agent expects
         messages.append({"role": "assistant", "content": (prefill + answer_text) or "(empty)"})
         messages.append({"role": "user", "content": instruction})
+        if last is not None:
+            messages.append(last)
         return {**body, "messages": messages}
 
 

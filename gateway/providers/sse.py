@@ -57,9 +57,10 @@ class SseParser:
                 begin = start
         else:
             while (found := _EVENT_END.search(buf, start)) is not None:
+                # a CR ending the buffer may be the first half of a CRLF still to come: the event has
+                # ended either way (an empty line); that LF then starts the next event's bytes, where
+                # an empty line is nothing (at worst an event without data, which readers pass on)
                 end = found.end()
-                if end == len(buf) and buf.endswith(b"\r"):
-                    break  # the CR may be the first half of a CRLF still to come
                 events.append(_parse(buf[begin:end]))
                 begin = start = end
         self._buf = buf[begin:]

@@ -17,11 +17,12 @@ if denied then touch(); return cjson.encode(denied) end
 start(now)
 local before = opt(A[7])
 if before ~= nil then  -- logic.expire: a reservation older than its lease is charged what it held
-  local fields, open = redis.call('HKEYS', K), false
+  local fields, open, expired = redis.call('HKEYS', K), false, false
   for _, field in ipairs(fields) do
     if string.sub(field, 1, 2) == 'o:' then
       local held = cjson.decode(redis.call('HGET', K, field))
       if tonumber(held['at']) < before then
+        expired = true
         redis.call('HDEL', K, field)
         local charged = {}  -- logic.charged
         for counter, amount in pairs(held['amounts']) do
@@ -43,7 +44,7 @@ if before ~= nil then  -- logic.expire: a reservation older than its lease is ch
       end
     end
   end
-  if not open then
+  if expired and not open then  -- logic.settle: nothing in flight holds anything
     for _, field in ipairs(fields) do
       if string.sub(field, 1, 2) == 'r:' then redis.call('HSET', K, field, num(0.0)) end
     end

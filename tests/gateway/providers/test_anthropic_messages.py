@@ -285,8 +285,9 @@ def test_an_assistant_prefill_is_part_of_the_answer_and_of_its_re_ask() -> None:
     assert parse({"model": "m", "max_tokens": 5, "messages": [user]}).prefill == ""
     out = ADAPTER.with_instruction(body, ' "four"}', "Answer with JSON only.")
     assert out["messages"] == [user, {"role": "assistant", "content": '{"answer": "four"}'},
-                               {"role": "user", "content": "Answer with JSON only."}]  # roles alternate
-    assert parse(out).prefill == ""
+                               {"role": "user", "content": "Answer with JSON only."},
+                               body["messages"][-1]]  # roles alternate; the re-ask is continued from the prefill
+    assert parse(out).prefill == '{"answer":'  # so its answer is judged with the prefill, as the agent reads it
 
 
 def test_blocks_of_tools_anthropic_ran_are_counted_not_judged() -> None:

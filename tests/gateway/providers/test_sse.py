@@ -29,8 +29,10 @@ def test_events_with_every_separator() -> None:
 def test_split_anywhere_gives_the_same_events(size: int) -> None:
     parser = SseParser()
     events = [e for i in range(0, len(STREAM), size) for e in parser.feed(STREAM[i : i + size])]
-    assert [e.raw for e in events] == [e.raw for e in SseParser().feed(STREAM)]
-    assert parser.tail() == b""
+    whole = SseParser().feed(STREAM)
+    # a CR at a chunk's end ends its event at once (the LF of a CRLF then opens the next event's bytes)
+    assert [(e.event, e.data) for e in events] == [(e.event, e.data) for e in whole]
+    assert b"".join(e.raw for e in events) == STREAM and parser.tail() == b""
 
 
 def test_a_partial_event_waits_for_its_end() -> None:
@@ -73,7 +75,10 @@ def test_mixed_line_terminators_end_events_where_clients_see_them_end(size: int)
     assert b"".join(e.raw for e in events) == MIXED and parser.tail() == b""
 
 
-def test_a_trailing_cr_waits_for_what_follows() -> None:
+def test_an_event_ending_in_a_cr_is_complete_at_once() -> None:
     parser = SseParser()
-    assert parser.feed(b"data: x\r\r") == []  # the second CR may start a CRLF
-    assert [e.raw for e in parser.feed(b"\ndata: y\r\n\r\n")] == [b"data: x\r\r\n", b"data: y\r\n\r\n"]
+    assert [e.data for e in parser.feed(b"data: x\r\r")] == ["x"]  # ended, even if a LF may follow
+    assert [(e.raw, e.data) for e in parser.feed(b"\ndata: y\r\n\r\n")] == [(b"\ndata: y\r\n\r\n", "y")]
+    assert parser.tail() == b""
+    cr_only = SseParser()
+    assert [e.data for e in cr_only.feed(b"data: a\r\rdata: [DONE]\r\r")] == ["a", "[DONE]"]  # nothing held back
