@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from opentelemetry.context import Context
-
 from gateway.call import Call
 from gateway.errors import GatewayError
 from gateway.identity import Identity
@@ -35,14 +33,15 @@ def start_forward(gw: Gateway, identity: Identity, headers: Mapping[str, str], *
         return None
     provider = route.provider
     provider_name, address, port = provider_endpoint(provider.type, provider.base_url, route.provider_name)
-    parent = context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch)
-    return _open(telemetry, method, url.partition("?")[0], operation, model, parent, identity,
+    return _open(telemetry, headers, epoch, method, url.partition("?")[0], operation, model, identity,
                  StepLabels(operation=operation or "", provider=provider_name, request_model=model,
                             server_address=address or None, server_port=port))
 
 
-def _open(telemetry: Telemetry, method: str, url: str, operation: str | None, model: str | None,
-          parent: Context, identity: Identity, labels: StepLabels) -> StepSpan:
+def _open(telemetry: Telemetry, headers: Mapping[str, str], epoch: int, method: str, url: str,
+          operation: str | None, model: str | None, identity: Identity, labels: StepLabels) -> StepSpan:
+    """The span, under the agent's trace context, else its run's root."""
+    parent = context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch)
     if operation is None:
         return telemetry.start_http(method, url, labels=labels, parent=parent, run_id=identity.run_id,
                                     agent=identity.agent)
@@ -77,9 +76,8 @@ def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, header
         return
     telemetry = telemetry_of(gw)
     if telemetry is not None:
-        parent = context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent,
-                                                                       epoch=epoch)
-        span = _open(telemetry, method, "", operation, None, parent, identity, StepLabels(operation=operation or ""))
+        span = _open(telemetry, headers, epoch, method, "", operation, None, identity,
+                     StepLabels(operation=operation or ""))
         span.stop(reason, error.message)
         span.end()
     ledger: Ledger | None = gw.services.get("ledger")
