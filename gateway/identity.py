@@ -98,13 +98,21 @@ def requested_run_id(headers: Mapping[str, str]) -> str | None:
     run_id = headers.get(RUN_ID_HEADER)
     if run_id is not None:
         return run_id
-    getall = getattr(headers, "getall", None)  # a multidict keeps repeated lines; a plain Mapping has one
-    lines = getall("baggage", ()) if getall is not None else [headers.get("baggage") or ""]
-    for line in lines:
+    for line in header_values(headers, "baggage"):
         found = _from_baggage(line)
         if found is not None:
             return found
     return None
+
+
+def header_values(headers: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """Every copy of a header field: a multidict (aiohttp's request headers) keeps repeated lines, a
+    plain Mapping has at most one."""
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        return tuple(getall(name, ()))
+    value = headers.get(name)
+    return () if value is None else (value,)
 
 
 def _from_baggage(baggage: str) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.call import Answer, Call
 from gateway.errors import InvalidGrammar
+from gateway.identity import header_values
 from grammars.checker import IncrementalChecker
 from grammars.compile import Constraint, compile_async
 from grammars.library import GrammarLibrary
@@ -109,9 +110,7 @@ async def plan_outputs(
     stream_check: str, dialect: str,
 ) -> OutputPlan | None:
     """The constraints of a step, compiled (cached by content). Raises InvalidGrammar (400)."""
-    getall = getattr(headers, "getall", None)  # every copy of the header applies (a multidict keeps them)
-    header = tuple(getall(GRAMMAR_HEADER, ())) if getall is not None else (
-        (headers[GRAMMAR_HEADER],) if GRAMMAR_HEADER in headers else ())
+    header = header_values(headers, GRAMMAR_HEADER)  # every copy of the header applies
     body_constraints = _FROM_BODY.get(call.protocol)
     from_request = body_constraints(call.raw) if body_constraints is not None else ()
     if not (grammar_ref or header or from_request):
