@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 from aiohttp import web
@@ -157,6 +158,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     # the guards' effects (counters, histories) only for a step that goes on: a refused one, even
     # refused by a held budget, must not count as a step (no_progress would stop an agent that retries)
     try:
+        verdict = await _rejudge(gw, step, ctx, verdict)
         await apply_effects(gw, step, verdict)
     except BaseException:
         step.reservation = None
@@ -178,6 +180,36 @@ async def guard_before(gw: Gateway, step: Step) -> None:
             step.changed = True
 
 
+async def _rejudge(gw: Gateway, step: Step, ctx: StepContext, verdict: Verdict) -> Verdict:
+    """The verdict to apply: judged again on the run as it is now when its history moved while the
+    reservation was written (a store that batches writes waits for the batch when other steps of the run
+    are in flight, and theirs may land meanwhile). Only `no_progress` reads history before a call; from
+    here to the effects nothing waits in a local store, so identical requests sent at once cannot each
+    pass. Raises like the first judgement; the caller releases the reservation."""
+    loop = step.identity.policy.loop
+    if loop is None or loop.stall_steps is None or step.extra.get("state_failed"):
+        return verdict
+    ident = step.identity
+    try:
+        fresh = await gw.store.get(ident.run_id, steps=False, reservations=False)
+    except StateUnavailable as exc:
+        await _state_failed(step, exc)
+        return verdict
+    if fresh is None or (fresh.lists == (ctx.run.lists if ctx.run is not None else {}) and not fresh.stopped):
+        return verdict
+    if fresh.stopped:  # another step stopped the run meanwhile: its reason, as for a stopped snapshot
+        step.stop_reason = fresh.stop_reason or "stopped"
+        step.stop_detail = fresh.stop_detail or f"the run is stopped ({step.stop_reason})"
+        raise Stopped(step.stop_reason, step.stop_detail)
+    again = gw.chain(ident.agent, ident.policy).before(dataclasses.replace(ctx, run=fresh))
+    if again.stop is None:
+        return again
+    step.decisions.append(again.stop)
+    if again.stop.action == "reject":
+        raise InvalidRequest(again.stop.detail)
+    await stop_run(gw, step, again.stop.reason or "stopped", again.stop.detail)
+
+
 async def _state_failed(step: Step, error: StateUnavailable) -> None:
     """The run store is unreachable. Fail closed (re-raise: 503 `state_unavailable`) unless the agent's
     policy says `state_failure: fail_open`; then the step goes on unguarded and says so."""
@@ -194,7 +226,7 @@ def output_limit(step: Step) -> int:
     return step.route.provider.max_output_tokens
 
 
-async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> None:
+async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> NoReturn:
     """Stop the run (sticky) and raise the stop for the respond stage."""
     step.stop_reason, step.stop_detail = reason, detail
     await gw.store.stop(step.run_id, step.agent, reason, detail, time.time())

@@ -68,13 +68,6 @@ def chat_calls(*calls: tuple[str, str]) -> Reply:
 # -- loop detection: canonical arguments ---------------------------------------------------------------
 
 
-OVERLAP = pytest.mark.xfail(
-    strict=True,
-    reason="known limitation (README, loop detection): with SQLite state, no_progress judges a request against "
-           "the history as it stood before its reservation was written, so overlapping requests can each pass",
-)
-
-
 @pytest.mark.parametrize("variants", [
     ['{"n": 1}', '{"n": 1.0}', '{"n": 1e0}'],
     ['{"limit": 10}', '{"limit": 10.0}', '{"limit": 1E1}'],
@@ -168,7 +161,7 @@ async def test_reset_clears_the_loop_history_an_in_flight_step_is_judged_on(gate
 # -- no progress under concurrency -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["memory", pytest.param("sqlite", marks=OVERLAP)])
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
 async def test_concurrent_identical_requests_cannot_slip_past_no_progress(gateway_factory: GatewayFactory,
                                                                          backend: str) -> None:
     """stall_steps 2: of identical requests only the first is progress, the second is a stalled step and
@@ -181,6 +174,8 @@ async def test_concurrent_identical_requests_cannot_slip_past_no_progress(gatewa
     statuses = [s for s, _, _ in results]
     assert statuses.count(200) <= 2 and len(h.fake.seen) <= 2, statuses
     assert {code_of(b) for s, _, b in results if s == 403} == {"no_progress"}
+    view = await h.run("np-conc")  # the steps refused after their reservation was written released it
+    assert (view["status"], view["reserved_tokens"], view["llm_calls"]) == ("stopped", 0, len(h.fake.seen)), view
 
 
 # -- parallel calls and the tool-call cap --------------------------------------------------------------------
