@@ -158,8 +158,12 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     # the guards' effects (counters, histories) only for a step that goes on: a refused one, even
     # refused by a held budget, must not count as a step (no_progress would stop an agent that retries)
     try:
-        verdict = await _rejudge(gw, step, ctx, verdict)
-        await apply_effects(gw, step, verdict)
+        loop = ident.policy.loop
+        if loop is not None and loop.stall_steps is not None:
+            async with gw.run_locks.hold(ident.run_id):
+                await apply_effects(gw, step, await _rejudge(gw, step, ctx, verdict))
+        else:
+            await apply_effects(gw, step, verdict)
     except BaseException:
         step.reservation = None
         with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
@@ -181,13 +185,12 @@ async def guard_before(gw: Gateway, step: Step) -> None:
 
 
 async def _rejudge(gw: Gateway, step: Step, ctx: StepContext, verdict: Verdict) -> Verdict:
-    """The verdict to apply: judged again on the run as it is now when its history moved while the
-    reservation was written (a store that batches writes waits for the batch when other steps of the run
-    are in flight, and theirs may land meanwhile). Only `no_progress` reads history before a call; from
-    here to the effects nothing waits in a local store, so identical requests sent at once cannot each
-    pass. Raises like the first judgement; the caller releases the reservation."""
-    loop = step.identity.policy.loop
-    if loop is None or loop.stall_steps is None or step.extra.get("state_failed"):
+    """The verdict to apply, for guards that read the run's history before a call (`no_progress`):
+    judged again on the run as it is now when its history moved while the reservation was written (other
+    steps of the run may have landed meanwhile: SQLite batches their writes, Redis is a round trip away).
+    The caller holds the run's lock from here to the effects, so in one process identical requests sent
+    at once cannot each pass. Raises like the first judgement; the caller releases the reservation."""
+    if step.extra.get("state_failed"):
         return verdict
     ident = step.identity
     try:

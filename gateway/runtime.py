@@ -8,6 +8,7 @@ from typing import Any
 
 from gateway.config import Agent, Config
 from gateway.identity import Identifier
+from gateway.keyed_lock import KeyedLocks
 from gateway.pricing import Pricer
 from gateway.providers.base import Adapter
 from gateway.routing import Router
@@ -39,6 +40,7 @@ class Gateway:
     transports: dict[str, Transport] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
     shutting_down: bool = False
+    run_locks: KeyedLocks = field(default_factory=KeyedLocks)  # per run: guard judgements that read history
     _chains: dict[str, GuardChain] = field(default_factory=dict)
     _tool_policies: dict[str, ToolPolicy] = field(default_factory=dict)
 

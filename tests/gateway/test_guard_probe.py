@@ -11,6 +11,7 @@ Fakes on loopback only.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +34,7 @@ from tests.fakes.upstream import (
     openai_stream,
     tool_call,
 )
+from tests.redis_fixture import redis_server  # noqa: F401  (fixture, by name)
 
 MSG = [{"role": "user", "content": "hello"}]
 GPT = "gpt-4o-mini"
@@ -161,20 +163,27 @@ async def test_reset_clears_the_loop_history_an_in_flight_step_is_judged_on(gate
 # -- no progress under concurrency -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "redis"])
 async def test_concurrent_identical_requests_cannot_slip_past_no_progress(gateway_factory: GatewayFactory,
+                                                                         request: pytest.FixtureRequest,
                                                                          backend: str) -> None:
     """stall_steps 2: of identical requests only the first is progress, the second is a stalled step and
-    the third stops the run. Sent at once, no more than two may reach the upstream, whatever the store."""
-    state = {"backend": "memory"} if backend == "memory" else {"backend": "sqlite", "path": "np.db"}
+    the third stops the run. Sent at once to one gateway, no more than two may reach the upstream,
+    whatever the store."""
+    run = f"np-conc-{uuid.uuid4().hex[:8]}"  # the Redis server is shared by the session
+    state: dict[str, str] = {"backend": backend}
+    if backend == "sqlite":
+        state["path"] = "np.db"
+    elif backend == "redis":
+        state["url"] = request.getfixturevalue("redis_server").url
     h = await gateway_factory(agents=agent(loop={"stall_steps": 2}), state=state)
     h.fake.default = Reply(body=openai_completion("same"), delay=0.1)
     body = {"model": GPT, "messages": MSG}
-    results = await asyncio.gather(*(post(h, body, "np-conc") for _ in range(6)))
+    results = await asyncio.gather(*(post(h, body, run) for _ in range(6)))
     statuses = [s for s, _, _ in results]
     assert statuses.count(200) <= 2 and len(h.fake.seen) <= 2, statuses
     assert {code_of(b) for s, _, b in results if s == 403} == {"no_progress"}
-    view = await h.run("np-conc")  # the steps refused after their reservation was written released it
+    view = await h.run(run)  # the steps refused after their reservation was written released it
     assert (view["status"], view["reserved_tokens"], view["llm_calls"]) == ("stopped", 0, len(h.fake.seen)), view
 
 
