@@ -28,7 +28,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config import Timeouts
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.http1_wire import Origin, decoder_for, request_head, split_url
+from gateway.http1_wire import Origin, Sending, decoder_for, request_head, split_url
 
 HIGH_WATER = 1 << 20  # buffered response bytes at which reading from the socket pauses
 MAX_HEADER_BYTES = 64 * 1024  # a response head larger than this is refused (aiohttp's limits are near)
@@ -297,10 +297,19 @@ class Http1Pool:
         return len(self._busy) + sum(1 for pool in self._idle.values() for c in pool if not c.closed)
 
     async def open(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        sending: Sending | None = None,
     ) -> Http1Response:
         """Send the request, wait for the response headers (within `timeouts.first_byte`, connect
-        included), return the response with its body still to read."""
+        included), return the response with its body still to read. `sending.started` turns True right
+        before the first byte is written: a caller cancelled while queued or connecting sent nothing."""
+        if sending is not None:
+            sending.started = False
         origin, target, host = split_url(url)
         head = request_head(method, target, host, headers, None if body is None else len(body))
         if self._closed:
@@ -320,6 +329,8 @@ class Http1Pool:
         conn.active = True
         try:
             assert conn.transport is not None
+            if sending is not None:
+                sending.started = True
             if body:
                 conn.transport.writelines((head, body))
             else:

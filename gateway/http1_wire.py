@@ -11,9 +11,21 @@ from urllib.parse import quote, urlsplit
 
 from gateway.errors import InvalidRequest, UpstreamUnavailable
 
-__all__ = ["Decoder", "Origin", "decoder_for", "request_head", "split_url"]
+__all__ = ["Decoder", "Origin", "Sending", "decoder_for", "request_head", "split_url"]
 
 Origin = tuple[str, int, str]  # host, port, scheme
+
+
+class Sending:
+    """Whether a request may have reached the upstream, for a caller that is cancelled while the
+    transport is still opening (an exception says it itself: `UpstreamError.request_sent`). A transport
+    that can tell sets `started` False when it begins and True right before its first byte is written;
+    one that does not leaves it None, which means: assume it was sent."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started: bool | None = None
 
 _CTL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but tab: header splitting
 _NOT_TOKEN = re.compile(r"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")  # a header name is an RFC 9110 token

@@ -23,6 +23,7 @@ import orjson
 
 from gateway.config import Provider, Timeouts
 from gateway.errors import ConfigError, InvalidGrammar, InvalidRequest, UpstreamTimeout
+from gateway.http1_wire import Sending
 from gateway.local_wire import Job, LocalResponse, Result, answer_body, outcome, parse_request
 from grammars import engine
 from grammars.spec import ConstraintSpec
@@ -77,7 +78,13 @@ class OutlinesTransport:
         return transport
 
     async def open(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        sending: Sending | None = None,
     ) -> LocalResponse:
         """Answer a chat-completions body. Raises InvalidRequest (400) for what the local model cannot
         honour; UpstreamTimeout when the answer (or, streaming, its start) takes over `first_byte`."""

@@ -20,6 +20,7 @@ from gateway.errors import (
     Stopped,
     UpstreamError,
 )
+from gateway.http1_wire import Sending
 from gateway.identity import Identity
 from gateway.observe import begin_step, end_run, start_span
 from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
@@ -151,10 +152,14 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         # from here the upstream may receive the request (and bill it): a failure or a client that
         # leaves is charged at the reservation, unless the transport says nothing was written
         step.extra["sent"] = True
+        sending = Sending()
         try:
-            upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts)
+            upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts, sending)
         except GatewayError as exc:
             step.extra["sent"] = isinstance(exc, UpstreamError) and exc.request_sent
+            raise
+        except BaseException:  # the client left (cancelled) while the call was queued, connecting or sent
+            step.extra["sent"] = sending.started is not False
             raise
         # several choices (`n`) interleave in one stream: checked as a whole, like `stream_check: buffer`
         incremental = plan is None or (plan.stream_check != "buffer" and (step.call.params.choice_count or 1) == 1)

@@ -17,6 +17,7 @@ from multidict import CIMultiDict
 from gateway.config import Timeouts
 from gateway.errors import InvalidRequest
 from gateway.http1 import Http1Pool
+from gateway.http1_wire import Sending
 
 HOP_BY_HOP = frozenset(
     {
@@ -103,7 +104,13 @@ class Transport(Protocol):
     `Upstream` is the HTTP implementation; tests and in-process models provide others."""
 
     async def open(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        sending: Sending | None = None,
     ) -> UpstreamResponse: ...
 
 
@@ -131,9 +138,15 @@ class Upstream:
         return self._pool.open_count()
 
     async def open(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        sending: Sending | None = None,
     ) -> UpstreamResponse:
         """Send the request and wait for the response headers. Raises InvalidRequest for a path that
         could leave the provider's base path (`check_target`)."""
         check_target(url)
-        return await self._pool.open(method, url, headers, body, timeouts)
+        return await self._pool.open(method, url, headers, body, timeouts, sending)

@@ -18,6 +18,8 @@ import openai
 import orjson
 import pytest
 
+from gateway.http1 import Http1Pool
+from gateway.upstream import Upstream
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import response_body, response_stream
 from tests.fakes.upstream import (
@@ -132,6 +134,28 @@ async def test_client_gone_before_the_answer_headers_is_charged_not_free(gateway
     assert view["reserved_tokens"] == 0
     assert view["spent_usd"] > 0, "a call the upstream received and billed was settled at $0"
     assert view["output_tokens"] >= 64
+
+
+async def test_client_gone_while_queued_for_an_upstream_connection_is_free(gateway_factory: GatewayFactory) -> None:
+    """The counterpart: an agent that leaves while its call still waits for a free upstream connection
+    sent the provider nothing, so nothing is billed; its reservation is released, not charged."""
+    h = await gateway_factory(pricing=PRICING, agents=agent(budget={"usd": 1.0}))
+    spare, h.gateway.upstream = h.gateway.upstream, Upstream(Http1Pool(asyncio.get_running_loop(), limit=1))
+    await spare.close()
+    h.fake.queue(reply_for(CHAT, stream=False, delay=0.5))  # holds the only connection
+    first = asyncio.create_task(post(h, body_for(CHAT, max_tokens=64), "holder"))
+    await asyncio.wait_for(h.fake.wait_seen(1), 5)
+    queued = asyncio.create_task(post(h, body_for(CHAT, max_tokens=64), "queued"))
+    await until(h, "queued", lambda v: v["reserved_usd"] > 0)  # reserved, waiting for the connection
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    view = await until(h, "queued", lambda v: v["reserved_usd"] == 0 and v["steps"])
+    assert (view["spent_usd"], view["output_tokens"], view["reserved_tokens"]) == (0, 0, 0), view
+    status, _, raw = await first
+    assert status == 200, raw
+    assert len(h.fake.seen) == 1  # the queued call never reached the upstream
+    await h.gateway.upstream.close()
 
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])

@@ -14,6 +14,7 @@ import trustme
 from gateway.config import Timeouts
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.http1 import HIGH_WATER, Http1Pool
+from gateway.http1_wire import Sending
 
 FAST = Timeouts(connect=1, first_byte=0.5, idle=0.5)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -415,3 +416,21 @@ async def test_close_stops_callers_waiting_for_a_connection(served) -> None:  # 
     with pytest.raises(UpstreamUnavailable, match="shutting down"):
         await waiting
     assert not any(b"/late" in r for r in server.requests)
+
+
+async def test_sending_tells_a_cancelled_caller_whether_a_byte_was_written(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, url = await served(answer(b"ok"))
+    pool = Http1Pool(asyncio.get_running_loop(), limit=1)
+    sent = Sending()
+    held = await pool.open("GET", url, {}, None, FAST, sent)
+    assert sent.started is True
+    queued = Sending()
+    waiting = asyncio.ensure_future(pool.open("POST", url + "/queued", {}, b"{}", FAST, queued))
+    await asyncio.sleep(0)  # queued for the only connection
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert queued.started is False  # the caller left before its request was written: nothing to bill
+    held.release()
+    await pool.close()
+    assert not any(b"/queued" in r for r in server.requests)
