@@ -21,7 +21,7 @@ import socket
 import struct
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +163,20 @@ class Env:
 
 
 @pytest.fixture
-async def env(gateway_factory: GatewayFactory, fake: tuple[FakeProvider, str]) -> AsyncIterator[Env]:
+def frozen_heap() -> Iterator[None]:
+    """What the suite allocated before this test is out of `gc.collect()`'s reach while it runs: the
+    leak checks collect in a loop, and late in the suite (torch, hypothesis) each full collection of
+    that heap took about a second. Objects the test creates are collected as usual (the garbage the
+    suite left is frozen too, and collected after `unfreeze`)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@pytest.fixture
+async def env(frozen_heap: None, gateway_factory: GatewayFactory, fake: tuple[FakeProvider, str]) -> AsyncIterator[Env]:
     raw = RawUpstream()
     raw_url = await raw.start()
     fake_url = fake[1]
