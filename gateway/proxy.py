@@ -90,13 +90,13 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
                 tools=tool_policy)
     begin_step(gw, step, request.headers)
-    if plan is not None:
-        step.changed = add_native(step, plan)
     response: web.StreamResponse | None = None
     try:
         if step.tools is not None and shape_tools(step.tools, call, step.body):
             step.changed = True
             step.original = dict(step.body)  # re-asks never offer what the agent may not use
+        if plan is not None:  # after `original`: a re-ask adds the native fields (and their bound) again
+            step.changed = add_native(step, plan) or step.changed
         response = await run_step(gw, step, request)
     except Stopped as exc:
         step.status = 200 if identity.policy.on_stop == "message" else 403

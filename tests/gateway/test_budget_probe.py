@@ -275,6 +275,30 @@ async def test_native_output_schema_tollgate_adds_is_inside_the_input_bound(gate
         assert h.fake.seen == []
 
 
+async def test_native_schema_is_bounded_once_in_a_reask_of_a_tool_filtered_request(
+        gateway_factory: GatewayFactory) -> None:
+    """A request whose tools the allow-list filtered is re-asked from the filtered body; the schema
+    tollgate adds natively must be in that body's input bound once, not twice (the grant of the re-ask
+    would shrink by the schema's size for nothing)."""
+    schema = {"type": "object", "description": "notes " * 500, "properties": {"a": {"type": "string"}},
+              "required": ["a"]}
+    budget = 20_000
+    h = await gateway_factory(agents=agent(budget={"tokens": budget}, tools={"allow": ["search"]},
+                                           output={"grammar": "json_schema:" + json.dumps(schema)}))
+    h.fake.queue(Reply(body=openai_completion("prose", prompt_tokens=10, completion_tokens=5)),
+                 Reply(body=openai_completion('{"a": "x"}', prompt_tokens=10, completion_tokens=5)))
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("search", "rm")]
+    status, _, raw = await post(h, {"model": GPT, "messages": MSG, "tools": tools}, "filtered-reask")
+    assert status == 200, raw
+    first, second = h.fake.seen
+    assert [t["function"]["name"] for t in second.json["tools"]] == ["search"]
+    assert "response_format" in first.json and "response_format" in second.json
+    # the grant is what the budget leaves after the first attempt (15 tokens) and the re-ask's input
+    # bound, which is at most the size of the body sent (that body also carries max_tokens itself)
+    granted = second.json["max_completion_tokens"]
+    assert granted >= budget - 15 - len(second.body), (granted, len(second.body))
+
+
 # -- concurrency across the three wire formats --------------------------------------------------------
 
 
