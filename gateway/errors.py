@@ -59,10 +59,17 @@ class GatewayError(TollgateError):
     anthropic_type: ClassVar[str] = "api_error"
     closes_connection: ClassVar[bool] = False  # the request's framing is lost: answer, then close
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, summary: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self._summary = summary
+
+    @property
+    def redacted(self) -> str:
+        """The message for telemetry and the ledger: without the content it quotes (a `summary` given
+        where the message quotes what the agent or its tool sent), else the message itself."""
+        return self.message if self._summary is None else self._summary
 
     @property
     def stop_reason(self) -> str | None:

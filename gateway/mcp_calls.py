@@ -173,7 +173,8 @@ def _check_arguments(mcp: McpRequest, tool: str, arguments: dict[str, Any]) -> N
     except InvalidGrammar:
         return  # the server declared a schema that does not compile: the server validates for itself
     if violation is not None:
-        raise BadArguments(f"arguments of {tool!r} do not match its inputSchema: {violation.message}")
+        raise BadArguments(f"arguments of {tool!r} do not match its inputSchema: {violation.message}",
+                           summary=f"arguments of {tool!r} do not match its inputSchema: {violation.redacted}")
 
 
 def _refuse_if_stopped(run: RunState | None) -> None:

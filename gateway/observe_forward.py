@@ -78,10 +78,10 @@ def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, header
     if telemetry is not None:
         span = _open(telemetry, headers, epoch, method, "", operation, None, identity,
                      StepLabels(operation=operation or ""))
-        span.stop(reason, error.message)
+        span.stop(reason, error.redacted)
         span.end()
     ledger: Ledger | None = gw.services.get("ledger")
     if ledger is not None:
         ledger.append_nowait(LedgerEntry(agent=identity.agent, run_id=identity.run_id,
                                          operation=operation or "http", model="", input_hash="",
-                                         decision="stop", reason=reason, detail=error.message))
+                                         decision="stop", reason=reason, detail=error.redacted))

@@ -141,7 +141,7 @@ async def end_tool_span(
         if telemetry.capture_content:
             span.capture_input(_tool_call(message, tool), gw.services["redactor"])
     if stop:
-        reason = refused.message if refused is not None else None
+        reason = refused.redacted if refused is not None else None
         span.guard_event(STOP_GUARD.get(stop, "tollgate"), "stop" if stopped_now else "reject", stop, reason)
         if stopped_now:
             span.stop(stop, reason)
@@ -149,7 +149,7 @@ async def end_tool_span(
             span.error(stop, reason, upstream=False)
     elif refused is not None:
         upstream = outcome is None and refused.code in UPSTREAM_ERRORS
-        span.error(refused.code, refused.message, upstream=upstream)
+        span.error(refused.code, refused.redacted, upstream=upstream)
     answer, rpc_code = _answer(outcome, message)
     if rpc_code is not None:
         span.error(rpc_code, None, upstream=True)
@@ -169,7 +169,7 @@ async def end_tool_span(
             model=mcp.server_name, input_hash=digest(tool.encode(), canonical_json(arguments or {})),
             decision=_tool_decision(outcome, refused, stop),
             reason=stop or (refused.code if refused is not None else None),
-            detail=refused.message if refused is not None else "",
+            detail=refused.redacted if refused is not None else "",
         ))
 
 

@@ -195,7 +195,8 @@ def judge_tool_arguments(call: Call, answer: Answer) -> OutputVerdict | None:
             if violation is not None:
                 message = f"arguments of tool {tool_call.name!r}: {violation.message}"
                 return OutputVerdict(
-                    Violation(message, violation.offset), "tool_arguments",
+                    Violation(message, violation.offset,
+                              f"arguments of tool {tool_call.name!r}: {violation.redacted}"), "tool_arguments",
                     "Your previous tool call had invalid arguments.\n"
                     f"Error: {message}\nCall the tool again with arguments that satisfy its parameter schema.",
                 )

@@ -207,7 +207,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         verdict = judge(plan, step.call, answer)
         if verdict is None:
             break
-        step.violations.append(f"{verdict.kind}: {verdict.violation.message}")
+        step.violations.append(f"{verdict.kind}: {verdict.violation.redacted}")  # telemetry: no content
         if step.reasks >= retries:
             raise OutputNonconforming(
                 f"the answer still breaks its {verdict.kind} constraint after {step.reasks} re-asks: "

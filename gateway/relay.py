@@ -115,7 +115,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 # stream cannot be re-asked once it started (`stream_check: buffer` can)
                 verdict = judge_tool_arguments(step.call, answer)
                 if verdict is not None:
-                    step.violations.append(f"{verdict.kind}: {verdict.violation.message}")
+                    step.violations.append(f"{verdict.kind}: {verdict.violation.redacted}")
                     raise OutputNonconforming(f"the streamed answer breaks a tool's parameter schema: "
                                               f"{verdict.violation.message}")
                 await guard_after(gw, step, answer)

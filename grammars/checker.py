@@ -152,6 +152,7 @@ class IncrementalChecker:
             f"at char {pos}: unexpected {body[0]!r} after the end of the JSON document; "
             "expected end of output",
             pos,
+            summary=f"at char {pos}: text after the end of the JSON document; expected end of output",
         )
         return False
 

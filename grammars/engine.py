@@ -144,7 +144,8 @@ def failure(matcher: llg.LLMatcher, text: str, char_pos: int, base: int = 0) -> 
     got = text[char_pos] if char_pos < len(text) else ""
     expected = expected_from_mask(matcher.compute_bitmask())
     pos = base + char_pos
-    return Violation(f"at char {pos}: unexpected {got!r}; {expected}", pos)
+    return Violation(f"at char {pos}: unexpected {got!r}; {expected}", pos,
+                     summary=f"at char {pos}: unexpected character; {expected}")
 
 
 def incomplete(matcher: llg.LLMatcher, char_pos: int) -> Violation:

@@ -120,7 +120,7 @@ class SchemaCheck:
             raise InvalidGrammar(f"json_schema: cannot resolve $ref: {exc}") from exc
         if not errors:
             return None
-        return Violation(describe_errors(errors))
+        return Violation(describe_errors(errors), summary=summarize_errors(errors))
 
 
 def describe_errors(errors: list[ValidationError]) -> str:
@@ -139,6 +139,15 @@ def describe_errors(errors: list[ValidationError]) -> str:
         more = len(ordered) - _MAX_ERRORS_SHOWN
         parts.append(f"and {more}{'+' if len(ordered) == _MAX_ERRORS_SCANNED else ''} more")
     return "; ".join(parts)
+
+
+def summarize_errors(errors: list[ValidationError]) -> str:
+    """`describe_errors` without the document's content: the schema rules broken (their paths in the
+    schema, which the operator or the agent wrote), never the values or keys that broke them."""
+    rules = sorted({"/".join(str(p) for p in error.absolute_schema_path) or "<root>" for error in errors})
+    shown = ", ".join(rules[:_MAX_ERRORS_SHOWN])
+    more = f" and {len(rules) - _MAX_ERRORS_SHOWN} more" if len(rules) > _MAX_ERRORS_SHOWN else ""
+    return f"breaks schema rule(s) {shown}{more}"
 
 
 def build_check(schema: Any) -> SchemaCheck:

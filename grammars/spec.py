@@ -57,10 +57,17 @@ class Violation:
 
     `message` is written for a human and for the model (it is quoted in the re-ask). `offset` is the
     character index (Python `str` index) in the output where it went wrong, when that is known.
+    `summary` is the same without any of the output's own text, when `message` quotes some: telemetry
+    and the ledger carry `redacted`, never the output (content capture is opt-in).
     """
 
     message: str
     offset: int | None = None
+    summary: str | None = field(default=None, compare=False)  # derived from message: not part of equality
+
+    @property
+    def redacted(self) -> str:
+        return self.message if self.summary is None else self.summary
 
 
 def json_schema_spec(schema: Mapping[str, Any] | bool, name: str | None = None) -> ConstraintSpec:

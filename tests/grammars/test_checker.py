@@ -329,3 +329,31 @@ def test_trailing_garbage_is_quoted_as_written() -> None:
             "at char 3: unexpected '\\x7f' after the end of the JSON document; expected end of output", 3
         ),
     )
+
+
+SECRET = "zq-secret-4417"
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (USER, f'{{"name": "{SECRET}", "age": "{SECRET}"}}'),  # a schema rule broken by a value
+        (json_schema_spec({"type": "object", "additionalProperties": False}), f'{{"{SECRET}": 1}}'),  # by a key
+        (DATE, f"{SECRET}"),  # a regex refusing a character
+        (USER, f'{{"name": "a", "age": 3}} {SECRET}'),  # text after the JSON document
+    ],
+)
+def test_a_violation_has_a_summary_without_the_output(spec: ConstraintSpec, text: str) -> None:
+    """`message` quotes the output (for the agent and the re-ask); `redacted`, which telemetry and the
+    ledger carry, never does."""
+    for violation in (compile_constraint(spec).validate(text), feed_all(spec, [text], native=False)[1]):
+        assert violation is not None
+        assert "secret" not in violation.redacted and "z" not in violation.redacted.replace("size", "")
+        assert violation.redacted
+
+
+def test_a_summary_names_the_broken_schema_rules() -> None:
+    spec = json_schema_spec({"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]})
+    violation = compile_constraint(spec).validate('{"age": "x"}')
+    assert violation is not None and violation.redacted == "breaks schema rule(s) properties/age/type"
+    assert "'x'" in violation.message
