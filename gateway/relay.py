@@ -44,10 +44,14 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     if checkers and step.call.prefill:  # the answer is the prefill plus what streams back
         for checker in checkers:
             checker.feed(step.call.prefill)
+    ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     try:
         async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
+                if ended:
+                    continue  # the SDK stops at the final event: nothing after it may count
                 emitted = reader.feed(event)
+                ended = emitted.done
                 if checkers and reader.delta and not all(c.feed(reader.delta) for c in checkers):
                     failure = _nonconforming(checkers)
                     break
@@ -145,10 +149,14 @@ async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes,
     reader = step.adapter.stream_reader(hide_usage=step.hide_usage)
     parser = SseParser()
     parts: list[bytes] = []
+    ended = False
     try:
         async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
-                parts.append(reader.feed(event).out)
+                if not ended:  # nothing after the final event counts (see relay_stream)
+                    emitted = reader.feed(event)
+                    parts.append(emitted.out)
+                    ended = emitted.done
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}") from None
     finally:

@@ -302,6 +302,7 @@ class AnthropicStreamReader:
         self._final_usage = False  # message_delta reported the output tokens (message_start's are a placeholder)
         self._chars = 0
         self._hosted = 0
+        self._start_inputs: dict[int, str] = {}  # tool_use input given whole in content_block_start
         self.next_index = 0  # the first content block index the agent has not been shown
         self.started = False  # message_start was relayed
         self.holding = False  # a tool_use block started: hold events until the answer is judged
@@ -332,6 +333,14 @@ class AnthropicStreamReader:
             if block.get("type") == "tool_use":
                 self.holding = True
                 self._blocks[index] = [str(block.get("id", "")), str(block.get("name", "")), ""]
+                given = block.get("input")
+                if given:  # the SDK keeps the start block's input unless input_json_delta events follow
+                    self._start_inputs[index] = orjson.dumps(given).decode()
+            elif block.get("type") == "text" and isinstance(block.get("text"), str) and block["text"]:
+                text = block["text"]  # the SDK's answer starts with it: it is checked like a delta
+                self._chars += len(text)
+                self._text.append(text)
+                self.delta += text
             elif block.get("type") in HOSTED_BLOCKS:
                 self._hosted += 1
             if not self.holding:  # relayed now; held blocks may never reach the agent (a stop)
@@ -372,7 +381,8 @@ class AnthropicStreamReader:
         return "output_tokens" in usage and "output_tokens" in self._usage
 
     def answer(self) -> Answer:
-        calls = tuple(ToolCall(v[0], v[1], v[2] or "{}") for _, v in sorted(self._blocks.items()))
+        calls = tuple(ToolCall(v[0], v[1], v[2] or self._start_inputs.get(i, "{}"))
+                      for i, v in sorted(self._blocks.items()))
         complete = self._reason is not None and self._final_usage
         return Answer(
             response_id=self._id,

@@ -262,6 +262,7 @@ class OpenAIStreamReader:
         self._others: dict[int, list[str]] = {}  # the text of the choices after the first (`n` > 1)
         self._calls: dict[tuple[int, int], list[str]] = {}
         self._reasons: dict[int, str] = {}
+        self._unfinished: set[int] = set()  # choices seen without their finish_reason yet (`n` > 1)
         self._usage: Usage | None = None
         self._chars = 0
         self.holding = False  # a tool call started: hold events until the answer is judged
@@ -319,7 +320,11 @@ class OpenAIStreamReader:
                     self._chars += len(args)
             if choice.get("finish_reason"):
                 self._reasons[index] = str(choice["finish_reason"])
-                self.complete = True
+                self._unfinished.discard(index)
+            elif index not in self._reasons:
+                self._unfinished.add(index)
+            # complete once every choice seen has finished: a cut stream may have ended one of several
+            self.complete = bool(self._reasons) and not self._unfinished
         usage = usage_from(chunk.get("usage"))
         if usage is not None:
             self._usage = usage

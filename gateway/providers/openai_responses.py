@@ -460,8 +460,10 @@ class ResponsesStreamReader:
             raise ValueError("the final event carries no response object")  # noqa: TRY004 - see feed
         final = answer_from(response)
         streamed = "".join(self._text)
-        if final.text and streamed and final.text != streamed:
+        if final.text and streamed and not final.text.startswith(streamed):
             raise ValueError("the final response's text differs from the text streamed before it")
+        self.delta = final.text[len(streamed):]  # what no delta carried is checked with the final event
+        self._chars += len(self.delta)
         self._final = final
         self.complete = True
         self.holding = True  # judged with the calls it lists, like any call event
