@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from gateway.admin_guard import cross_site_refusal, host_refusal
 from gateway.approvals import routes as approval_routes
 from gateway.errors import StateUnavailable
 from gateway.proxy import GATEWAY
@@ -36,6 +37,12 @@ async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable
     if gw is None:
         return _unavailable()  # the token is not known yet: fail closed
     token = gw.config.admin.token
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    local = str(sockname[0]) if isinstance(sockname, tuple) and sockname else None
+    refusal = cross_site_refusal(request.method, request.headers) or (
+        None if token else host_refusal(request.headers.get("host"), local))
+    if refusal is not None:
+        return _json({"error": {"code": "forbidden", "message": refusal}}, 403)
     if token:
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         # header text is decoded with surrogateescape: encode it back the same way, never raise
