@@ -106,7 +106,8 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     if protocol is not None and request.method == "POST":
         return await handle_chat(request, protocol)
     gw = request.app[GATEWAY]
-    adapter: Adapter = gw.adapters["openai"]
+    dialect = wire_of(request)
+    adapter: Adapter = gw.adapters[dialect]
     identity: Identity | None = None
     tail = request.rel_url.raw_path.removeprefix("/v1")
     operation = operation_for_path(tail)
@@ -137,7 +138,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
                 route = gw.router.route(model)
                 if route.prefixed:
                     raw = orjson.dumps({**orjson.loads(raw), "model": route.model})
-        route = route or gw.router.default_for("openai")
+        route = route or gw.router.default_for(dialect)
         if route is None:
             raise ModelNotFound("no provider is configured for this path")
         provider = route.provider
@@ -175,6 +176,15 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         upstream.release()
         end_forward(span, status=upstream.status, failure=failure)
     return out
+
+
+def wire_of(request: web.Request) -> str:
+    """The wire format of a forwarded call, for its errors and its default provider: Anthropic's for its
+    Messages API paths (`/v1/messages/count_tokens`, `/v1/messages/batches`, ...) and for any call the
+    Anthropic SDK makes (it always sends `anthropic-version`), else OpenAI's."""
+    if "anthropic-version" in request.headers or canonical_path(request.path).startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai"
 
 
 def _agent_trace(headers: Mapping[str, str]) -> dict[str, str]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
-from gateway.forward import GUARDED_PATHS, canonical_path
+from gateway.forward import GUARDED_PATHS, canonical_path, wire_of
 from tests.conftest import Harness
 
 
@@ -23,6 +24,22 @@ from tests.conftest import Harness
 )
 def test_canonical_path(path: str, canonical: str) -> None:
     assert canonical_path(path) == canonical
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "wire"),
+    [
+        ("/v1/embeddings", {}, "openai"),
+        ("/v1/messages/count_tokens", {}, "anthropic"),
+        ("/v1/Messages//batches", {}, "anthropic"),
+        ("/v1/models", {"anthropic-version": "2023-06-01"}, "anthropic"),  # the Anthropic SDK calls it
+        ("/v1/files", {"anthropic-version": "2023-06-01"}, "anthropic"),
+        ("/v1/files", {}, "openai"),
+    ],
+)
+def test_wire_of_a_forwarded_call(path: str, headers: dict[str, str], wire: str) -> None:
+    """Errors of forwarded calls are answered in the format of the API that was called (DESIGN section 4)."""
+    assert wire_of(make_mocked_request("POST", path, headers=headers)) == wire
 
 
 def test_guarded_paths_name_every_model_call_protocol() -> None:
