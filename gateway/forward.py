@@ -31,11 +31,12 @@ from gateway.pipeline import (
     echo_headers,
     error_response,
     parse_json,
+    provider_secret,
     read_body,
 )
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
-from gateway.upstream import answer_headers, forwardable
+from gateway.upstream import answer_headers, forwardable, scrub
 from otel.http import operation_for_path
 from otel.spans import StepSpan
 
@@ -160,13 +161,20 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             refused_forward(gw, identity, exc, request.headers, method=request.method, operation=operation,
                             epoch=epoch)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
-    headers_out = answer_headers(upstream.headers, base_headers(identity))
+    secret = provider_secret(provider)
+    headers_out = answer_headers(upstream.headers, base_headers(identity), secret=secret)
     out = web.StreamResponse(status=upstream.status, headers=headers_out)
     failure: str | None = None
     try:
-        await out.prepare(request)
-        async for chunk in upstream.chunks():
-            await out.write(chunk)
+        if upstream.status >= 400:  # an error may echo the key tollgate sent: read whole, scrubbed
+            body = scrub(await upstream.read(), secret)
+            out.content_length = len(body)
+            await out.prepare(request)
+            await out.write(body)
+        else:
+            await out.prepare(request)
+            async for chunk in upstream.chunks():
+                await out.write(chunk)
         await out.write_eof()
     except GatewayError as exc:
         failure = exc.code  # the status line is gone; closing the stream early is the only signal left

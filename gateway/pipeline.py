@@ -277,6 +277,12 @@ def upstream_request(step: Step, headers: Mapping[str, str]) -> tuple[str, CIMul
     return provider.base_url.rstrip("/") + path, out
 
 
+def provider_secret(provider: Provider) -> str | None:
+    """The credential tollgate sends this provider, which nothing relayed to the agent may carry; None
+    when the agent's own passes through."""
+    return None if provider.passthrough_auth else provider.api_key
+
+
 def add_credentials(provider: Provider, headers: MutableMapping[str, str]) -> None:
     """The provider's key where its API expects it, unless the agent's own credentials pass through
     (the caller has dropped the agent's otherwise: CREDENTIALS)."""

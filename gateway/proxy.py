@@ -33,6 +33,7 @@ from gateway.pipeline import (
     guard_before,
     malformed_upstream,
     parse_json,
+    provider_secret,
     read_body,
     settle,
     shape,
@@ -45,7 +46,7 @@ from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
-from gateway.upstream import answer_headers
+from gateway.upstream import answer_headers, scrub
 from grammars.tool_args import check_tool_schemas
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
@@ -176,8 +177,9 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
             if upstream.status >= 300:
                 await settle(gw, step, None, charged=False)
                 step.error_type = str(upstream.status)
-                headers_out = answer_headers(upstream.headers, base_headers(step.identity, step))
-                return web.Response(status=upstream.status, body=data, headers=headers_out)
+                secret = provider_secret(step.route.provider)
+                headers_out = answer_headers(upstream.headers, base_headers(step.identity, step), secret=secret)
+                return web.Response(status=upstream.status, body=scrub(data, secret), headers=headers_out)
             parsed = _parse_body(data)
             try:
                 answer = step.adapter.parse_answer(parsed)
@@ -220,7 +222,8 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
     if hosted:  # what the provider ran for re-asked attempts counts with the answer the agent gets
         answer = replace(answer, hosted_calls=answer.hosted_calls + hosted)
     await guard_after(gw, step, answer)
-    response_headers = answer_headers(upstream.headers, base_headers(step.identity, step))
+    response_headers = answer_headers(upstream.headers, base_headers(step.identity, step),
+                                      secret=provider_secret(step.route.provider))
     if step.call.stream:
         response_headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     return web.Response(status=upstream.status, body=data, headers=response_headers)

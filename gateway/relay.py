@@ -18,7 +18,7 @@ from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
 from gateway.observe import step_span
 from gateway.outputs import judge_tool_arguments
-from gateway.pipeline import base_headers, guard_after, settle, stop_run
+from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
 from gateway.runtime import Gateway
@@ -34,7 +34,8 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     adapter = step.adapter
     reader = adapter.stream_reader(hide_usage=step.hide_usage)
     parser = SseParser()
-    headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step))
+    headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step),
+                             secret=provider_secret(step.route.provider))
     out = web.StreamResponse(status=200, headers=headers)
     await out.prepare(request)
     held: list[bytes] = []

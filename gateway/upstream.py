@@ -19,6 +19,9 @@ from gateway.errors import InvalidRequest
 from gateway.http1 import Http1Pool
 from gateway.http1_wire import Sending
 
+MIN_SECRET = 8
+REDACTED = b"[redacted by tollgate]"
+
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -57,13 +60,28 @@ def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset(
     return out
 
 
-def answer_headers(upstream: Mapping[str, str], *ours: Mapping[str, str]) -> CIMultiDict[str]:
+def answer_headers(
+    upstream: Mapping[str, str], *ours: Mapping[str, str], secret: str | None = None
+) -> CIMultiDict[str]:
     """The headers of an answer relayed to the agent: the upstream's `forwardable` ones, every repeated
-    field kept, then ours in order, each replacing a field of the same name whatever its case."""
+    field kept, then ours in order, each replacing a field of the same name whatever its case. A field
+    whose value holds `secret` (the provider key, echoed by a debugging upstream) is left out."""
     out = forwardable(upstream)
+    if secret is not None and len(secret) >= MIN_SECRET and any(secret in value for value in out.values()):
+        out = CIMultiDict((name, value) for name, value in out.items() if secret not in value)
     for headers in ours:
         out.update(headers)
     return out
+
+
+def scrub(data: bytes, secret: str | None) -> bytes:
+    """`data` with every copy of `secret` (the provider key tollgate sent, which an upstream may echo in an
+    error message) replaced: the agent never sees it (DESIGN section 3). Shorter secrets than
+    `MIN_SECRET` are not searched: they would match ordinary text and no provider issues them."""
+    if secret is None or len(secret) < MIN_SECRET:
+        return data
+    raw = secret.encode()
+    return data.replace(raw, REDACTED) if raw in data else data
 
 
 class UpstreamResponse(Protocol):

@@ -7,7 +7,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.errors import InvalidRequest
-from gateway.upstream import HOP_BY_HOP, answer_headers, check_target, forwardable
+from gateway.upstream import HOP_BY_HOP, answer_headers, check_target, forwardable, scrub
 
 Fields = list[tuple[str, str]]
 
@@ -172,3 +172,27 @@ def test_check_target_refuses_dot_segments(url: str) -> None:
         check_target(url)
     assert info.value.status == 400
     assert info.value.message == "the request path may not contain '.' or '..' segments"
+
+
+KEY = "sk-live-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("data", "secret", "expected"),
+    [
+        (b'{"error": "bad key ' + KEY.encode() + b'"}', KEY, b'{"error": "bad key [redacted by tollgate]"}'),
+        (b"Bearer " + KEY.encode() + b" / " + KEY.encode(), KEY, b"Bearer [redacted by tollgate] / [redacted by tollgate]"),
+        (b'{"error": "nothing of it"}', KEY, b'{"error": "nothing of it"}'),
+        (b"k k k", "k", b"k k k"),  # too short to be a provider key: never searched
+        (b"any", None, b"any"),  # passthrough auth: the agent's own key
+    ],
+)
+def test_scrub(data: bytes, secret: str | None, expected: bytes) -> None:
+    assert scrub(data, secret) == expected
+
+
+def test_answer_headers_leave_out_fields_holding_the_secret() -> None:
+    upstream = CIMultiDict([("X-Echo", f"Bearer {KEY}"), ("X-Request-Id", "r1"), ("X-Echo", "fine")])
+    out = answer_headers(upstream, {"x-tollgate-run-id": "run"}, secret=KEY)
+    assert list(out.items()) == [("X-Request-Id", "r1"), ("X-Echo", "fine"), ("x-tollgate-run-id", "run")]
+    assert len(answer_headers(upstream, secret=None)) == 3
