@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 from gateway.errors import ConfigError
 
 if TYPE_CHECKING:
+    import urllib.error
+    import urllib.request
+
     from gateway.config import Config
 
 
@@ -79,21 +82,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     import urllib.error  # the HTTP client is only for this command, not for `serve` and the rest
-    import urllib.request
 
     url = args.admin.rstrip("/") + "/admin/runs"
-    request = urllib.request.Request(url)
-    token = os.environ.get("TOLLGATE_ADMIN_TOKEN")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            runs = json.loads(resp.read())["runs"]
+        runs = _admin_get(url)["runs"]
+    except urllib.error.HTTPError as exc:
+        exc.close()  # its body is never read: free the connection now
+        print(_http_error_line(url, exc), file=sys.stderr)
+        return 1
     except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
         print(f"error: cannot read {url}: {exc}", file=sys.stderr)
         return 1
     print(format_runs(runs))
     return 0
+
+
+def _admin_get(url: str) -> Any:
+    """GET an admin endpoint with `TOLLGATE_ADMIN_TOKEN`. A redirect answer raises HTTPError."""
+    import urllib.request
+
+    request = urllib.request.Request(url)
+    token = os.environ.get("TOLLGATE_ADMIN_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with _admin_opener().open(request, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _admin_opener() -> urllib.request.OpenerDirector:
+    """An opener that sends the request to the URL given and nowhere else. urlopen's default one follows
+    redirects, re-sending the token to whatever host a Location names, and sends every request through
+    the environment's HTTP proxy; this one has neither handler, so a 3xx is an HTTPError."""
+    import urllib.request
+
+    opener = urllib.request.OpenerDirector()
+    handlers = [urllib.request.UnknownHandler(), urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
+                urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()]
+    for handler in handlers:
+        opener.add_handler(handler)
+    return opener
+
+
+def _http_error_line(url: str, exc: urllib.error.HTTPError) -> str:
+    if exc.code in (301, 302, 303, 307, 308):
+        where = exc.headers.get("Location") or "elsewhere"
+        return (f"error: {url} redirects ({exc.code}) to {where}; tollgate does not follow redirects "
+                "with the admin token: pass the admin API's own URL with --admin")
+    return f"error: cannot read {url}: {exc}"
 
 
 def format_runs(runs: list[dict[str, Any]]) -> str:

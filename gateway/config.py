@@ -11,11 +11,14 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ConfigError
+
+if TYPE_CHECKING:
+    import yaml
 
 NonNegFloat = Annotated[float, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
@@ -327,6 +330,7 @@ def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str 
                 problems.append((inner.path, str(inner)))
                 continue
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            # `msg` only: str(exc) and err["input"] carry the offending value, which may be a literal key
             message = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 message = "unknown key"
@@ -348,10 +352,42 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([("<file>", f"invalid YAML: {exc}")]) from None
+        raise ConfigError([("<file>", f"invalid YAML: {_yaml_problem(exc)}")]) from None
     except RecursionError:
         raise ConfigError([("<file>", "invalid YAML: nested too deeply")]) from None
+    except _TAG_FAILURES:
+        # PyYAML converts an explicitly tagged scalar (`!!int x`) with int(), float() or a dict lookup,
+        # whose own errors quote the scalar: the traceback would print a literal key
+        raise ConfigError([("<file>", "invalid YAML: a value does not fit its tag (!!int, ...)")]) from None
     return parse_config(data, env, base_dir=str(p.resolve().parent))
+
+
+_TAG_FAILURES = (ValueError, TypeError, KeyError, AttributeError)
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+# what PyYAML quotes that is not the file's text: one character (or its escape) and its token names
+_HARMLESS = re.compile(r".|\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|.)|<[a-z ]+>")
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where, never the file's text. PyYAML's own message quotes the offending lines
+    (and names tags and aliases), and such a line may hold a literal provider key or admin token."""
+    import yaml  # already loaded: only load_config, which imported it, gets here
+
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return _unquote(" ".join(str(exc).split()))
+    problem = f"{_unquote(exc.problem or 'malformed document')}{_at(exc.problem_mark)}"
+    if not exc.context:
+        return problem
+    return f"{problem} ({_unquote(exc.context)}{_at(exc.context_mark)})"
+
+
+def _at(mark: yaml.Mark | None) -> str:
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _unquote(text: str) -> str:
+    """`text` with every quoted stretch but a single character or a token name shown as '...'."""
+    return _QUOTED.sub(lambda m: m.group() if _HARMLESS.fullmatch(m.group()[1:-1]) else "'...'", text)
 
 
 def default_config(env: Mapping[str, str] | None = None) -> Config:

@@ -26,6 +26,8 @@ import anthropic
 import openai
 import pytest
 import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from gateway import server
 from gateway.cli import main as cli_main
@@ -369,6 +371,127 @@ def test_serve_refuses_a_broken_config(tmp_path: Path) -> None:
     result = run_cli("serve", "--config", str(path))
     assert result.returncode == 1
     assert "listen.port" in result.stderr
+
+
+SECRET_KEY = "sk-cli-probe-5be1c0de9a7f3d21"
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    (f"providers:\n  o:\n    type: openai\n    base_url: http://x/v1\n    api_key: {SECRET_KEY}\t# prod\n",
+     "error: <file>: invalid YAML: found character '\\t' that cannot start any token at line 5, column 43"),
+    (f"providers:\n  o: {{type: openai, base_url: 'http://x/v1', api_key: [{SECRET_KEY}]}}\n",
+     "error: providers.o.api_key: Input should be a valid string"),
+], ids=["yaml slip on the key's line", "wrong-typed key"])
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+def test_a_broken_config_never_prints_a_literal_key(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    text: str, named: str, command: str) -> None:
+    """The error names where the config is wrong, not what the file says there."""
+    path = tmp_path / "tollgate.yaml"
+    path.write_text(text)
+    argv = ["check-config", str(path)] if command == "check-config" else ["serve", "--config", str(path)]
+    try:
+        assert cli_main(argv) == 1
+    finally:
+        gc.enable()  # `serve` turns the collector off until it listens, and this one never does
+    out, err = capsys.readouterr()
+    assert err.startswith(named), err
+    assert SECRET_KEY not in out + err and SECRET_KEY[-12:] not in out + err, err
+
+
+# -- CLI: runs -----------------------------------------------------------------------------------------
+
+ADMIN_TOKEN = "adm-cli-token-0c4f2e8a61"
+
+
+@contextlib.asynccontextmanager
+async def recording_server(answer: Callable[[web.Request], web.StreamResponse],
+                           seen: list[web.Request]) -> AsyncIterator[str]:
+    """An HTTP server answering every GET with `answer`, recording each request; yields its base URL."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen.append(request)
+        return answer(request)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    try:
+        yield str(test_server.make_url("")).rstrip("/")
+    finally:
+        await test_server.close()
+
+
+def runs_answer(request: web.Request) -> web.StreamResponse:
+    row = {"run_id": "r1", "agent": "bot", "status": "active", "spent_usd": 0.25, "llm_calls": 2}
+    return web.json_response({"runs": [row]})
+
+
+async def runs_cli(admin_url: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`tollgate runs --admin URL` in a thread, so the servers on this loop can answer it."""
+    code = await asyncio.to_thread(cli_main, ["runs", "--admin", admin_url])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def admin_token(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("TOLLGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY",
+                 "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    return ADMIN_TOKEN
+
+
+async def test_runs_sends_the_admin_token_and_prints_the_table(admin_token: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[web.Request] = []
+    async with recording_server(runs_answer, seen) as admin_url:
+        code, out, err = await runs_cli(admin_url, capsys)
+    assert code == 0, err
+    assert [r.path for r in seen] == ["/admin/runs"]
+    assert seen[0].headers["Authorization"] == f"Bearer {admin_token}"
+    assert out.splitlines()[1].split()[:3] == ["r1", "bot", "active"]
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("same_host", [False, True], ids=["other host", "same host"])
+async def test_runs_refuses_a_redirect_and_the_token_goes_nowhere_else(
+        admin_token: str, capsys: pytest.CaptureFixture[str], status: int, same_host: bool) -> None:
+    """The admin token reads every run and resets budgets: a redirecting admin URL (a proxy, a mistyped
+    or hostile host) is an error, never a reason to send the token to the URL it names."""
+    elsewhere: list[web.Request] = []
+    first: list[web.Request] = []
+    async with recording_server(runs_answer, elsewhere) as other_url:
+        other_host = other_url.replace("127.0.0.1", "localhost")
+        target = "/admin/runs/moved" if same_host else f"{other_host}/admin/runs"
+
+        def redirect(request: web.Request) -> web.StreamResponse:
+            return web.Response(status=status, headers={"Location": target})
+
+        async with recording_server(redirect, first) as admin_url:
+            code, out, err = await runs_cli(admin_url, capsys)
+    assert code == 1 and out == ""
+    assert len(first) == 1 and elsewhere == []  # asked once, and only the URL given
+    assert err.count("\n") == 1 and err.startswith("error: ") and "redirect" in err, err
+    assert target in err and "Traceback" not in err and admin_token not in err
+
+
+async def test_runs_never_sends_the_token_through_an_environment_proxy(admin_token: str,
+                                                                       tmp_path: Path) -> None:
+    """An `http_proxy` set for the agent's outbound traffic must not receive the admin token in clear:
+    the admin API is called directly, at the URL given. A fresh process: urllib caches its default
+    opener, with the proxies of the moment, on first use."""
+    proxied: list[web.Request] = []
+    direct: list[web.Request] = []
+    async with (recording_server(runs_answer, proxied) as proxy_url,
+                recording_server(runs_answer, direct) as admin_url):
+        proc = await asyncio.create_subprocess_exec(
+            *tollgate_command(), "runs", "--admin", admin_url, env={**os.environ, "http_proxy": proxy_url},
+            cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert proxied == [] and [r.headers["Authorization"] for r in direct] == [f"Bearer {admin_token}"]
 
 
 async def test_serve_client_disconnect_while_events_are_held_closes_upstream(
