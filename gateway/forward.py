@@ -113,6 +113,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     tail = request.rel_url.raw_path.removeprefix("/v1")
     operation = operation_for_path(tail)
     epoch = 1
+    raw = b""
     span: StepSpan | None = None
     try:
         if gw.shutting_down:
@@ -126,11 +127,12 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             if identity.policy.state_failure != "fail_open":
                 raise
             state = None
+        # before the stop check, as for model calls: the ledger row of a refusal hashes the body
+        raw = await read_body(request, gw.config.limits)
         if state is not None:
             epoch = state.epoch
             if state.stopped:  # a stopped run is stopped on every upstream path
                 raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
-        raw = await read_body(request, gw.config.limits)
         route = None
         model = None
         if raw and request.content_type == JSON:
@@ -159,7 +161,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             end_forward(span, status=None, failure=exc.code)
         elif identity is not None:
             refused_forward(gw, identity, exc, request.headers, method=request.method, operation=operation,
-                            epoch=epoch)
+                            epoch=epoch, body=raw)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     secret = provider_secret(provider)
     headers_out = answer_headers(upstream.headers, base_headers(identity), secret=secret)

@@ -42,12 +42,16 @@ INSERT = f"INSERT INTO ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * le
 
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
-    """Outcome of `verify`. `rows`: rows that verified before the first bad one (all when ok)."""
+    """Outcome of `verify`. `rows`: rows that verified before the first bad one (all when ok). `head`:
+    the entry_hash of the last of them (GENESIS when none): the chain proves the rows present unaltered
+    and unbroken, and only a head recorded elsewhere shows rows gone from its end or the whole table
+    dropped (as the run store's file without a `ledger` table verifies as an empty chain)."""
 
     ok: bool
     rows: int
     first_bad_id: int | None
     reason: str | None
+    head: str = GENESIS
 
 
 def input_hash(data: bytes | str) -> str:
@@ -117,7 +121,8 @@ def enable_wal(conn: sqlite3.Connection, *, attempts: int = 100, pause_s: float 
 def verify(path: str | Path) -> VerifyResult:
     """Re-hash the chain in `path` (opened read-only) and name the first bad row: a changed field
     (hash mismatch), a broken link (prev_hash), a deleted row (id gap, reported at the next row) or
-    rows cut from the end (reported as the first missing id). No ledger table: an empty, good chain."""
+    rows cut from the end (reported as the first missing id). No ledger table: an empty, good chain (a
+    file cannot tell a dropped table from a ledger kept in another file: `VerifyResult.head`)."""
     if not Path(path).is_file():
         return VerifyResult(False, 0, None, f"no such file: {path}")
     count, expected_id, prev = 0, 1, GENESIS
@@ -132,15 +137,15 @@ def verify(path: str | Path) -> VerifyResult:
             row = dict(zip(COLUMNS, values, strict=True))
             problem = _row_problem(row, expected_id, prev)
             if problem is not None:
-                return VerifyResult(False, count, row["id"], problem)
+                return VerifyResult(False, count, row["id"], problem, prev)
             count, expected_id, prev = count + 1, row["id"] + 1, row["entry_hash"]
         seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
         if seq is not None and seq[0] >= expected_id:
             missing = f"rows {expected_id}..{seq[0]} missing at the end"
-            return VerifyResult(False, count, expected_id, missing)
-        return VerifyResult(True, count, None, None)
+            return VerifyResult(False, count, expected_id, missing, prev)
+        return VerifyResult(True, count, None, None, prev)
     except sqlite3.Error as exc:
-        return VerifyResult(False, count, None, f"database error: {exc}")
+        return VerifyResult(False, count, None, f"database error: {exc}", prev)
     finally:
         conn.close()
 

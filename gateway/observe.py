@@ -25,6 +25,7 @@ MCP `tools/call` steps are recorded by `gateway.observe_mcp`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Mapping
@@ -33,10 +34,12 @@ from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 
+from gateway.call import Call
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import RunState
+from gateway.toolgate import TOOL_NOT_ALLOWED
 from guards.base import Decision
 from otel._fastspan import Reserved
 from otel.attributes import TOLLGATE_GUARDS, provider_name_for
@@ -72,6 +75,7 @@ STOP_GUARD: Final[Mapping[str, str]] = {
     "tool_not_allowed": "tools",
 }
 _RESERVED_SERVICE: Final = "observe.reserved_usd"
+_SWEPT_SERVICE: Final = "observe.idle_swept"
 
 
 def telemetry_of(gw: Gateway) -> Telemetry | None:
@@ -104,6 +108,16 @@ def provider_endpoint(provider_type: str, base_url: str, custom: str) -> tuple[s
     return provider_name_for(provider_type, base_url, custom=custom), url.hostname or "", port
 
 
+def forwarded_call(step: Step) -> Call:
+    """The step's call as the upstream is given it: with the `max_tokens` the budget clamp wrote into
+    the body (`gen_ai.request.max_tokens` is what was sent, not what the agent asked for)."""
+    call = step.call
+    granted = step.max_tokens_set
+    if granted is None or granted == call.max_tokens:
+        return call
+    return dataclasses.replace(call, max_tokens=granted)
+
+
 def _open(
     gw: Gateway, telemetry: Telemetry, step: Step, attempt: int, start_time: float | None,
     reserved: Reserved | None = None,
@@ -112,7 +126,7 @@ def _open(
     provider = step.route.provider
     provider_name, address, port = provider_endpoint(provider.type, provider.base_url, step.route.provider_name)
     span = telemetry.start_inference(
-        step.call,
+        forwarded_call(step),
         provider_name=provider_name,
         server_address=address, server_port=port, parent=_parent(telemetry, step), attempt=attempt,
         run_id=step.run_id, agent=step.agent, start_time=start_time, reserved=reserved, started=started,
@@ -282,11 +296,28 @@ def on_step(gw: Gateway, step: Step) -> None:
         if cost:
             telemetry.metrics.cost(step.agent, step.route.provider_name, step.call.model, cost)
     if ledger is not None:
+        row_decision, reason, detail = ledger_decision(step)
         ledger.append_nowait(LedgerEntry(
             agent=step.agent, run_id=step.run_id, operation=step.call.operation, model=step.call.model,
-            input_hash=step.call.request_hash, decision="reask" if step.reasks and decision == "allow" else decision,
-            reason=step.stop_reason or step.error_type, detail=step.stop_detail or "",
+            input_hash=step.call.request_hash, decision=row_decision, reason=reason, detail=detail,
         ))
+
+
+def ledger_decision(step: Step) -> tuple[str, str | None, str]:
+    """(decision, reason, detail) of a finished step's ledger row: `stop` / `error` with their code,
+    whatever else happened; `drop` (reason `tool_not_allowed`) when disallowed tool calls were removed
+    from the answer the agent got, so the row never reads as a plain `allow` of an altered answer;
+    `reask` when the answer came after re-asks; else `allow`."""
+    detail = step.stop_detail or ""
+    if step.stop_reason:
+        return "stop", step.stop_reason, detail
+    if step.error_type:
+        return "error", step.error_type, detail
+    dropped = int(step.extra.get("tools_dropped", 0))
+    if dropped:
+        reasked = f", {step.reasks} re-ask(s)" if step.reasks else ""
+        return "drop", TOOL_NOT_ALLOWED, f"{dropped} disallowed tool call(s) dropped{reasked}"
+    return ("reask" if step.reasks else "allow"), None, detail
 
 
 # -- in-flight reservations (tollgate_budget_reserved_usd) -----------------------------------------
@@ -361,18 +392,43 @@ def redactor_for(gw: Gateway) -> Redactor:
     return Redactor(gw.config.otel.redact, secrets=secrets)
 
 
-# -- MCP tools/call -------------------------------------------------------------------------------
+# -- idle runs ------------------------------------------------------------------------------------
+
+
+class _Swept:
+    """How far the idle sweeps of this process have looked: every run last updated at or before
+    `upto` was judged (None before the first sweep)."""
+
+    __slots__ = ("upto",)
+
+    def __init__(self) -> None:
+        self.upto: float | None = None
 
 
 async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
     """End (export the root span of) every active run with no step for `idle_s`. Returns how many.
-    Ending is idempotent per run epoch, so a sweep may see a run again."""
+
+    A sweep reads only the runs that went idle since the previous sweep (`RunStore.runs_updated`), so
+    however many runs the store holds, each is reached once it is idle, without loading all of them
+    each time. The first sweep of a process looks one more idle period back: runs that went idle while
+    a restart left nobody sweeping are ended too (one the previous process ended just before it stopped
+    gets its root span again, with the same ids). A run that became active again and went idle again is
+    seen again; ending is idempotent per run epoch. A sweep the store fails is retried whole."""
     telemetry: Telemetry | None = gw.services.get("telemetry")
     if telemetry is None or not telemetry.tracing:
         return 0
+    swept = gw.services.get(_SWEPT_SERVICE)
+    if not isinstance(swept, _Swept):
+        swept = gw.services[_SWEPT_SERVICE] = _Swept()
+    before = now - idle_s
+    after = swept.upto if swept.upto is not None else before - idle_s
     ended = 0
-    for state in await gw.store.list_runs(1000):
-        if state.status == "active" and state.updated_at is not None and now - state.updated_at >= idle_s:
-            end_run(gw, state)
-            ended += 1
+    async for page in gw.store.runs_updated(after, before):
+        for state in page:
+            # what the page shows is current: a run busy again since the window was read is left out
+            if state.status == "active" and state.updated_at is not None and state.updated_at <= before:
+                end_run(gw, state)
+                ended += 1
+        await asyncio.sleep(0)  # a backlog is many pages: let requests run between them
+    swept.upto = max(after, before)
     return ended

@@ -1,16 +1,22 @@
-"""Stage `record` for the `/v1` paths tollgate forwards unguarded (embeddings, files, models, ...).
+"""Stage `record` for calls that have no pipeline step: the `/v1` paths tollgate forwards unguarded
+(embeddings, files, models, ...), and model calls refused before their step exists.
 
 Each forwarded call gets one CLIENT span under the agent's trace context (else its run's root), whose
 context goes upstream in `traceparent`; it ends once the answer has streamed back, with the status or
 the failure. A call refused because its run is stopped gets a span and a ledger row saying so, as
-every stop does (DESIGN section 4). Never raises: telemetry errors are counted by `Telemetry`.
+every stop does (DESIGN section 4). A model call refused once parsed but before its step exists (no
+provider serves its model, a grammar or tool schema tollgate cannot check) is a step too: a span with
+`error.type` = the refusal's code and a ledger row. Never raises: telemetry errors are counted by
+`Telemetry`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.call import Call
+import orjson
+
+from gateway.call import Call, digest
 from gateway.errors import GatewayError
 from gateway.identity import Identity
 from gateway.ledger import Ledger, LedgerEntry
@@ -22,7 +28,7 @@ from otel.propagation import context_from_headers
 from otel.spans import StepLabels, StepSpan
 from otel.telemetry import Telemetry
 
-__all__ = ["end_forward", "refused_forward", "start_forward"]
+__all__ = ["body_model", "end_forward", "refused_call", "refused_forward", "start_forward"]
 
 
 def start_forward(gw: Gateway, identity: Identity, headers: Mapping[str, str], *, method: str, url: str,
@@ -68,20 +74,62 @@ def end_forward(span: StepSpan | None, *, status: int | None, failure: str | Non
 
 
 def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, headers: Mapping[str, str], *,
-                    method: str, operation: str | None, epoch: int) -> None:
+                    method: str, operation: str | None, epoch: int, body: bytes = b"") -> None:
     """A call refused before forwarding because its run is stopped: a span and a ledger row with the
-    stop's reason (other refusals are the caller's mistakes, answered without either)."""
+    stop's reason (other refusals are the caller's mistakes, answered without either). `body`: the
+    request's, read already; the row names the `model` it names and hashes it as model calls' rows do."""
     reason = error.stop_reason
     if reason is None:
         return
+    model = body_model(body)
     telemetry = telemetry_of(gw)
     if telemetry is not None:
-        span = _open(telemetry, headers, epoch, method, "", operation, None, identity,
-                     StepLabels(operation=operation or ""))
+        span = _open(telemetry, headers, epoch, method, "", operation, model, identity,
+                     StepLabels(operation=operation or "", request_model=model))
         span.stop(reason, error.redacted)
         span.end()
     ledger: Ledger | None = gw.services.get("ledger")
     if ledger is not None:
         ledger.append_nowait(LedgerEntry(agent=identity.agent, run_id=identity.run_id,
-                                         operation=operation or "http", model="", input_hash="",
-                                         decision="stop", reason=reason, detail=error.redacted))
+                                         operation=operation or "http", model=model or "",
+                                         input_hash=digest(body), decision="stop", reason=reason,
+                                         detail=error.redacted))
+
+
+def body_model(body: bytes) -> str | None:
+    """The `model` a request body names when it is a JSON object naming one as a string, else None
+    (an upload or a form fails at its first byte)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayError,
+                 headers: Mapping[str, str]) -> None:
+    """A model call refused after it was parsed but before its step exists (`model_not_found`, a grammar
+    or tool schema that cannot be checked): a span with `error.type` = the code and a ledger row, as for
+    a step refused in the pipeline. Nothing was routed, so the span names no provider; with no step, the
+    run's epoch is not read: the span's parent is the agent's trace context, else the run's first root."""
+    reason = error.stop_reason or error.code
+    telemetry = telemetry_of(gw)
+    if telemetry is not None:
+        parent = context_from_headers(headers)
+        if parent is None:
+            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=1)
+        span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0,
+                                         parent=parent, run_id=identity.run_id, agent=identity.agent)
+        if error.stop_reason:
+            span.stop(reason, error.redacted)
+        else:
+            span.error(reason, error.redacted, upstream=False)
+        span.end()
+    ledger: Ledger | None = gw.services.get("ledger")
+    if ledger is not None:
+        ledger.append_nowait(LedgerEntry(agent=identity.agent, run_id=identity.run_id,
+                                         operation=call.operation, model=call.model,
+                                         input_hash=call.request_hash,
+                                         decision="stop" if error.stop_reason else "error", reason=reason,
+                                         detail=error.redacted))

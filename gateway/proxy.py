@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.call import Answer
+from gateway.call import Answer, Call
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -23,6 +23,7 @@ from gateway.errors import (
 from gateway.http1_wire import Sending
 from gateway.identity import Identity
 from gateway.observe import begin_step, end_run, start_span
+from gateway.observe_forward import refused_call
 from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
 from gateway.pipeline import (
     base_headers,
@@ -63,6 +64,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
     gw = request.app[GATEWAY]
     adapter = gw.adapters[protocol]
     identity: Identity | None = None
+    call: Call | None = None
     try:
         if gw.shutting_down:
             raise ShuttingDown("tollgate is shutting down")
@@ -86,6 +88,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)
     except GatewayError as exc:
+        if identity is not None and call is not None:  # a parsed call refused before its step is a step too
+            refused_call(gw, identity, call, exc, request.headers)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),

@@ -200,7 +200,7 @@ def inference_start_attributes(
     attrs = present(
         (
             (GenAI.GEN_AI_OPERATION_NAME, call.operation),
-            (GenAI.GEN_AI_PROVIDER_NAME, provider_name),
+            (GenAI.GEN_AI_PROVIDER_NAME, provider_name or None),  # none for a call refused before routing
             (GenAI.GEN_AI_REQUEST_MODEL, call.model or None),
             (Server.SERVER_ADDRESS, server_address or None),
             (Server.SERVER_PORT, server_port if server_address else None),

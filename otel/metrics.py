@@ -4,8 +4,9 @@ The GenAI histograms mirror the semconv v1.41 client metrics (`gen-ai-metrics.md
 their bucket boundaries; labels are the semconv attribute names with dots turned into underscores,
 and an absent attribute is the empty label value. Gateway counters are `tollgate_*`.
 
-Cardinality: a label fed by something an agent controls (model names, agent names, tool names) keeps
-at most `label_limit` distinct values per label, then reports `_OTHER`. Never a run id in a label.
+Cardinality: a label fed by something an agent controls (model names, agent names, tool names, the
+`MCP-Protocol-Version` it sends) keeps at most `label_limit` distinct values per label, then reports
+`_OTHER`. Never a run id in a label.
 Every method swallows and counts its own errors (`tollgate_telemetry_errors_total{component}`).
 `StepSpan` calls `observe_inference` / `observe_first_chunk` / `observe_mcp` itself when it ends;
 call them directly only for operations that have no `StepSpan`.
@@ -89,6 +90,7 @@ class Metrics:
         self._response_model = BoundedLabel(label_limit)
         self._agent = BoundedLabel(label_limit)
         self._tool = BoundedLabel(label_limit)
+        self._protocol = BoundedLabel(label_limit)
         histogram, counter = self._histogram, self._counter
         self._duration = histogram(
             "gen_ai_client_operation_duration_seconds",
@@ -230,7 +232,7 @@ class Metrics:
             method,
             self._tool(tool_name),
             operation or "",
-            protocol_version or "",
+            self._protocol(protocol_version),
             server_address or "",
             port,
             rpc_status_code or "",

@@ -14,7 +14,7 @@ reservation made before a reset settles into nothing instead of corrupting the f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -163,5 +163,12 @@ class RunStore(Protocol):
     async def reset(self, run_id: str, now: float) -> RunState | None: ...
 
     async def list_runs(self, limit: int = 100) -> list[RunState]: ...
+
+    def runs_updated(self, after: float, before: float, page: int = 1000) -> AsyncIterator[list[RunState]]:
+        """Every run last updated in (`after`, `before`], least recently updated first (ties by run id),
+        in pages of at most `page`, each run with its steps. What a page shows is read when it is asked
+        for: a run updated meanwhile may show its new `updated_at`, or come in a later page. Reads only
+        the runs of the window (the idle-run sweep asks for those that went idle since its last sweep)."""
+        ...
 
     async def close(self) -> None: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from gateway.store import logic
@@ -68,6 +68,17 @@ class MemoryRunStore:
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         runs = sorted(self._runs.values(), key=lambda r: r.updated_at or 0.0, reverse=True)[:limit]
         return [logic.from_dict(logic.to_dict(r)) for r in runs]
+
+    async def runs_updated(
+        self, after: float, before: float, page: int = 1000
+    ) -> AsyncIterator[list[RunState]]:
+        window = sorted(
+            (r.updated_at, r.run_id) for r in self._runs.values()
+            if r.updated_at is not None and after < r.updated_at <= before
+        )
+        for start in range(0, len(window), page):
+            chunk = (self._runs.get(run_id) for _, run_id in window[start:start + page])
+            yield [logic.from_dict(logic.to_dict(r)) for r in chunk if r is not None]
 
     async def close(self) -> None:
         return None

@@ -7,7 +7,8 @@ Contracts:
   without interleaving other commands, so N processes hold a limit exactly as one process does.
 * Layout: a hash per run, `<prefix>run:<run_id>` (fields in `redis_scripts`), its steps in a list
   `<prefix>steps:<run_id>` (so the hot path's `get(steps=False)` reads one small hash); a sorted set
-  `<prefix>runs` of run ids by `updated_at` for `list_runs`, pruned lazily of expired runs.
+  `<prefix>runs` of run ids by `updated_at` for `list_runs` and `runs_updated`, pruned lazily of expired
+  runs.
 * Expiry: a stopped run expires `ttl_s` after its last write (stop, a later step record, ...); an active
   run expires `idle_ttl_s` after its last write (default: 30 days, never less than `ttl_s`; 0 = never).
   Every call writes, so a run in use never expires; an abandoned one does not stay forever.
@@ -32,7 +33,7 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
@@ -302,18 +303,49 @@ class RedisRunStore:
             )
             if not ids:
                 break
-            pipe = self._client.pipeline(transaction=False)
-            for run_id in ids:
-                pipe.hgetall(self._key(run_id.decode()))
-                pipe.lrange(self._steps_key(run_id.decode()), 0, -1)
-            replies = await self._guard(pipe.execute)
-            rows = list(zip(replies[::2], replies[1::2], strict=True))
-            gone = [run_id for run_id, (fields, _) in zip(ids, rows, strict=True) if not fields]
-            if gone:
-                await self._guard(partial(self._client.zrem, self._index, *gone))
-            runs.extend(decode_hash(fields, items) for fields, items in rows if fields)
-            start += len(ids) - len(gone)
+            found = await self._read_runs(ids)
+            runs.extend(found)
+            start += len(found)
         return runs[:limit]
+
+    async def runs_updated(
+        self, after: float, before: float, page: int = 1000
+    ) -> AsyncIterator[list[RunState]]:
+        """`RunStore.runs_updated`, from the `updated_at` index. Runs with one score are listed in member
+        order: a page starts at the last score listed and skips the members listed already."""
+        low, high = f"({after!r}", repr(before)
+        last: tuple[float, bytes] | None = None  # (score, run id) of the last run listed
+        ties = 0  # runs listed with that score
+        while True:
+            want = page + ties
+            entries = cast(list[tuple[bytes, float]], await self._guard(partial(
+                self._client.zrangebyscore, self._index, low, high, start=0, num=want, withscores=True)))
+            fresh = [e for e in entries if last is None or e[1] > last[0] or e[0] > last[1]][:page]
+            if not fresh:
+                return
+            runs = await self._read_runs([run_id for run_id, _ in fresh])
+            if runs:
+                yield runs
+            if len(entries) < want:
+                return
+            score = fresh[-1][1]
+            listed = sum(1 for e in fresh if e[1] == score)
+            ties = (ties if last is not None and last[0] == score else 0) + listed
+            last, low = (score, fresh[-1][0]), repr(score)
+
+    async def _read_runs(self, ids: list[bytes]) -> list[RunState]:
+        """The runs `ids` names with their steps, in that order; ids of runs that expired are removed
+        from the index."""
+        pipe = self._client.pipeline(transaction=False)
+        for run_id in ids:
+            pipe.hgetall(self._key(run_id.decode()))
+            pipe.lrange(self._steps_key(run_id.decode()), 0, -1)
+        replies = await self._guard(pipe.execute)
+        rows = list(zip(replies[::2], replies[1::2], strict=True))
+        gone = [run_id for run_id, (fields, _) in zip(ids, rows, strict=True) if not fields]
+        if gone:
+            await self._guard(partial(self._client.zrem, self._index, *gone))
+        return [decode_hash(fields, items) for fields, items in rows if fields]
 
     async def close(self) -> None:
         left = await self.replay_unsettled()

@@ -42,7 +42,7 @@ import sqlite3
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,6 +66,15 @@ MAX_PENDING_STEPS = 8192
 _RUNS = (
     "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, agent TEXT NOT NULL, updated_at REAL, "
     "state BLOB NOT NULL)"
+)
+# the runs last updated in a window, in (updated_at, run_id) order from the start or after a cursor
+_WINDOW_FIRST = (
+    "SELECT run_id, state, updated_at FROM runs WHERE updated_at > ? AND updated_at <= ? "
+    "ORDER BY updated_at, run_id LIMIT ?"
+)
+_WINDOW_NEXT = (
+    "SELECT run_id, state, updated_at FROM runs WHERE (updated_at > ? OR (updated_at = ? AND run_id > ?)) "
+    "AND updated_at <= ? ORDER BY updated_at, run_id LIMIT ?"
 )
 # One statement for a new run and a known one (and for a row someone deleted from outside)
 _WRITE = (
@@ -342,6 +351,36 @@ class SqliteRunStore:
         except sqlite3.Error as exc:
             raise self._error(exc) from None
         return runs
+
+    async def runs_updated(
+        self, after: float, before: float, page: int = 1000
+    ) -> AsyncIterator[list[RunState]]:
+        """`RunStore.runs_updated`. `runs` has no index on `updated_at`: every run write would update it
+        (an upsert took about twice as long with one, measured on 100,000 runs). So each page is one scan
+        of the table that parses only the page's runs; a sweep's window is mostly one page."""
+        cursor: tuple[str, float] | None = None
+        args: tuple[Any, ...]
+        while True:
+            self._steps.flush()  # the file is then what memory holds, steps included
+            try:
+                if cursor is None:
+                    sql, args = _WINDOW_FIRST, (after, before, page)
+                else:
+                    sql, args = _WINDOW_NEXT, (cursor[1], cursor[1], cursor[0], before, page)
+                rows = self._conn.execute(sql, args).fetchall()
+                runs = []
+                for run_id, blob, updated in rows:
+                    state = logic.from_dict(orjson.loads(blob))
+                    state.updated_at = updated
+                    state.steps = self._steps.read(run_id, state.epoch)
+                    runs.append(state)
+            except sqlite3.Error as exc:
+                raise self._error(exc) from None
+            if runs:
+                yield runs
+            if len(rows) < page:
+                return
+            cursor = (rows[-1][0], rows[-1][2])
 
     async def close(self) -> None:
         """Write buffered steps, close the file, release the lock. Idempotent. Raises StateUnavailable

@@ -328,6 +328,33 @@ def test_verify_edge_files(tmp_path: Path, setup: str, ok: bool, reason: str | N
     assert (reason or "") in (result.reason or "")
 
 
+async def test_verify_gives_the_head_hash_to_anchor_the_chain_elsewhere(tmp_path: Path) -> None:
+    """The chain cannot show rows gone altogether (a dropped table verifies as an empty chain, as a run
+    store's file whose ledger is kept elsewhere does): the head hash, recorded outside, does."""
+    db = tmp_path / "t.db"
+    await filled(db, 5)
+    [(last,)] = query(db, "SELECT entry_hash FROM ledger WHERE id = 5")
+    result = verify(db)
+    assert (result.ok, result.rows, result.head) == (True, 5, last)
+    tamper(db, "UPDATE ledger SET detail = 'x' WHERE id = 4")
+    [(third,)] = query(db, "SELECT entry_hash FROM ledger WHERE id = 3")
+    assert verify(db).head == third  # the head of what verified
+    tamper(db, "DROP TABLE ledger")
+    assert verify(db) == type(result)(True, 0, None, None, GENESIS)
+
+
+def test_the_cli_prints_the_head_hash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main as cli_main
+
+    db = tmp_path / "t.db"
+    ledger = Ledger.open(db)
+    for i in range(1, 4):
+        ledger.append_nowait(entry(i))
+    ledger.close_sync()
+    assert cli_main(["ledger", "verify", "--db", str(db)]) == 0
+    assert capsys.readouterr().out == f"ok: 3 ledger rows, chain intact; head hash {verify(db).head}\n"
+
+
 def test_input_hash_is_a_digest_not_the_content() -> None:
     digest = input_hash('{"messages": [{"role": "user", "content": "secret"}]}')
     assert len(digest) == 64 and "secret" not in digest

@@ -1,4 +1,5 @@
-"""Spans and ledger rows of the `/v1` paths tollgate forwards unguarded (embeddings, files, ...)."""
+"""Spans and ledger rows of the `/v1` paths tollgate forwards unguarded (embeddings, files, ...), and of
+model calls refused before their step exists (gateway/observe_forward.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from gateway.call import digest
+from gateway.observe_forward import body_model
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.upstream import Reply
 
+MSG = [{"role": "user", "content": "hi"}]
 EMBEDDING = {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.1]}],
              "model": "text-embedding-3-small", "usage": {"prompt_tokens": 2, "total_tokens": 2}}
 
@@ -92,15 +96,73 @@ async def test_a_stopped_run_refused_on_another_path_leaves_a_span_and_a_ledger_
         async with h.session.post(f"{h.url}/v1/chat/completions", json=chat,
                                   headers={"x-tollgate-run-id": "stopped"}) as resp:
             assert resp.status == expected
-    async with h.session.post(f"{h.url}{path}", json={"model": "gpt-embed", "input": "x"},
-                              headers={"x-tollgate-run-id": "stopped"}) as resp:
+    body = orjson.dumps({"model": "gpt-embed", "input": "x"})
+    headers = {"x-tollgate-run-id": "stopped", "content-type": "application/json"}
+    async with h.session.post(f"{h.url}{path}", data=body, headers=headers) as resp:
         assert resp.status == 403 and resp.headers["x-tollgate-stop-reason"] == "llm_call_cap"
     assert len(h.fake.seen) == 1
-    spans = [s for s in finished(telemetry, exporter) if s.name in ("embeddings", "POST")]
+    spans = [s for s in finished(telemetry, exporter) if s.name in ("embeddings gpt-embed", "POST")]
     assert [dict(s.attributes or {})["tollgate.stop_reason"] for s in spans] == ["llm_call_cap"]
     ledger = h.gateway.services["ledger"]
     await ledger.flush()
     rows = [r for r in ledger.rows() if r["run_id"] == "stopped"]
     assert (rows[-1]["decision"], rows[-1]["reason"], rows[-1]["operation"]) == (
         "stop", "llm_call_cap", "embeddings" if path.endswith("embeddings") else "http")
+    # the model the body names, and its hash as a model call's row hashes its body
+    assert (rows[-1]["model"], rows[-1]["input_hash"]) == ("gpt-embed", digest(body))
+    telemetry.shutdown()
+
+
+@pytest.mark.parametrize(("body", "model"), [
+    (b'{"model": "text-embedding-3-small", "input": "x"}', "text-embedding-3-small"),
+    (b' \n {"input": "x", "model": "m"}', "m"),
+    (b'{"model": 3}', None), (b'{"input": "x"}', None), (b'["model"]', None), (b"", None),
+    (b"--boundary\r\nContent-Disposition: form-data", None), (b'{"model": "m"', None), (b"\xff\xfe", None),
+])
+def test_body_model(body: bytes, model: str | None) -> None:
+    assert body_model(body) == model
+
+
+# -- model calls refused before their step exists ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("payload", "headers", "status", "code"), [
+    ({"model": "nobody-serves-this", "messages": MSG}, {}, 404, "model_not_found"),
+    ({"model": "gpt-4o-mini", "messages": MSG}, {"x-tollgate-grammar": "no-such-grammar"}, 400,
+     "invalid_request"),
+])
+async def test_a_model_call_refused_before_its_step_is_a_span_and_a_ledger_row(
+    gateway_factory: GatewayFactory, payload: dict[str, Any], headers: dict[str, str], status: int, code: str
+) -> None:
+    h, telemetry, exporter = await traced(gateway_factory)
+    raw = orjson.dumps(payload)
+    async with h.session.post(f"{h.url}/v1/chat/completions", data=raw, headers={
+            "x-tollgate-run-id": "refused", "content-type": "application/json", **headers}) as resp:
+        assert resp.status == status and code in await resp.text()
+    assert h.fake.seen == []
+    [span] = [s for s in finished(telemetry, exporter)
+              if dict(s.attributes or {}).get("tollgate.run_id") == "refused"]
+    attrs = dict(span.attributes or {})
+    assert span.name == f"chat {payload['model']}" and attrs["error.type"] == code
+    assert "gen_ai.provider.name" not in attrs  # never routed
+    assert "tollgate.stop_reason" not in attrs  # a refusal, not a stop
+    assert "gen_ai_client_operation_duration_seconds_count" not in telemetry.metrics.render()[0].decode()
+    ledger = h.gateway.services["ledger"]
+    await ledger.flush()
+    [row] = ledger.rows("refused")
+    assert (row["decision"], row["reason"], row["operation"], row["model"], row["input_hash"]) == (
+        "error", code, "chat", payload["model"], digest(raw))
+    telemetry.shutdown()
+
+
+async def test_a_request_that_is_no_model_call_leaves_no_step(gateway_factory: GatewayFactory) -> None:
+    """Refused before it parsed as a call (not JSON): nothing names a model or a call to record."""
+    h, telemetry, exporter = await traced(gateway_factory)
+    headers = {"x-tollgate-run-id": "junk", "content-type": "application/json"}
+    async with h.session.post(f"{h.url}/v1/chat/completions", data=b"{not json", headers=headers) as resp:
+        assert resp.status == 400
+    assert finished(telemetry, exporter) == []
+    ledger = h.gateway.services["ledger"]
+    await ledger.flush()
+    assert ledger.rows("junk") == []
     telemetry.shutdown()

@@ -201,6 +201,27 @@ async def test_record_step_and_list_runs(store: RunStore) -> None:
     assert runs[0].steps == [{"n": 2}] and runs[1].agent == "other"
 
 
+async def test_runs_updated_pages_a_window_in_update_order(store: RunStore) -> None:
+    """The idle sweep's read: runs last updated in (after, before], oldest first and by run id among
+    equal times, in pages that neither skip nor repeat a run, each with its steps."""
+    for run_id, at in (("w-early", 1.0), ("w-d", 3.0), ("w-b", 3.0), ("w-c", 3.0), ("w-a", 2.0),
+                       ("w-e", 4.0), ("w-late", 5.0)):
+        await store.record_step(run_id, "bot", {"run": run_id}, NOW + at)
+    window = store.runs_updated(NOW + 1, NOW + 4, page=2)
+    listed = [[(r.run_id, r.updated_at) for r in page] async for page in window]
+    assert listed == [[("w-a", NOW + 2), ("w-b", NOW + 3)], [("w-c", NOW + 3), ("w-d", NOW + 3)],
+                      [("w-e", NOW + 4)]]
+    [[only]] = [page async for page in store.runs_updated(NOW + 4, NOW + 5)]
+    assert (only.run_id, only.steps) == ("w-late", [{"run": "w-late"}])
+    assert [page async for page in store.runs_updated(NOW + 5, NOW + 9)] == []
+    await store.record_step("w-a", "bot", {"run": "again"}, NOW + 6)  # busy again: out of its old window
+    assert [[r.run_id for r in p] async for p in store.runs_updated(NOW, NOW + 2)] == [["w-early"]]
+    for i in (3, 1, 5, 2, 4):  # more runs of one time than a page holds
+        await store.record_step(f"t-{i}", "bot", {}, NOW + 7)
+    pages = [[r.run_id for r in page] async for page in store.runs_updated(NOW + 6, NOW + 7, page=2)]
+    assert pages == [["t-1", "t-2"], ["t-3", "t-4"], ["t-5"]]
+
+
 async def test_get_returns_a_snapshot(store: RunStore) -> None:
     await grant(store)
     await store.push("run-1", "bot", "calls", ["a"], 6)

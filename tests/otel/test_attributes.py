@@ -83,6 +83,12 @@ def test_conditional_attributes_absent(change: dict[str, Any], absent: str) -> N
     )
 
 
+def test_a_call_refused_before_routing_names_no_provider() -> None:
+    attrs = inference_start_attributes(openai_call(), provider_name="", server_address="", server_port=0)
+    assert not {"gen_ai.provider.name", "server.address", "server.port"} & set(attrs)
+    assert attrs["gen_ai.request.model"] == "gpt-4o-mini"
+
+
 def test_openai_specific_attributes_only_for_openai_flavour() -> None:
     attrs = inference_start_attributes(
         openai_call(), provider_name="local", server_address="127.0.0.1", server_port=8000

@@ -159,6 +159,18 @@ def test_agent_controlled_labels_are_bounded() -> None:
     assert models == {"m1": 2.0, "m2": 1.0, "_OTHER": 2.0}
 
 
+def test_mcp_protocol_version_label_is_bounded() -> None:
+    """The `MCP-Protocol-Version` header is the agent's to write: its label is bounded like model names."""
+    metrics = Metrics(label_limit=2)
+    for version in ("2025-06-18", "2026-07-28", "x-1", "x-2", "2025-06-18", None):
+        metrics.observe_mcp(method="tools/call", tool_name="read_file", operation="execute_tool",
+                            protocol_version=version, server_address="127.0.0.1", server_port=3001,
+                            rpc_status_code=None, error_type=None, duration_s=0.01)
+    family = samples(metrics)["mcp_client_operation_duration_seconds"]
+    counts = {s.labels["mcp_protocol_version"]: s.value for s in family if s.name.endswith("_count")}
+    assert counts == {"2025-06-18": 2.0, "2026-07-28": 1.0, "_OTHER": 2.0, "": 1.0}
+
+
 def test_never_a_run_id_label() -> None:
     families = samples(exercised())
     labels = {k for f in families.values() for s in f for k in s.labels}
