@@ -27,6 +27,8 @@ from gateway.runtime import Gateway
 from gateway.store import open_store
 from gateway.upstream import Transport, Upstream
 from grammars.library import GrammarLibrary
+from guards.base import StopCondition
+from guards.registry import build_chain
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 
@@ -34,6 +36,8 @@ _log = logging.getLogger(__name__)
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 TELEMETRY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 """A `Telemetry` given to `create_app`: used instead of one built from `OTEL_*`, owned by the caller."""
+GUARDS: web.AppKey[dict[str, list[tuple[StopCondition, str]]]] = web.AppKey("guards", dict)
+"""Each configured agent's guards (with their on-error policy), built once by `create_app`."""
 
 
 async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -53,6 +57,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
             pricer=Pricer(config.pricing),
             store=store,
             upstream=upstream,
+            guards=app[GUARDS],
         )
         gw.transports.update(local)
         gw.services["grammars"] = library
@@ -146,6 +151,9 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     `otel.capture_content` is whatever it was built with."""
     app = web.Application(client_max_size=config.limits.max_body_bytes + 1)
     app[CONFIG] = config
+    # every agent's guards now: a custom guard that cannot be built is a ConfigError before the gateway
+    # listens (`serve` exits 1), never a failure of an agent's step
+    app[GUARDS] = {name: build_chain(agent, name) for name, agent in config.agents.items()}
     if telemetry is not None:
         app[TELEMETRY] = telemetry
     app.cleanup_ctx.append(_gateway_ctx)

@@ -19,7 +19,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import orjson
 from aiohttp import web
@@ -27,6 +27,7 @@ from aiohttp import web
 from gateway.runtime import Gateway
 
 Status = Literal["pending", "approved", "denied", "timed_out"]
+STATUSES: frozenset[str] = frozenset(get_args(Status))
 DECISIONS: dict[str, Status] = {"approve": "approved", "deny": "denied"}
 MAX_BY = 200
 SERVICE = "approvals"
@@ -156,6 +157,8 @@ def routes(gateway_of: Callable[[web.Request], Gateway | None]) -> list[web.Rout
     async def list_approvals(request: web.Request) -> web.Response:
         gw = gateway_of(request)
         status = request.query.get("status")
+        if status is not None and status not in STATUSES:  # a misspelt filter must not read as "none"
+            return _error(400, "invalid_request", f"status must be one of {', '.join(sorted(STATUSES))}")
         items = queue_of(gw).list(status) if gw is not None else []
         return _json({"approvals": [a.view() for a in items]})
 

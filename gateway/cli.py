@@ -44,7 +44,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or config.listen.host
     port = config.listen.port if args.port is None else args.port
     admin_port = config.admin.port if args.admin_port is None else args.admin_port
-    return run(config, host=host, port=port, admin_host=config.admin.host, admin_port=admin_port)
+    try:
+        return run(config, host=host, port=port, admin_host=config.admin.host, admin_port=admin_port)
+    except ConfigError as exc:  # found while building the gateway (a custom guard), before it listens
+        _print_problems(exc)
+        return 1
 
 
 def _print_problems(exc: ConfigError) -> None:
@@ -166,7 +170,7 @@ def cmd_ledger_verify(args: argparse.Namespace) -> int:
         return 1
     result = verify(path)
     if result.ok:
-        print(f"ok: {result.rows} ledger rows, chain intact")
+        print(f"ok: {result.rows} ledger rows, chain intact; head hash {result.head}")
         return 0
     print(f"TAMPERED: first bad row id {result.first_bad_id}: {result.reason}", file=sys.stderr)
     return 1

@@ -13,17 +13,36 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gateway.errors import ConfigError
 
 if TYPE_CHECKING:
     import yaml
 
-NonNegFloat = Annotated[float, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0)]
-PosInt = Annotated[int, Field(gt=0)]
-Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+def _not_a_bool(value: Any) -> Any:
+    # YAML's `true` is not a count or an amount (pydantic would read it as 1)
+    if isinstance(value, bool):
+        raise ValueError("a number is expected, not true or false")  # noqa: TRY004 - pydantic wants ValueError
+    return value
+
+
+_Number = BeforeValidator(_not_a_bool)
+# finite only: `.inf` as a budget or a price passes every comparison and breaks the arithmetic later
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False), _Number]
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), _Number]
+PosInt = Annotated[int, Field(gt=0), _Number]
+Port = Annotated[int, Field(ge=0, le=65535), _Number]
 
 Dialect = Literal["openai", "vllm", "vllm-legacy", "llamacpp", "ollama", "sglang", "none"]
 Tier = Literal["read", "write", "dangerous"]
@@ -108,6 +127,13 @@ class McpServer(Frozen):
     headers: dict[str, str] = {}
     timeouts: Timeouts = Timeouts()
 
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("must be an absolute http(s) URL")
+        return value
+
 
 class Price(Frozen):
     input_per_mtok: NonNegFloat
@@ -163,7 +189,7 @@ class Tools(Frozen):
 
 class Output(Frozen):
     grammar: str | None = None
-    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    retries: Annotated[int, Field(ge=0, le=10), _Number] = 2
     stream_check: Literal["incremental", "buffer"] = "incremental"
 
 
@@ -244,12 +270,18 @@ class Config(Frozen):
             if provider not in self.providers:
                 raise _Dangling(f"models.{pattern}", f"provider {provider!r} is not defined in providers")
         seen: dict[str, str] = {}
+        provider_keys = {prov.api_key for prov in self.providers.values() if prov.api_key}
         for name, agent in self.agents.items():
             for index, key in enumerate(agent.keys):
+                where = f"agents.{name}.keys.{index}"
                 if key in seen:
-                    raise _Dangling(f"agents.{name}.keys.{index}", f"key already used by agent {seen[key]!r}")
+                    raise _Dangling(where, f"key already used by agent {seen[key]!r}")
                 if not key:
-                    raise _Dangling(f"agents.{name}.keys.{index}", "key is empty")
+                    raise _Dangling(where, "key is empty")
+                if key != key.strip():  # a presented key is read without surrounding blanks: never matched
+                    raise _Dangling(where, "key has leading or trailing blanks")
+                if key in provider_keys:  # the agent would hold what tollgate keeps from it
+                    raise _Dangling(where, "key is a provider's api_key; agents need keys of their own")
                 seen[key] = name
             for index, pattern in enumerate(agent.tools.approval):
                 if agent.tools.allow is not None and not _any_match(pattern, agent.tools.allow):
@@ -285,16 +317,27 @@ def _any_match(pattern: str, allow: tuple[str, ...]) -> bool:
     return any(pattern == a or fnmatchcase(pattern, a) for a in allow)
 
 
+_MALFORMED = "malformed ${...}: write ${NAME} or ${NAME:-default} (NAME of letters, digits and _; no nesting)"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def substitute(value: Any, env: Mapping[str, str], path: str = "") -> Any:
-    """Replace `${VAR}` and `${VAR:-default}` in every string of a parsed YAML tree."""
+    """Replace `${VAR}` and `${VAR:-default}` in every string value of a parsed YAML tree. A `${` that is
+    not such a reference (a nested default, a name with `-`) or one in a mapping key is an error: kept
+    as text it would become, say, the provider key sent upstream."""
     if isinstance(value, dict):
-        return {k: substitute(v, env, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and "${" in k:
+                raise ConfigError([(where, "${...} is substituted in values only, not in keys")])
+            out[k] = substitute(v, env, where)
+        return out
     if isinstance(value, list):
         return [substitute(v, env, f"{path}.{i}") for i, v in enumerate(value)]
     if isinstance(value, str) and "${" in value:
+        if "${" in _VAR.sub("", value) or any("${" in (m.group(2) or "") for m in _VAR.finditer(value)):
+            raise ConfigError([(path or "<root>", _MALFORMED)])
 
         def repl(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)

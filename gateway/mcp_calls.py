@@ -35,6 +35,7 @@ from gateway.errors import (
     DuplicateToolCall,
     GatewayError,
     InvalidGrammar,
+    InvalidRequest,
     StateUnavailable,
     Stopped,
     ToolNotAllowed,
@@ -82,6 +83,7 @@ class ToolStep:
     span: StepSpan | None = None  # the MCP client span, once the call is forwarded
     response: dict[str, Any] | None = None  # the server's JSON-RPC response, as it answered
     unguarded: bool = False  # the run store is down and the policy says `state_failure: fail_open`
+    approved_by: str | None = None  # who approved a call parked for approval (the ledger's audit trail)
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
@@ -135,7 +137,7 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
         await _record(mcp, qualified, response.status, stop, refused, started)
     await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
                         outcome=step.response if step else None, refused=refused, stop=stop,
-                        started_wall=started_wall)
+                        started_wall=started_wall, approved_by=step.approved_by if step else None)
     return response
 
 
@@ -309,12 +311,14 @@ async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
 
 
 async def _apply(step: ToolStep, verdict: Verdict) -> None:
-    """A stop stops the run; effects go to the store in one atomic operation (an `Add` over its
-    limit stops the run there). Raises Stopped."""
+    """A stop stops the run (a reject refuses only this call: InvalidRequest); effects go to the store in
+    one atomic operation (an `Add` over its limit stops the run there). Raises Stopped."""
     gw, ctx = step.mcp.gw, step.ctx
     if step.unguarded:
         return
     if verdict.stop is not None:
+        if verdict.stop.action == "reject":  # this call refused as a bad request; the run goes on
+            raise InvalidRequest(verdict.stop.detail)
         reason = verdict.stop.reason or "stopped"
         await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
         raise Stopped(reason, verdict.stop.detail)
@@ -337,6 +341,7 @@ async def _approve(step: ToolStep) -> None:
         raise ApprovalTimeout(f"nobody decided on {step.qualified} within {timeout:g}s (approval {item.id})")
     if item.status != "approved":
         raise ApprovalDenied(f"{step.qualified} was denied by {item.decided_by} (approval {item.id})")
+    step.approved_by = item.decided_by
     if step.unguarded:
         return
     run = await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)

@@ -117,12 +117,13 @@ async def end_tool_span(
     refused: GatewayError | None,
     stop: str | None,
     started_wall: float,
+    approved_by: str | None = None,
 ) -> None:
     """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
     replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
     response when it answered; `stop` the stop code the agent was given, if any; `run` the run as
-    read before the call (None when the call was refused before that). A stop exports the run's
-    root span."""
+    read before the call (None when the call was refused before that); `approved_by` who approved it
+    when it was parked for approval (the ledger row says so). A stop exports the run's root span."""
     gw = mcp.gw
     telemetry = telemetry_of(gw)
     if telemetry is None:
@@ -169,7 +170,8 @@ async def end_tool_span(
             model=mcp.server_name, input_hash=digest(tool.encode(), canonical_json(arguments or {})),
             decision=_tool_decision(outcome, refused, stop),
             reason=stop or (refused.code if refused is not None else None),
-            detail=refused.redacted if refused is not None else "",
+            detail=refused.redacted if refused is not None else (
+                f"approved by {approved_by}" if approved_by is not None else ""),
         ))
 
 

@@ -42,7 +42,7 @@ from gateway.step import Step
 from gateway.store.base import Denial, ReserveRequest
 from gateway.upstream import forwardable
 from guards.base import REASK, Add, Decision, Push, StepContext
-from guards.budget import settlement
+from guards.budget import USAGE_COUNTERS, settlement
 from guards.chain import Verdict
 
 MIN_OUTPUT_TOKENS = 16
@@ -175,6 +175,10 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=prefer)
         step.max_tokens_set = grant.units
         step.changed = True
+    elif step.max_tokens_set is not None and grant.units == call.max_tokens:
+        # a re-ask sends the agent's own limit again (its body is rebuilt from the original): a clamp of
+        # an earlier attempt no longer describes what the upstream is given
+        step.max_tokens_set = grant.units
     cap = ident.policy.caps.tool_calls
     if cap is not None:
         # tools the provider runs itself cannot be stopped once asked for: ask for no more than the cap
@@ -301,7 +305,7 @@ def add_credentials(provider: Provider, headers: MutableMapping[str, str]) -> No
 async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: bool = True) -> None:
     """Settle the reservation: real usage, or the whole reservation when usage is unknown.
 
-    `charged=False` (upstream refused with an error status) settles only the call count.
+    `charged=False` (upstream refused with an error status) settles only the counts per step.
     """
     reservation = step.reservation
     if reservation is None:
@@ -312,7 +316,7 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         choices = step.call.params.choice_count or 1
         actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices))
     else:
-        actual = {k: v for k, v in reservation.amounts.items() if k == "llm_calls"}
+        actual = {k: v for k, v in reservation.amounts.items() if k not in USAGE_COUNTERS}  # the step counts
     step.cost_usd = actual.get("usd", 0.0)
     for key in ("usd", "input_tokens", "output_tokens"):
         if key in actual:
@@ -324,7 +328,8 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
 
 
 async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
-    """Judge the answer before the agent sees it; a stop withholds it. Raises Stopped."""
+    """Judge the answer before the agent sees it; a stop withholds it. Raises Stopped (InvalidRequest for
+    a guard's reject: the answer is withheld, the run goes on)."""
     ident = step.identity
     step.extra[JUDGED] = True  # what the provider ran is counted here (see count_unjudged_hosted)
     # the limits that must hold under concurrency (tool-call cap) are applied atomically; the histories
@@ -340,6 +345,8 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
                       step.extra)
     verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)
     step.decisions.extend(verdict.decisions)
+    if verdict.stop is not None and verdict.stop.action == "reject":
+        raise InvalidRequest(verdict.stop.detail)  # the answer is withheld, the run goes on (Decision.reject)
     if verdict.stop is not None:
         if await _reset_since(gw, step):
             return  # judged on a history a reset cleared while the step was in flight: the fresh run goes on

@@ -15,6 +15,7 @@ from gateway.routing import Router
 from gateway.store.base import RunStore
 from gateway.tools import ToolPolicy
 from gateway.upstream import Transport, Upstream
+from guards.base import StopCondition
 from guards.chain import GuardChain
 from guards.registry import build_chain
 
@@ -41,13 +42,15 @@ class Gateway:
     services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
     shutting_down: bool = False
     run_locks: KeyedLocks = field(default_factory=KeyedLocks)  # per run: guard judgements that read history
+    guards: dict[str, list[tuple[StopCondition, str]]] = field(default_factory=dict)  # built at startup
     _chains: dict[str, GuardChain] = field(default_factory=dict)
     _tool_policies: dict[str, ToolPolicy] = field(default_factory=dict)
 
     def chain(self, agent: str, policy: Agent) -> GuardChain:
         chain = self._chains.get(agent)
         if chain is None:
-            chain = self._chains[agent] = GuardChain(build_chain(policy, agent), self._guard_error)
+            built = self.guards.get(agent) or build_chain(policy, agent)  # an agent not in the config
+            chain = self._chains[agent] = GuardChain(built, self._guard_error)
         return chain
 
     def transport(self, provider_name: str) -> Transport:

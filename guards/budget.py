@@ -57,6 +57,10 @@ class BudgetGuard(BaseGuard):
         return Decision.allow(self.name, claims=tuple(claims))
 
 
+USAGE_COUNTERS = frozenset({"usd", "tokens"})
+"""Claimed counters whose settlement follows the provider's usage; any other claim is a count per step."""
+
+
 def _f(value: int | float | None) -> float | None:
     return None if value is None else float(value)
 
@@ -89,8 +93,8 @@ def settlement(
         "input_tokens": float(usage.input_tokens),
         "output_tokens": float(usage.output_tokens),
     }
-    if "llm_calls" in held:
-        actual["llm_calls"] = held["llm_calls"]
+    # counts claimed per step (`llm_calls`, a custom guard's own counters) are what they held
+    actual.update({counter: amount for counter, amount in held.items() if counter not in USAGE_COUNTERS})
     if price is not None and "usd" in held:
         actual["usd"] = price.cost(usage)
     return actual

@@ -36,8 +36,8 @@ def load_class(ref: str) -> type[Any]:
         module_name, _, attr = ref.partition(":")
         try:
             module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a module's code runs on import: whatever it raises
+            raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
         cls = getattr(module, attr, None)
         if cls is None:
             raise ValueError(f"{module_name!r} has no attribute {attr!r}")
@@ -68,6 +68,8 @@ def build_chain(policy: Agent, agent_name: str) -> list[tuple[StopCondition, str
     for index, spec in enumerate(policy.guards):
         try:
             chain.append((build_custom(spec, policy), spec.on_error))
-        except (ValueError, TypeError) as exc:
-            raise ConfigError([(f"agents.{agent_name}.guards.{index}.use", str(exc))]) from None
+        except Exception as exc:  # noqa: BLE001 - the guard's own constructor is user code: a config error
+            message = str(exc) if isinstance(exc, ValueError | TypeError) else (
+                f"{spec.use!r} could not be built: {type(exc).__name__}: {exc}")
+            raise ConfigError([(f"agents.{agent_name}.guards.{index}.use", message)]) from None
     return chain

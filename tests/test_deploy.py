@@ -155,7 +155,7 @@ def test_promtool(args: tuple[str, ...]) -> None:
 
 def test_example_config_is_valid() -> None:
     text = (DEPLOY / "tollgate.yaml").read_text()
-    config = check_config(text, {name: "x" for name in required_vars(text)})
+    config = check_config(text, {name: f"value-of-{name}" for name in required_vars(text)})  # distinct: keys may not coincide
     assert config.admin.host == "0.0.0.0" and config.admin.port == 9464
     assert config.state.path.startswith("/var/lib/tollgate/")  # the image's writable directory
     agent = config.agents["support-bot"]
@@ -218,7 +218,7 @@ def test_provider_keys_come_from_the_secret_and_stay_in_the_sidecar() -> None:
 def test_configmap_config_is_valid_and_needs_only_the_sidecar_env() -> None:
     text = k8s_documents()["ConfigMap"]["data"]["tollgate.yaml"]
     assert required_vars(text) <= set(env(container("tollgate")))
-    config = check_config(text, {name: "x" for name in required_vars(text)})
+    config = check_config(text, {name: f"value-of-{name}" for name in required_vars(text)})  # distinct: keys may not coincide
     assert config.listen.host == "127.0.0.1" and config.admin.port == 9464
     volumes = {v["name"]: v for v in pod()["volumes"]}
     mounts = container("tollgate")["volumeMounts"]

@@ -29,7 +29,6 @@ SUBSTITUTIONS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("value is not re-expanded", "${A}", {"A": "${B}", "B": "no"}, "${B}"),
     ("non-strings untouched", {"n": 3, "f": 1.5, "b": True, "z": None}, {}, {"n": 3, "f": 1.5, "b": True, "z": None}),
     ("nested dicts and lists", {"a": [{"k": "${A}"}, "${B:-b}"]}, {"A": "1"}, {"a": [{"k": "1"}, "b"]}),
-    ("keys are not substituted", {"${A}": "v"}, {"A": "1"}, {"${A}": "v"}),
 ]
 
 
@@ -54,6 +53,22 @@ def test_unset_variable_names_key_path_and_variable(data: dict[str, Any], path: 
     [(where, message)] = info.value.problems
     assert where == path
     assert "NOPE" in message or "EMPTY" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ({"a": {"${A}": "v"}}, "a.${A}"),  # a key: kept literally it would name an agent `${A}`
+        ({"k": "${A:-${B}}"}, "k"),  # defaults do not nest
+        ({"k": "${OPENAI-API-KEY}"}, "k"),  # not a name: kept literally it would be the key sent upstream
+        ({"k": ["ok", "x${"]}, "k.1"),
+    ],
+)
+def test_malformed_references_are_errors(value: dict[str, Any], path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        substitute(value, {"A": "1", "B": "2"})
+    [(where, _message)] = info.value.problems
+    assert where == path
 
 
 def test_substituted_strings_are_coerced_to_their_field_types() -> None:

@@ -1,8 +1,10 @@
 """gateway/pipeline.py, the pure request side: parse_json, shape, upstream_request, add_credentials and
-output_limit. Responses are in test_pipeline_respond.py, read_body in test_pipeline_read_body.py."""
+output_limit, and the max_tokens guard.before reports. Responses are in test_pipeline_respond.py,
+read_body in test_pipeline_read_body.py."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -12,12 +14,22 @@ from multidict import CIMultiDict
 from gateway.config import Agent, Limits, Provider
 from gateway.errors import InvalidRequest
 from gateway.identity import Identity
-from gateway.pipeline import add_credentials, output_limit, parse_json, shape, upstream_request
+from gateway.pipeline import (
+    add_credentials,
+    guard_before,
+    output_limit,
+    parse_json,
+    settle,
+    shape,
+    upstream_request,
+)
 from gateway.pricing import ModelPrice, Rate
 from gateway.providers.anthropic_messages import AnthropicMessages
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.routing import Route
 from gateway.step import Step
+from gateway.store.base import Claim, Reservation, ReserveRequest
+from tests.conftest import GatewayFactory
 
 MSG = [{"role": "user", "content": "hi"}]
 OPENAI = Provider(type="openai", base_url="http://up.test/v1", api_key="sk-provider")
@@ -280,3 +292,33 @@ def test_output_limit(price_limit: int | None, provider_limit: int, expected: in
     assert output_limit(make_step(provider=prov, price=price)) == expected
     if price_limit is None:
         assert output_limit(make_step(provider=prov)) == expected
+
+
+# -- guard.before: the max_tokens sent ---------------------------------------------------------------
+
+
+async def test_a_reask_that_sends_the_agents_own_limit_reports_that_limit(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A clamp holds for the attempt it was made for: when another step's reservation made the first
+    attempt's grant smaller than the agent's `max_tokens` and the re-ask's grant pays it in full, the
+    re-ask sends the agent's own limit, and `max_tokens_set` (the header, the span) says so."""
+    h = await gateway_factory(pricing={"gpt-*": {"input_per_mtok": 1.0, "output_per_mtok": 2.0}},
+                              agents={"default": {"budget": {"usd": 0.001}}})
+    gw = h.gateway
+    adapter = gw.adapters["openai"]
+    body = {"model": "gpt-4o-mini", "messages": MSG, "max_tokens": 300}
+    raw = orjson.dumps(body)
+    call = adapter.parse_request(body, raw, gw.config.limits)
+    identity = gw.identifier.identify({"x-tollgate-run-id": "reclamp"})
+    step = Step(adapter, identity, call, gw.router.route(call.model), dict(body), raw,
+                price=gw.pricer.lookup(call.model, "openai"))
+    other = await gw.store.reserve("reclamp", "default", ReserveRequest((Claim("usd", 0.0005),)), time.time())
+    assert isinstance(other, Reservation)
+    await guard_before(gw, step)
+    assert step.max_tokens_set is not None and step.max_tokens_set < 300  # the other step holds half
+    await settle(gw, step, None, charged=False)
+    await gw.store.settle(other, {}, time.time())  # the other step released its reservation
+    step.attempts = 1
+    await guard_before(gw, step)
+    assert step.max_tokens_set == 300 == step.call.max_tokens

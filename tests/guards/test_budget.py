@@ -215,8 +215,14 @@ def held(
             held(),
             {"tokens": 0.0, "input_tokens": 0.0, "output_tokens": 0.0, "llm_calls": 1.0, "usd": 0.0},
         ),
+        (  # a custom guard's own count per step is what it claimed, usage or not
+            Usage(100, 50),
+            None,
+            Reservation("r1", "run-1", 1, 250, {"tokens": 1250.0, "llm_calls": 1.0, "probe_calls": 1.0}),
+            {"tokens": 150.0, "input_tokens": 100.0, "output_tokens": 50.0, "llm_calls": 1.0, "probe_calls": 1.0},
+        ),
     ],
-    ids=["usage", "usage-no-price", "usage-no-llm-claim", "usage-zero"],
+    ids=["usage", "usage-no-price", "usage-no-llm-claim", "usage-zero", "usage-custom-count"],
 )
 def test_settlement_with_usage(
     usage: Usage, price: ModelPrice | None, reservation: Reservation, expected: dict[str, float]
