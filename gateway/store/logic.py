@@ -46,7 +46,9 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
     amounts = {c.counter: c.fixed + c.per_unit * units for c in request.claims}
     for counter, amount in amounts.items():
         state.reserved[counter] = state.reserved.get(counter, 0.0) + amount
-    state.open[reservation_id] = {"amounts": amounts, "at": now, "units": units}
+    # the output tokens it holds: `units` per choice (`n` > 1 claims `per_unit` = n), for `charged`
+    output = next((c.per_unit * units for c in request.claims if c.counter == "tokens"), float(units))
+    state.open[reservation_id] = {"amounts": amounts, "at": now, "units": units, "output": output}
     state.updated_at = now
     return Reservation(reservation_id, state.run_id, state.epoch, units, amounts)
 
@@ -113,10 +115,11 @@ def recover(state: RunState, now: float) -> int:
 
 def charged(record: Mapping[str, Any]) -> dict[str, float]:
     """What an open reservation charges when its process is gone: what it held, its tokens split as a
-    settlement without usage splits them (its output units, the rest input)."""
+    settlement without usage splits them (its output tokens, every choice's, the rest input). Records
+    written before `output` was kept count `units`."""
     held: dict[str, float] = dict(record["amounts"])
     if "tokens" in held:
-        output = min(float(record.get("units", 0)), held["tokens"])
+        output = min(float(record.get("output", record.get("units", 0))), held["tokens"])
         held["output_tokens"] = output
         held["input_tokens"] = held["tokens"] - output
     return held

@@ -32,7 +32,7 @@ if before ~= nil then  -- logic.expire: a reservation older than its lease is ch
           charged[counter] = tonumber(amount)
         end
         if charged['tokens'] ~= nil then
-          local output = math.min(tonumber(held['units'] or 0), charged['tokens'])
+          local output = math.min(tonumber(held['output'] or held['units'] or 0), charged['tokens'])
           charged['output_tokens'] = output
           charged['input_tokens'] = charged['tokens'] - output
         end
@@ -103,10 +103,11 @@ if units < min_units and limiting ~= nil then
 end
 if units < 0 then units = 0 end
 if limiting ~= nil and clamp ~= nil and units > clamp then units = clamp end
-local amounts, order = {}, {}
+local amounts, order, output = {}, {}, units
 for _, c in ipairs(claims) do
   if amounts[c.counter] == nil then order[#order + 1] = c.counter end
   amounts[c.counter] = c.fixed + c.per_unit * units
+  if c.counter == 'tokens' then output = c.per_unit * units end  -- every choice's (logic.reserve)
 end
 local out = {'ok', redis.call('HGET', K, 'epoch'), string.format('%d', units)}
 local held = {}
@@ -117,7 +118,7 @@ for _, counter in ipairs(order) do
   out[#out + 1] = counter
   out[#out + 1] = num(amount)
 end
-redis.call('HSET', K, 'o:' .. rid, cjson.encode({amounts = held, at = num(now), units = num(units)}),
+redis.call('HSET', K, 'o:' .. rid, cjson.encode({amounts = held, at = num(now), units = num(units), output = num(output)}),
   'updated_at', num(now))
 touch()
 return cjson.encode(out)

@@ -10,7 +10,7 @@ that the hot path reads a run without its steps):
 | `run_id`, `agent`, `status`, `stop_reason`, `stop_detail` | strings; a missing field is `None` |
 | `epoch`, `started_at`, `updated_at` | numbers as `%.17g` text |
 | `u:<counter>` / `r:<counter>` | used / reserved amount, `%.17g` text |
-| `o:<reservation id>` | `{"amounts": {counter: "%.17g"}, "at": "%.17g", "units": "%.17g"}` (JSON; numbers as text) |
+| `o:<reservation id>` | `{"amounts": {counter: "%.17g"}, "at": "%.17g", "units": "%.17g", "output": "%.17g"}` (JSON; numbers as text; `output`: output tokens held, every choice's) |
 | `l:<list>` | JSON array of strings (`[]` when empty) |
 
 The steps list holds each step as the JSON the caller encoded, the last `MAX_STEPS` of them. The index
@@ -187,6 +187,7 @@ def _decode(fields: Mapping[str, str], steps: list[Any]) -> RunState:
                 "amounts": {c: float(a) for c, a in held["amounts"].items()},
                 "at": float(held["at"]),
                 "units": int(float(held.get("units", 0))),
+                "output": float(held.get("output", held.get("units", 0))),
             }
         elif kind == "l":
             state.lists[name] = orjson.loads(raw)

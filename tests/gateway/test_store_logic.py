@@ -290,6 +290,20 @@ def test_expire_charges_only_reservations_older_than_the_lease() -> None:
     assert logic.expire(state, NOW + 100, NOW + 100) == 1 and state.reserved == {"tokens": 0.0}
 
 
+def test_an_expired_reservation_of_several_choices_charges_every_choices_output() -> None:
+    """`n` = 3 claims 3 tokens per output unit: a crash charges 3 x 200 output tokens, the rest input."""
+    state = fresh()
+    granted(reserve(state, req(Claim("tokens", 100, 3.0, 10_000.0), max_units=200), now=NOW))
+    assert logic.expire(state, NOW + 10, NOW + 10) == 1
+    assert state.used == {"tokens": 700.0, "output_tokens": 600.0, "input_tokens": 100.0}
+
+
+def test_a_record_without_output_counts_its_units() -> None:
+    """Open records written before `output` was kept (a store file of an older release)."""
+    record = {"amounts": {"tokens": 500.0, "usd": 0.1}, "at": NOW, "units": 400}
+    assert logic.charged(record) == {"tokens": 500.0, "usd": 0.1, "output_tokens": 400.0, "input_tokens": 100.0}
+
+
 def test_settle_is_idempotent() -> None:
     state, grant = held_run()
     actual = {"usd": 0.001, "tokens": 500.0, "llm_calls": 1.0}

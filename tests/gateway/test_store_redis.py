@@ -287,6 +287,22 @@ async def test_a_dead_processes_reservation_is_charged_once_its_lease_runs_out(
         await alive.close()
 
 
+async def test_a_dead_processes_reservation_of_several_choices_charges_every_choices_output(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """`n` = 3 (3 tokens per output unit): the lease charges 3 x 200 output tokens, as logic.charged."""
+    prefix = f"t-{uuid.uuid4().hex}:"
+    store = RedisRunStore.open(redis_server.url, prefix=prefix, lease_s=60)
+    request = ReserveRequest((Claim("tokens", 100.0, 3.0, 10_000.0, "token_budget_exhausted"),), 16, 200)
+    try:
+        assert isinstance(await store.reserve("run", "bot", request, NOW), Reservation)
+        assert isinstance(await store.reserve("run", "bot", request, NOW + 61), Reservation)  # expires the first
+        state = await store.get("run")
+        assert state is not None
+        assert (state.used["output_tokens"], state.used["input_tokens"]) == (600.0, 100.0)
+    finally:
+        await store.close()
+
+
 # -- expiry ------------------------------------------------------------------------------------------
 
 
