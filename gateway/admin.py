@@ -112,6 +112,7 @@ async def reset_run(request: web.Request) -> web.Response:
         return _unavailable()
     run_id = request.match_info["run_id"]
     before = await gw.store.get(run_id)
+    gw.history_marks.bump(run_id)  # steps judged on the history before the reset read it again
     run = await gw.store.reset(run_id, time.time())
     if run is None or before is None:
         return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)

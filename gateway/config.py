@@ -322,9 +322,9 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def substitute(value: Any, env: Mapping[str, str], path: str = "") -> Any:
-    """Replace `${VAR}` and `${VAR:-default}` in every string value of a parsed YAML tree. A `${` that is
-    not such a reference (a nested default, a name with `-`) or one in a mapping key is an error: kept
-    as text it would become, say, the provider key sent upstream."""
+    """Replace `${VAR}` and `${VAR:-default}` in every string value of a parsed YAML tree; `$${` is a
+    literal `${`. Any other `${` (a nested default, a name with `-`) or one in a mapping key is an error:
+    kept as text it would become, say, the provider key sent upstream."""
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -336,6 +336,8 @@ def substitute(value: Any, env: Mapping[str, str], path: str = "") -> Any:
     if isinstance(value, list):
         return [substitute(v, env, f"{path}.{i}") for i, v in enumerate(value)]
     if isinstance(value, str) and "${" in value:
+        if "$${" in value:  # `$${` writes a literal `${` (a grammar or template that needs one)
+            return "${".join(substitute(part, env, path) for part in value.split("$${"))
         if "${" in _VAR.sub("", value) or any("${" in (m.group(2) or "") for m in _VAR.finditer(value)):
             raise ConfigError([(path or "<root>", _MALFORMED)])
 

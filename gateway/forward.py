@@ -36,7 +36,7 @@ from gateway.pipeline import (
 )
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
-from gateway.upstream import answer_headers, forwardable, scrub
+from gateway.upstream import answer_headers, forwardable, scrub, secret_bytes
 from otel.http import operation_for_path
 from otel.spans import StepSpan
 
@@ -169,7 +169,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     failure: str | None = None
     try:
         if upstream.status >= 400:  # an error may echo the key tollgate sent: read whole, scrubbed
-            body = scrub(await upstream.read(), secret)
+            body = scrub(await upstream.read(), secret_bytes(secret))
             out.content_length = len(body)
             await out.prepare(request)
             await out.write(body)

@@ -260,14 +260,19 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         step.record = True
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
+        refused: InvalidRequest | None = None
         try:  # judged on the run as it is now: calls of one run may overlap (see guard_after)
             run = await _current(step) if ctx.policy.loop is not None else ctx.run
             await _apply(step, chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer))
         except Stopped as exc:  # e.g. no_progress: the result is withheld
             mcp.headers[STOP_HEADER] = exc.reason
             response = step.outcome = gateway_error(message.id, exc)[1]
+        except InvalidRequest as exc:  # a guard's reject: the result is withheld, the run goes on
+            refused = exc
+            response = step.outcome = gateway_error(message.id, exc)[1]
         step.recorded = True
-        await _record(mcp, step.qualified, 200, mcp.headers.get(STOP_HEADER), None, step.started)
+        status = 200 if refused is None else refused.status
+        await _record(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started)
         return response
 
     return await relay(mcp, upstream, message.id, judge)
@@ -324,6 +329,8 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
         raise Stopped(reason, verdict.stop.detail)
     adds = [e for e in verdict.effects if isinstance(e, Add)]
     pushes = [e for e in verdict.effects if isinstance(e, Push)]
+    if pushes:
+        gw.history_marks.bump(ctx.run_id)  # model calls judged meanwhile read the history again
     if adds or pushes:
         denial = await gw.store.apply(ctx.run_id, ctx.agent, adds, pushes, time.time())
         if denial is not None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import orjson
 
 from gateway.call import Call, digest
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.identity import Identity
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.observe import provider_endpoint, telemetry_of
@@ -114,6 +114,8 @@ def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayErro
     a step refused in the pipeline. Nothing was routed, so the span names no provider; with no step, the
     run's epoch is not read: the span's parent is the agent's trace context, else the run's first root."""
     reason = error.stop_reason or error.code
+    # a bad request's message may quote what the agent sent (its schema, its grammar): the code says it
+    detail = "" if isinstance(error, InvalidRequest) else error.redacted
     telemetry = telemetry_of(gw)
     if telemetry is not None:
         parent = context_from_headers(headers)
@@ -122,9 +124,9 @@ def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayErro
         span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0,
                                          parent=parent, run_id=identity.run_id, agent=identity.agent)
         if error.stop_reason:
-            span.stop(reason, error.redacted)
+            span.stop(reason, detail or None)
         else:
-            span.error(reason, error.redacted, upstream=False)
+            span.error(reason, detail or None, upstream=False)
         span.end()
     ledger: Ledger | None = gw.services.get("ledger")
     if ledger is not None:
@@ -132,4 +134,4 @@ def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayErro
                                          operation=call.operation, model=call.model,
                                          input_hash=call.request_hash,
                                          decision="stop" if error.stop_reason else "error", reason=reason,
-                                         detail=error.redacted))
+                                         detail=detail))

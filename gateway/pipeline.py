@@ -49,6 +49,7 @@ MIN_OUTPUT_TOKENS = 16
 STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
 JUDGED = "judged"  # step.extra: guard_after ran on the step's answer
+_MARK = "history_mark"  # step.extra: the run's in-process history version when its snapshot was read
 JSON = "application/json"
 # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
 TRACE_HEADERS = frozenset({"baggage", "traceparent", "tracestate"})
@@ -125,6 +126,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         return
     step.extra["snapshot"] = snapshot
     step.extra["epoch"] = snapshot.epoch if snapshot is not None else 1
+    step.extra[_MARK] = gw.history_marks.version(ident.run_id)
     if snapshot is not None and snapshot.stopped:  # sticky: the run's own reason, whatever else holds now
         step.stop_reason = snapshot.stop_reason or "stopped"
         step.stop_detail = snapshot.stop_detail or f"the run is stopped ({step.stop_reason})"
@@ -193,10 +195,15 @@ async def _rejudge(gw: Gateway, step: Step, ctx: StepContext, verdict: Verdict) 
     judged again on the run as it is now when its history moved while the reservation was written (other
     steps of the run may have landed meanwhile: SQLite batches their writes, Redis is a round trip away).
     The caller holds the run's lock from here to the effects, so in one process identical requests sent
-    at once cannot each pass. Raises like the first judgement; the caller releases the reservation."""
+    at once cannot each pass. The run is read again only when a step of this process wrote its history
+    since the snapshot (`Gateway.history_marks`): a lone step costs no second read (other processes'
+    writes are the few milliseconds of overlap Redis leaves). Raises like the first judgement; the caller
+    releases the reservation."""
     if step.extra.get("state_failed"):
         return verdict
     ident = step.identity
+    if step.extra.get(_MARK) == gw.history_marks.version(ident.run_id):
+        return verdict  # no step of this process wrote the run's history since the snapshot: no re-read
     try:
         fresh = await gw.store.get(ident.run_id, steps=False, reservations=False)
     except StateUnavailable as exc:
@@ -246,6 +253,8 @@ async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
         return
     adds = [e for e in verdict.effects if isinstance(e, Add)]
     pushes = [e for e in verdict.effects if isinstance(e, Push)]
+    if pushes:
+        gw.history_marks.bump(step.run_id)  # before the write: a reader that snapshots now re-reads later
     try:
         denial = await gw.store.apply(step.run_id, step.agent, adds, pushes, time.time())
     except StateUnavailable as exc:
@@ -346,6 +355,7 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None and verdict.stop.action == "reject":
+        del step.extra[JUDGED]  # nothing of the answer was applied: what the provider ran is counted at the end
         raise InvalidRequest(verdict.stop.detail)  # the answer is withheld, the run goes on (Decision.reject)
     if verdict.stop is not None:
         if await _reset_since(gw, step):

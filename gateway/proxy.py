@@ -47,7 +47,7 @@ from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
-from gateway.upstream import answer_headers, scrub
+from gateway.upstream import answer_headers, scrub, secret_bytes
 from grammars.tool_args import check_tool_schemas
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
@@ -183,7 +183,8 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 step.error_type = str(upstream.status)
                 secret = provider_secret(step.route.provider)
                 headers_out = answer_headers(upstream.headers, base_headers(step.identity, step), secret=secret)
-                return web.Response(status=upstream.status, body=scrub(data, secret), headers=headers_out)
+                return web.Response(status=upstream.status, body=scrub(data, secret_bytes(secret)),
+                                    headers=headers_out)
             parsed = _parse_body(data)
             try:
                 answer = step.adapter.parse_answer(parsed)

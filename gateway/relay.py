@@ -9,7 +9,10 @@ reservation when the stream broke or carried no usage.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from aiohttp import web
@@ -24,15 +27,16 @@ from gateway.providers.tool_wire import drop_stream_calls
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, without
-from gateway.upstream import UpstreamResponse, answer_headers
+from gateway.upstream import UpstreamResponse, answer_headers, scrub, secret_bytes
 from grammars.checker import IncrementalChecker
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DRAIN_S = 1.0  # how long the rest of a response is read after its final event (its connection's reuse)
 
 
 async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: UpstreamResponse) -> web.StreamResponse:
     adapter = step.adapter
-    reader = adapter.stream_reader(hide_usage=step.hide_usage)
+    reader = adapter.stream_reader(hide_usage=step.hide_usage, choices=step.call.params.choice_count or 1)
     parser = SseParser()
     headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step),
                              secret=provider_secret(step.route.provider))
@@ -45,9 +49,11 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     if checkers and step.call.prefill:  # the answer is the prefill plus what streams back
         for checker in checkers:
             checker.feed(step.call.prefill)
+    secret = secret_bytes(provider_secret(step.route.provider))
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     try:
-        async for chunk in upstream.chunks():
+        chunks = upstream.chunks()
+        async for chunk in chunks:
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
@@ -58,18 +64,22 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     break
                 if not emitted.out:
                     continue
+                data = scrub(emitted.out, secret)  # an error event may echo the provider key
                 # the stream's end waits for the final verdict too: an SDK stops reading at it, so an
                 # error event after it would never be seen
                 if reader.holding or (emitted.done and checkers):
-                    held.append(emitted.out)
+                    held.append(data)
                     continue
                 if step.first_chunk_at is None:
                     step.first_chunk_at = time.monotonic()
                     span = step_span(gw, step)
                     if span is not None:
                         span.first_chunk()
-                await out.write(emitted.out)
+                await out.write(data)
             if failure is not None:
+                break
+            if ended:
+                await _drain(chunks)
                 break
     except GatewayError as exc:
         failure = exc
@@ -138,6 +148,16 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     return out
 
 
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """After the stream's final event: read the rest of the response for a moment (its chunked end
+    follows at once), so that its connection can serve another call. Whatever comes, fails or never
+    comes then no longer concerns the answer; the caller releases the response either way."""
+    with contextlib.suppress(TimeoutError, GatewayError):  # after the final event nothing of it counts
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in chunks:
+                pass
+
+
 def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
     bad = next((c.violation for c in checkers if c.violation is not None), None)
     reason = bad.message if bad is not None else "the output can no longer satisfy its constraint"
@@ -147,17 +167,22 @@ def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
 async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes, Answer]:
     """`stream_check: buffer`: read the whole stream without relaying it, so it can be validated and
     re-asked like a non-streamed answer. Returns the events to send and the answer."""
-    reader = step.adapter.stream_reader(hide_usage=step.hide_usage)
+    reader = step.adapter.stream_reader(hide_usage=step.hide_usage, choices=step.call.params.choice_count or 1)
     parser = SseParser()
     parts: list[bytes] = []
     ended = False
+    secret = secret_bytes(provider_secret(step.route.provider))
     try:
-        async for chunk in upstream.chunks():
+        chunks = upstream.chunks()
+        async for chunk in chunks:
             for event in parser.feed(chunk):
                 if not ended:  # nothing after the final event counts (see relay_stream)
                     emitted = reader.feed(event)
-                    parts.append(emitted.out)
+                    parts.append(scrub(emitted.out, secret))
                     ended = emitted.done
+            if ended:
+                await _drain(chunks)
+                break
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}") from None
     finally:

@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.config import Agent, Config
 from gateway.identity import Identifier
-from gateway.keyed_lock import KeyedLocks
+from gateway.keyed_lock import KeyedLocks, WriteMarks
 from gateway.pricing import Pricer
 from gateway.providers.base import Adapter
 from gateway.routing import Router
@@ -42,6 +42,7 @@ class Gateway:
     services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
     shutting_down: bool = False
     run_locks: KeyedLocks = field(default_factory=KeyedLocks)  # per run: guard judgements that read history
+    history_marks: WriteMarks = field(default_factory=WriteMarks)  # per run: this process's history writes
     guards: dict[str, list[tuple[StopCondition, str]]] = field(default_factory=dict)  # built at startup
     _chains: dict[str, GuardChain] = field(default_factory=dict)
     _tool_policies: dict[str, ToolPolicy] = field(default_factory=dict)

@@ -74,14 +74,16 @@ def answer_headers(
     return out
 
 
-def scrub(data: bytes, secret: str | None) -> bytes:
-    """`data` with every copy of `secret` (the provider key tollgate sent, which an upstream may echo in an
-    error message) replaced: the agent never sees it (DESIGN section 3). Shorter secrets than
-    `MIN_SECRET` are not searched: they would match ordinary text and no provider issues them."""
-    if secret is None or len(secret) < MIN_SECRET:
-        return data
-    raw = secret.encode()
-    return data.replace(raw, REDACTED) if raw in data else data
+def secret_bytes(secret: str | None) -> bytes | None:
+    """What `scrub` searches for: the secret's bytes, or None for a secret shorter than `MIN_SECRET`
+    (it would match ordinary text, and no provider issues such keys)."""
+    return secret.encode() if secret is not None and len(secret) >= MIN_SECRET else None
+
+
+def scrub(data: bytes, secret: bytes | None) -> bytes:
+    """`data` with every copy of `secret` (`secret_bytes` of the provider key tollgate sent, which an
+    upstream may echo in an error message or event) replaced: the agent never sees it (DESIGN section 3)."""
+    return data.replace(secret, REDACTED) if secret is not None and secret in data else data
 
 
 class UpstreamResponse(Protocol):

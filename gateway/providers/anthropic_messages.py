@@ -160,7 +160,7 @@ class AnthropicMessages:
             hosted_calls=hosted,
         )
 
-    def stream_reader(self, *, hide_usage: bool) -> AnthropicStreamReader:
+    def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> AnthropicStreamReader:
         return AnthropicStreamReader()
 
     def error_body(self, error: GatewayError) -> bytes:

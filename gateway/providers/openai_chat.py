@@ -150,8 +150,8 @@ class OpenAIChat:
             other_texts=tuple(others),
         )
 
-    def stream_reader(self, *, hide_usage: bool) -> OpenAIStreamReader:
-        return OpenAIStreamReader(hide_usage)
+    def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> OpenAIStreamReader:
+        return OpenAIStreamReader(hide_usage, choices)
 
     def error_body(self, error: GatewayError) -> bytes:
         return orjson.dumps({"error": openai_error(error)})
@@ -254,8 +254,9 @@ class OpenAIStreamReader:
     """Accumulates a streamed chat completion; relays every event unchanged except a usage chunk the
     agent did not ask for (tollgate asked for it to settle the budget)."""
 
-    def __init__(self, hide_usage: bool) -> None:
+    def __init__(self, hide_usage: bool, choices: int = 1) -> None:
         self._hide_usage = hide_usage
+        self._choices = choices  # `n`: the answer is complete once that many choices finished
         self._id: str | None = None
         self._model: str | None = None
         self._text: list[str] = []
@@ -323,8 +324,8 @@ class OpenAIStreamReader:
                 self._unfinished.discard(index)
             elif index not in self._reasons:
                 self._unfinished.add(index)
-            # complete once every choice seen has finished: a cut stream may have ended one of several
-            self.complete = bool(self._reasons) and not self._unfinished
+            # complete once every choice asked for has finished: a cut stream may have ended one of several
+            self.complete = len(self._reasons) >= self._choices and not self._unfinished
         usage = usage_from(chunk.get("usage"))
         if usage is not None:
             self._usage = usage

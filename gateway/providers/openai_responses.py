@@ -262,7 +262,7 @@ class OpenAIResponses:
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
         return answer_from(body)
 
-    def stream_reader(self, *, hide_usage: bool) -> ResponsesStreamReader:
+    def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> ResponsesStreamReader:
         return ResponsesStreamReader()
 
     def error_body(self, error: GatewayError) -> bytes:

@@ -29,6 +29,7 @@ SUBSTITUTIONS: list[tuple[str, Any, dict[str, str], Any]] = [
     ("value is not re-expanded", "${A}", {"A": "${B}", "B": "no"}, "${B}"),
     ("non-strings untouched", {"n": 3, "f": 1.5, "b": True, "z": None}, {}, {"n": 3, "f": 1.5, "b": True, "z": None}),
     ("nested dicts and lists", {"a": [{"k": "${A}"}, "${B:-b}"]}, {"A": "1"}, {"a": [{"k": "1"}, "b"]}),
+    ("$${ is a literal ${", "t = $${name} for ${A}", {"A": "1"}, "t = ${name} for 1"),
 ]
 
 

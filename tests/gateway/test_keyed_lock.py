@@ -1,6 +1,6 @@
 import asyncio
 
-from gateway.keyed_lock import KeyedLocks
+from gateway.keyed_lock import KeyedLocks, WriteMarks
 
 
 async def test_holders_of_one_key_take_turns() -> None:
@@ -46,3 +46,21 @@ async def test_a_cancelled_waiter_leaves_no_entry() -> None:
         await asyncio.gather(waiter, return_exceptions=True)
         assert len(locks) == 1
     assert len(locks) == 0
+
+
+def test_write_marks_move_per_key() -> None:
+    marks = WriteMarks()
+    before = marks.version("run")
+    marks.bump("other")
+    assert marks.version("run") == before  # another key's write
+    marks.bump("run")
+    assert marks.version("run") != before
+
+
+def test_write_marks_start_afresh_past_their_limit_and_never_repeat_a_version() -> None:
+    marks = WriteMarks(limit=2)
+    marks.bump("a")
+    seen = marks.version("a")
+    marks.bump("b")
+    marks.bump("c")  # a third key: the table starts afresh under a new generation
+    assert marks.version("a") != seen and marks.version("a") == (1, 0)
