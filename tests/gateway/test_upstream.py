@@ -7,7 +7,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.errors import InvalidRequest
-from gateway.upstream import HOP_BY_HOP, answer_headers, check_target, forwardable, scrub
+from gateway.upstream import HOP_BY_HOP, answer_headers, check_target, forwardable, scrub, secret_bytes
 
 Fields = list[tuple[str, str]]
 
@@ -188,7 +188,7 @@ KEY = "sk-live-0123456789abcdef"
     ],
 )
 def test_scrub(data: bytes, secret: str | None, expected: bytes) -> None:
-    assert scrub(data, secret) == expected
+    assert scrub(data, secret_bytes(secret)) == expected
 
 
 def test_answer_headers_leave_out_fields_holding_the_secret() -> None:
