@@ -9,10 +9,7 @@ reservation when the stream broke or carried no usage.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from aiohttp import web
@@ -31,7 +28,6 @@ from gateway.upstream import UpstreamResponse, answer_headers, scrub, secret_byt
 from grammars.checker import IncrementalChecker
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-DRAIN_S = 1.0  # how long the rest of a response is read after its final event (its connection's reuse)
 
 
 async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: UpstreamResponse) -> web.StreamResponse:
@@ -52,8 +48,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     secret = secret_bytes(provider_secret(step.route.provider))
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     try:
-        chunks = upstream.chunks()
-        async for chunk in chunks:
+        async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
@@ -78,11 +73,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 await out.write(data)
             if failure is not None:
                 break
-            if ended:
-                await _drain(chunks)
-                break
     except GatewayError as exc:
-        failure = exc
+        # read on to the response's end after its final event (its connection is reused); if that part
+        # breaks or never comes, the answer is whole all the same
+        failure = None if ended else exc
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         # an event larger than the SSE size limit, undecodable JSON, or JSON of the wrong shape
         failure = UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}")
@@ -148,16 +142,6 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     return out
 
 
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """After the stream's final event: read the rest of the response for a moment (its chunked end
-    follows at once), so that its connection can serve another call. Whatever comes, fails or never
-    comes then no longer concerns the answer; the caller releases the response either way."""
-    with contextlib.suppress(TimeoutError, GatewayError):  # after the final event nothing of it counts
-        async with asyncio.timeout(DRAIN_S):
-            async for _ in chunks:
-                pass
-
-
 def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
     bad = next((c.violation for c in checkers if c.violation is not None), None)
     reason = bad.message if bad is not None else "the output can no longer satisfy its constraint"
@@ -173,16 +157,15 @@ async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes,
     ended = False
     secret = secret_bytes(provider_secret(step.route.provider))
     try:
-        chunks = upstream.chunks()
-        async for chunk in chunks:
+        async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
                 if not ended:  # nothing after the final event counts (see relay_stream)
                     emitted = reader.feed(event)
                     parts.append(scrub(emitted.out, secret))
                     ended = emitted.done
-            if ended:
-                await _drain(chunks)
-                break
+    except GatewayError:
+        if not ended:
+            raise  # after the final event, the rest of the response no longer concerns the answer
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}") from None
     finally:
