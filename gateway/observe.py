@@ -257,7 +257,8 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
     if not reached:
         span.end()
         return step.spent.get("usd", 0.0)
-    telemetry.metrics.upstream_request(step.route.provider_name, _upstream_status(step))
+    if step.extra.get("sent", True):  # an attempt that wrote no byte (queued, never connected) was none
+        telemetry.metrics.upstream_request(step.route.provider_name, _upstream_status(step))
     if telemetry.capture_content and step.answer is not None:
         span.capture_output(step.answer, gw.services["redactor"])
     span.finish(step.answer, cost_usd=step.cost_usd)
@@ -324,12 +325,14 @@ def ledger_decision(step: Step) -> tuple[str, str | None, str]:
 
 
 class _Reserved:
-    """USD reserved by this process's steps between forward and record."""
+    """USD reserved by this process's steps between forward and record, and how many steps hold some
+    (none: exactly 0, whatever float subtraction left)."""
 
-    __slots__ = ("usd",)
+    __slots__ = ("steps", "usd")
 
     def __init__(self) -> None:
         self.usd = 0.0
+        self.steps = 0
 
 
 def _reserved(gw: Gateway) -> _Reserved:
@@ -345,6 +348,8 @@ def _reserve(gw: Gateway, metrics: Metrics, step: Step) -> None:
     if usd > 0:
         holder = _reserved(gw)
         holder.usd += usd
+        if _RESERVED not in step.extra:
+            holder.steps += 1
         step.extra[_RESERVED] = step.extra.get(_RESERVED, 0.0) + usd
         metrics.set_budget_reserved(holder.usd)
 
@@ -353,7 +358,8 @@ def _release(gw: Gateway, metrics: Metrics, step: Step) -> None:
     usd = float(step.extra.pop(_RESERVED, 0.0))
     if usd > 0:
         holder = _reserved(gw)
-        holder.usd = max(0.0, holder.usd - usd)
+        holder.steps -= 1
+        holder.usd = max(0.0, holder.usd - usd) if holder.steps > 0 else 0.0
         metrics.set_budget_reserved(holder.usd)
 
 

@@ -37,7 +37,6 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step),
                              secret=provider_secret(step.route.provider))
     out = web.StreamResponse(status=200, headers=headers)
-    await out.prepare(request)
     held: list[bytes] = []
     failure: GatewayError | None = None
     client_gone = False
@@ -48,6 +47,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     secret = secret_bytes(provider_secret(step.route.provider))
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     try:
+        await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         async for chunk in upstream.chunks():
             for event in parser.feed(chunk):
                 if ended:
