@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -58,7 +58,13 @@ from gateway.http1_wire import Sending
 from gateway.ledger_chain import verify
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import response_body, response_stream
-from tests.fakes.upstream import anthropic_message, anthropic_stream, openai_completion, openai_stream, tool_call
+from tests.fakes.upstream import (
+    anthropic_message,
+    anthropic_stream,
+    openai_completion,
+    openai_stream,
+    tool_call,
+)
 
 BOTH_LOOPS = True  # asyncio and uvloop (the loop `tollgate serve` runs)
 
@@ -631,7 +637,7 @@ async def check_runs(session: aiohttp.ClientSession, admin_url: str, prefix: str
         held = {r: v for r, v in views.items() if v["reserved_usd"] != 0 or v["reserved_tokens"] != 0}
         return not held, views
 
-    ok, views = await until(read, timeout)
+    _ok, views = await until(read, timeout)
     for run, view in views.items():
         agent = view["agent"]
         if view["reserved_usd"] != 0 or view["reserved_tokens"] != 0:
@@ -831,7 +837,7 @@ async def check_inproc_left(h: Harness, base: InProcBase, problems: list[str], t
               and len(fake_tasks) <= conns)
         return ok, state
 
-    ok, state = await until(read, timeout)
+    _ok, state = await until(read, timeout)
     if state["tasks"]:
         problems.append(f"asyncio tasks left ({len(state['tasks'])}): {state['tasks'][:8]}")
     if state["busy"]:
@@ -872,7 +878,7 @@ class RecordingSending(Sending):
     that left while the connection was being made) can then be counted (diagnostics only)."""
 
     __slots__ = ()
-    made: list[Sending] = []
+    made: ClassVar[list[Sending]] = []
 
     def __init__(self) -> None:
         super().__init__()
