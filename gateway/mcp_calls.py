@@ -332,7 +332,11 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
     if pushes:
         gw.history_marks.bump(ctx.run_id)  # model calls judged meanwhile read the history again
     if adds or pushes:
-        denial = await gw.store.apply(ctx.run_id, ctx.agent, adds, pushes, time.time())
+        try:
+            denial = await gw.store.apply(ctx.run_id, ctx.agent, adds, pushes, time.time())
+        finally:
+            if pushes:
+                gw.history_marks.bump(ctx.run_id)  # and once it landed (see pipeline.apply_effects)
         if denial is not None:
             raise Stopped(denial.reason, denial.detail)
 

@@ -253,13 +253,18 @@ async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
         return
     adds = [e for e in verdict.effects if isinstance(e, Add)]
     pushes = [e for e in verdict.effects if isinstance(e, Push)]
+    # the mark moves before the write and again once it landed (a round trip to Redis): a step whose
+    # snapshot was read in between reads the run again
     if pushes:
-        gw.history_marks.bump(step.run_id)  # before the write: a reader that snapshots now re-reads later
+        gw.history_marks.bump(step.run_id)
     try:
         denial = await gw.store.apply(step.run_id, step.agent, adds, pushes, time.time())
     except StateUnavailable as exc:
         await _state_failed(step, exc)
         return
+    finally:
+        if pushes:
+            gw.history_marks.bump(step.run_id)
     if denial is not None:
         step.stop_reason, step.stop_detail = denial.reason, denial.detail
         raise Stopped(denial.reason, denial.detail)
