@@ -95,6 +95,8 @@ class Usage:
     cache_read_tokens: int = 0
     cache_creation_tokens: int = 0
     reasoning_tokens: int = 0
+    cache_write_1h_tokens: int = 0  # of `cache_creation_tokens`, those written for an hour (Anthropic's dearer rate)
+    web_search_requests: int = 0  # searches the provider ran and bills apart (Anthropic's server_tool_use)
 
     @property
     def total(self) -> int:

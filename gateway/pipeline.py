@@ -355,6 +355,8 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
             snapshot = await gw.store.get(ident.run_id, steps=False, reservations=False)
         except StateUnavailable as exc:
             await _state_failed(step, exc)
+        if snapshot is not None and snapshot.epoch != step.extra.get("epoch", snapshot.epoch):
+            return  # the run was reset while this step was in flight: its answer counts in no run
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
                       step.extra)
     verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)

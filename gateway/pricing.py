@@ -46,13 +46,14 @@ class ModelPrice:
     cache_write: Rate | None = None
     max_output_tokens: int | None = None
     source: str = "genai-prices"
+    cache_write_1h: Rate | None = None  # a cache written for an hour (Anthropic), when priced apart
+    web_search: float = 0.0  # USD per web search the provider ran
 
     @property
     def worst_input(self) -> float:
         """Highest price one input token can cost (a cache write can cost more than plain input)."""
         candidates = [self.input.worst]
-        if self.cache_write is not None:
-            candidates.append(self.cache_write.worst)
+        candidates.extend(r.worst for r in (self.cache_write, self.cache_write_1h) if r is not None)
         return max(candidates)
 
     def cost(self, usage: Usage) -> float:
@@ -65,8 +66,11 @@ class ModelPrice:
         if self.cache_read is not None:
             total += cached * self.cache_read.at(n)
         if self.cache_write is not None:
-            total += written * self.cache_write.at(n)
-        return total
+            hour = min(usage.cache_write_1h_tokens, written) if self.cache_write_1h is not None else 0
+            total += (written - hour) * self.cache_write.at(n)
+            if self.cache_write_1h is not None:
+                total += hour * self.cache_write_1h.at(n)
+        return total + usage.web_search_requests * self.web_search
 
 
 def _rate(value: Any) -> Rate | None:
@@ -120,4 +124,6 @@ def _from_genai_prices(model: str, provider_type: str) -> ModelPrice | None:
     input_rate, output_rate = _rate(mp.input_mtok), _rate(mp.output_mtok)
     if input_rate is None or output_rate is None:
         return None
-    return ModelPrice(input_rate, output_rate, _rate(mp.cache_read_mtok), _rate(mp.cache_write_mtok))
+    return ModelPrice(input_rate, output_rate, _rate(mp.cache_read_mtok), _rate(mp.cache_write_mtok),
+                      cache_write_1h=_rate(getattr(mp, "cache_write_1h_mtok", None)),
+                      web_search=float(getattr(mp, "web_searches_kcount", None) or 0) / 1000)

@@ -20,6 +20,7 @@ from gateway.providers.common import (
     opt_number,
     opt_strings,
     request_basics,
+    required_count,
     stop_text,
     token_count,
 )
@@ -72,11 +73,17 @@ def usage_from(usage: Any) -> Usage | None:
     try:
         read = token_count(usage.get("cache_read_input_tokens"))
         created = token_count(usage.get("cache_creation_input_tokens"))
+        breakdown = usage.get("cache_creation")  # {ephemeral_5m_input_tokens, ephemeral_1h_input_tokens}
+        hour = token_count(breakdown.get("ephemeral_1h_input_tokens")) if isinstance(breakdown, Mapping) else 0
+        server = usage.get("server_tool_use")  # {web_search_requests, web_fetch_requests}: billed apart
+        searches = token_count(server.get("web_search_requests")) if isinstance(server, Mapping) else 0
         return Usage(
-            input_tokens=token_count(usage.get("input_tokens")) + read + created,
-            output_tokens=token_count(usage.get("output_tokens")),
+            input_tokens=required_count(usage.get("input_tokens")) + read + created,
+            output_tokens=required_count(usage.get("output_tokens")),
             cache_read_tokens=read,
             cache_creation_tokens=created,
+            cache_write_1h_tokens=hour,
+            web_search_requests=searches,
         )
     except ValueError:  # counts no provider reports: settled at the reservation, never believed
         return None
@@ -303,6 +310,7 @@ class AnthropicStreamReader:
         self._chars = 0
         self._hosted = 0
         self._start_inputs: dict[int, str] = {}  # tool_use input given whole in content_block_start
+        self._nested: dict[str, Mapping[str, Any]] = {}  # usage.cache_creation / server_tool_use, as last reported
         self.next_index = 0  # the first content block index the agent has not been shown
         self.started = False  # message_start was relayed
         self.holding = False  # a tool_use block started: hold events until the answer is judged
@@ -371,14 +379,20 @@ class AnthropicStreamReader:
         """Take the counts `usage` carries (JSON may write `7.0`); True when it had the output tokens."""
         if not isinstance(usage, Mapping):
             return False
+        output = False
         for key, value in usage.items():
+            if key in ("cache_creation", "server_tool_use") and isinstance(value, Mapping):
+                self._nested[key] = value  # how long cache writes last, searches run: priced apart
+                continue
             if value is None:
                 continue
             try:
                 self._usage[key] = token_count(value)
             except ValueError:
                 continue  # not a count (a nested object such as server_tool_use, or garbage)
-        return "output_tokens" in usage and "output_tokens" in self._usage
+            output = output or key == "output_tokens"
+        # only an output count this event carried, and believed, is final (not message_start's placeholder)
+        return output
 
     def answer(self) -> Answer:
         calls = tuple(ToolCall(v[0], v[1], v[2] or self._start_inputs.get(i, "{}"))
@@ -390,6 +404,6 @@ class AnthropicStreamReader:
             text="".join(self._text),
             tool_calls=calls,
             finish_reasons=(self._reason,) if self._reason else (),
-            usage=usage_from(self._usage) if complete else None,
+            usage=usage_from({**self._usage, **self._nested}) if complete else None,
             hosted_calls=self._hosted,
         )

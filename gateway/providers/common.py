@@ -128,6 +128,14 @@ def token_count(value: Any) -> int:
     return int(value)
 
 
+def required_count(value: Any) -> int:
+    """`token_count` of a count every usage report carries (input, output): absent raises ValueError too,
+    so a `usage: {}` is no report at all (settled at the reservation), never a free call."""
+    if value is None:
+        raise ValueError("a usage report without its input or output count")
+    return token_count(value)
+
+
 def opt_strings(value: Any) -> tuple[str, ...] | None:
     """Stop sequences for telemetry: a string, or the strings of a list; None when absent. What is not
     a string is left out here (the body goes upstream as it came, and the provider judges it)."""

@@ -20,6 +20,7 @@ from gateway.providers.common import (
     opt_number,
     opt_strings,
     request_basics,
+    required_count,
     stop_text,
     token_count,
     usage_detail,
@@ -241,8 +242,8 @@ def usage_from(usage: Any) -> Usage | None:
     completion_details = usage.get("completion_tokens_details")
     try:
         return Usage(
-            input_tokens=token_count(usage.get("prompt_tokens")),
-            output_tokens=token_count(usage.get("completion_tokens")),
+            input_tokens=required_count(usage.get("prompt_tokens")),
+            output_tokens=required_count(usage.get("completion_tokens")),
             cache_read_tokens=token_count(usage_detail(prompt_details, "cached_tokens")),
             reasoning_tokens=token_count(usage_detail(completion_details, "reasoning_tokens")),
         )
@@ -326,9 +327,10 @@ class OpenAIStreamReader:
                 self._unfinished.add(index)
             # complete once every choice asked for has finished: a cut stream may have ended one of several
             self.complete = len(self._reasons) >= self._choices and not self._unfinished
-        usage = usage_from(chunk.get("usage"))
-        if usage is not None:
-            self._usage = usage
+        reported = chunk.get("usage")
+        usage = usage_from(reported)
+        if usage is not None or reported is not None:
+            self._usage = usage  # a report not believed makes the usage unknown, not the previous one
             if self._hide_usage and not choices:
                 return StreamStep(b"")
         return StreamStep(event.raw)

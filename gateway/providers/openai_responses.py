@@ -30,6 +30,7 @@ from gateway.providers.common import (
     opt_int,
     opt_number,
     require_model,
+    required_count,
     stop_text,
     token_count,
     usage_detail,
@@ -374,8 +375,8 @@ def usage_from(usage: Any) -> Usage | None:
     reasoning = usage.get("output_tokens_details")
     try:
         return Usage(
-            input_tokens=token_count(usage.get("input_tokens")),
-            output_tokens=token_count(usage.get("output_tokens")),
+            input_tokens=required_count(usage.get("input_tokens")),
+            output_tokens=required_count(usage.get("output_tokens")),
             cache_read_tokens=token_count(usage_detail(cached, "cached_tokens")),
             cache_creation_tokens=token_count(usage_detail(cached, "cache_write_tokens")),
             reasoning_tokens=token_count(usage_detail(reasoning, "reasoning_tokens")),

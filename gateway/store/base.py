@@ -166,7 +166,8 @@ class RunStore(Protocol):
 
     def runs_updated(self, after: float, before: float, page: int = 1000) -> AsyncIterator[list[RunState]]:
         """Every run last updated in (`after`, `before`], least recently updated first (ties by run id),
-        in pages of at most `page`, each run with its steps. What a page shows is read when it is asked
+        in pages of `page` runs (more where a page ends among runs of one time, which a store may take
+        whole so that none is skipped), each run with its steps. What a page shows is read when it is asked
         for: a run updated meanwhile may show its new `updated_at`, or come in a later page. Reads only
         the runs of the window (the idle-run sweep asks for those that went idle since its last sweep)."""
         ...

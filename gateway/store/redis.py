@@ -311,27 +311,27 @@ class RedisRunStore:
     async def runs_updated(
         self, after: float, before: float, page: int = 1000
     ) -> AsyncIterator[list[RunState]]:
-        """`RunStore.runs_updated`, from the `updated_at` index. Runs with one score are listed in member
-        order: a page starts at the last score listed and skips the members listed already."""
+        """`RunStore.runs_updated`, from the `updated_at` index. A page that ends inside a run of equal
+        scores takes every member of that score, so the next page starts strictly after it: no run is
+        skipped when others of its score are updated or expire while paging."""
         low, high = f"({after!r}", repr(before)
-        last: tuple[float, bytes] | None = None  # (score, run id) of the last run listed
-        ties = 0  # runs listed with that score
         while True:
-            want = page + ties
             entries = cast(list[tuple[bytes, float]], await self._guard(partial(
-                self._client.zrangebyscore, self._index, low, high, start=0, num=want, withscores=True)))
-            fresh = [e for e in entries if last is None or e[1] > last[0] or e[0] > last[1]][:page]
-            if not fresh:
+                self._client.zrangebyscore, self._index, low, high, start=0, num=page, withscores=True)))
+            if not entries:
                 return
-            runs = await self._read_runs([run_id for run_id, _ in fresh])
+            score = entries[-1][1]
+            listed = entries
+            if len(entries) == page:  # the page may have cut the members of its last score
+                tied = cast(list[tuple[bytes, float]], await self._guard(partial(
+                    self._client.zrangebyscore, self._index, repr(score), repr(score), withscores=True)))
+                listed = [e for e in entries if e[1] < score] + tied
+            runs = await self._read_runs([run_id for run_id, _ in listed])
             if runs:
                 yield runs
-            if len(entries) < want:
+            if len(entries) < page:
                 return
-            score = fresh[-1][1]
-            listed = sum(1 for e in fresh if e[1] == score)
-            ties = (ties if last is not None and last[0] == score else 0) + listed
-            last, low = (score, fresh[-1][0]), repr(score)
+            low = f"({score!r}"
 
     async def _read_runs(self, ids: list[bytes]) -> list[RunState]:
         """The runs `ids` names with their steps, in that order; ids of runs that expired are removed

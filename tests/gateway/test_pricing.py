@@ -193,7 +193,16 @@ def test_genai_prices_tiers_are_kept() -> None:
     price = Pricer({}).lookup("claude-sonnet-4-5", "anthropic")
     assert price is not None
     assert price.input.tiers != () and price.input.worst > price.input.base
-    assert price.worst_input == max(price.input.worst, price.cache_write.worst if price.cache_write else 0.0)
+    writes = [r.worst for r in (price.cache_write, price.cache_write_1h) if r is not None]
+    assert price.worst_input == max(price.input.worst, *writes)
+    assert price.cache_write_1h is not None and price.worst_input == price.cache_write_1h.worst  # the dearest
+
+
+def test_a_cache_written_for_an_hour_is_priced_at_its_rate() -> None:
+    """Anthropic's `cache_creation.ephemeral_1h_input_tokens` cost more than 5-minute writes."""
+    price = ModelPrice(Rate(1e-6), Rate(4e-6), Rate(0.1e-6), Rate(1.25e-6), cache_write_1h=Rate(2e-6))
+    usage = Usage(input_tokens=1100, output_tokens=10, cache_creation_tokens=1000, cache_write_1h_tokens=600)
+    assert price.cost(usage) == pytest.approx(100 * 1e-6 + 400 * 1.25e-6 + 600 * 2e-6 + 10 * 4e-6)
 
 
 @pytest.mark.parametrize(

@@ -167,13 +167,13 @@ def test_parse_answer(body: dict[str, Any], expected: Answer) -> None:
     [
         (None, None),
         (7, None),
-        ({}, Usage()),
+        ({}, None),  # no counts at all is no report: settled at the reservation, never free
         ({"input_tokens": 10, "output_tokens": 7}, Usage(10, 7)),
         ({"input_tokens": 10, "output_tokens": 7, "cache_read_input_tokens": 3,
           "cache_creation_input_tokens": 2},
          Usage(input_tokens=15, output_tokens=7, cache_read_tokens=3, cache_creation_tokens=2)),
         ({"input_tokens": 4, "cache_read_input_tokens": None, "cache_creation_input_tokens": None,
-          "output_tokens": None}, Usage(4, 0)),
+          "output_tokens": None}, None),  # output count missing
         ({"input_tokens": 10, "output_tokens": 1e300}, None),  # not believed: settled at the reservation
         ({"input_tokens": -10, "output_tokens": 7}, None),
         ({"input_tokens": 10, "output_tokens": 7, "cache_read_input_tokens": 2**64}, None),

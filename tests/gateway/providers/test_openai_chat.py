@@ -180,13 +180,13 @@ def test_parse_answer(body: dict[str, Any], expected: Answer) -> None:
         (None, None),
         ("10", None),
         ([10, 5], None),
-        ({}, Usage()),
+        ({}, None),  # no counts at all is no report: settled at the reservation, never free
         (USAGE, Usage(10, 5)),
         ({**USAGE, "prompt_tokens_details": {"cached_tokens": 4},
           "completion_tokens_details": {"reasoning_tokens": 2}},
          Usage(input_tokens=10, output_tokens=5, cache_read_tokens=4, reasoning_tokens=2)),
         ({"prompt_tokens": None, "completion_tokens": 3, "prompt_tokens_details": None,
-          "completion_tokens_details": None}, Usage(0, 3)),
+          "completion_tokens_details": None}, None),  # input count missing
         ({"prompt_tokens": 10.0, "completion_tokens": 5}, Usage(10, 5)),
         # counts no provider reports are not believed: the step settles at its reservation
         ({"prompt_tokens": 1, "completion_tokens": 1e300}, None),

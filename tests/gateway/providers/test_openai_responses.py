@@ -343,7 +343,7 @@ def test_parse_answer_of_partial_bodies(body: dict[str, Any], expected: Answer) 
         (None, None),
         ("10", None),
         ([10, 5], None),
-        ({}, Usage()),
+        ({}, None),  # no counts at all is no report: settled at the reservation, never free
         (sdk_usage(), Usage(10, 5)),
         (sdk_usage(100, 20, cached=64, reasoning=12),
          Usage(input_tokens=100, output_tokens=20, cache_read_tokens=64, reasoning_tokens=12)),
