@@ -84,6 +84,8 @@ class ToolStep:
     response: dict[str, Any] | None = None  # the server's JSON-RPC response, as it answered
     unguarded: bool = False  # the run store is down and the policy says `state_failure: fail_open`
     approved_by: str | None = None  # who approved a call parked for approval (the ledger's audit trail)
+    write_key: str | None = None  # a write-tier call: its entry in the run's list of writes that ran
+    write_listed: bool = False  # that entry is in the run store
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
@@ -207,6 +209,7 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
     leader, future = cache.begin(key)
     if not leader:
         return _replay(mcp, message, await asyncio.shield(future))
+    step.write_key = key[2]
     try:
         response = await _execute(step)
     except GatewayError as exc:
@@ -216,9 +219,17 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
         outcome = step.outcome or error_message(
             message.id, UPSTREAM_FAILED, "upstream_failed: the identical call in flight got no result")
         cache.finish(key, outcome, record=step.record)
-        if step.record and not step.unguarded:
-            await mcp.gw.store.push(mcp.identity.run_id, mcp.identity.agent, WRITES_LIST, (key[2],), WRITES_KEEP)
+        await _list_write(step)  # when judging the result did not (a JSON answer relayed unjudged)
     return response
+
+
+async def _list_write(step: ToolStep) -> None:
+    """The run's list of writes that ran gets this call's entry, once: other sidecars of the run refuse a
+    repeat (`duplicate_tool_call`). Done before the result reaches the client where the result is
+    judged, so a repeat the client sends at once through another sidecar finds it."""
+    if step.record and step.write_key is not None and not step.write_listed and not step.unguarded:
+        step.write_listed = True
+        await step.mcp.gw.store.push(step.ctx.run_id, step.ctx.agent, WRITES_LIST, (step.write_key,), WRITES_KEEP)
 
 
 def _replay(mcp: McpRequest, message: Message, outcome: Outcome) -> web.Response:
@@ -258,6 +269,7 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         if not isinstance(result, dict):
             return response  # a JSON-RPC error of the server: counted, as a retry is
         step.record = True
+        await _list_write(step)
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
         refused: InvalidRequest | None = None
