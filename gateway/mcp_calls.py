@@ -60,7 +60,7 @@ from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
 from grammars.tool_args import validate_tool_arguments
-from guards.base import Add, Push, StepContext
+from guards.base import StepContext
 from guards.caps import PENDING_KEEP
 from guards.chain import Verdict
 from otel.spans import StepSpan
@@ -339,18 +339,9 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
         reason = verdict.stop.reason or "stopped"
         await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
         raise Stopped(reason, verdict.stop.detail)
-    adds = [e for e in verdict.effects if isinstance(e, Add)]
-    pushes = [e for e in verdict.effects if isinstance(e, Push)]
-    if pushes:
-        gw.history_marks.bump(ctx.run_id)  # model calls judged meanwhile read the history again
-    if adds or pushes:
-        try:
-            denial = await gw.store.apply(ctx.run_id, ctx.agent, adds, pushes, time.time())
-        finally:
-            if pushes:
-                gw.history_marks.bump(ctx.run_id)  # and once it landed (see pipeline.apply_effects)
-        if denial is not None:
-            raise Stopped(denial.reason, denial.detail)
+    denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects)
+    if denial is not None:
+        raise Stopped(denial.reason, denial.detail)
 
 
 async def _approve(step: ToolStep) -> None:

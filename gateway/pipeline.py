@@ -41,7 +41,7 @@ from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import Denial, ReserveRequest
 from gateway.upstream import forwardable
-from guards.base import REASK, Add, Decision, Push, StepContext
+from guards.base import REASK, Add, Decision, StepContext
 from guards.budget import USAGE_COUNTERS, settlement
 from guards.chain import Verdict
 
@@ -251,20 +251,11 @@ async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
     """A step's counter additions and history pushes, in one atomic store operation."""
     if not verdict.effects or step.extra.get("state_failed"):
         return
-    adds = [e for e in verdict.effects if isinstance(e, Add)]
-    pushes = [e for e in verdict.effects if isinstance(e, Push)]
-    # the mark moves before the write and again once it landed (a round trip to Redis): a step whose
-    # snapshot was read in between reads the run again
-    if pushes:
-        gw.history_marks.bump(step.run_id)
     try:
-        denial = await gw.store.apply(step.run_id, step.agent, adds, pushes, time.time())
+        denial = await gw.write_effects(step.run_id, step.agent, verdict.effects)
     except StateUnavailable as exc:
         await _state_failed(step, exc)
         return
-    finally:
-        if pushes:
-            gw.history_marks.bump(step.run_id)
     if denial is not None:
         step.stop_reason, step.stop_detail = denial.reason, denial.detail
         raise Stopped(denial.reason, denial.detail)
@@ -392,7 +383,7 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
     limit = step.identity.policy.caps.tool_calls
     add = Add("tool_calls", float(hosted), None if limit is None else float(limit), "tool_call_cap")
     try:
-        denial = await gw.store.apply(step.run_id, step.agent, (add,), (), time.time())
+        denial = await gw.write_effects(step.run_id, step.agent, (add,))
     except GatewayError:
         step.extra["record_failed"] = True  # the store is down; the answer is already decided
         return

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +13,10 @@ from gateway.keyed_lock import KeyedLocks, WriteMarks
 from gateway.pricing import Pricer
 from gateway.providers.base import Adapter
 from gateway.routing import Router
-from gateway.store.base import RunStore
+from gateway.store.base import Denial, RunStore
 from gateway.tools import ToolPolicy
 from gateway.upstream import Transport, Upstream
-from guards.base import StopCondition
+from guards.base import Add, Effect, Push, StopCondition
 from guards.chain import GuardChain
 from guards.registry import build_chain
 
@@ -53,6 +54,22 @@ class Gateway:
             built = self.guards.get(agent) or build_chain(policy, agent)  # an agent not in the config
             chain = self._chains[agent] = GuardChain(built, self._guard_error)
         return chain
+
+    async def write_effects(self, run_id: str, agent: str, effects: Sequence[Effect]) -> Denial | None:
+        """Guards' effects (counter additions, history pushes) in one atomic store operation; a denial when
+        an `Add` went over its limit. A history write moves the run's mark before it and again once it
+        landed (a round trip to Redis): a step whose snapshot was read in between judges again."""
+        adds = [e for e in effects if isinstance(e, Add)]
+        pushes = [e for e in effects if isinstance(e, Push)]
+        if not adds and not pushes:
+            return None
+        if pushes:
+            self.history_marks.bump(run_id)
+        try:
+            return await self.store.apply(run_id, agent, adds, pushes, time.time())
+        finally:
+            if pushes:
+                self.history_marks.bump(run_id)
 
     def transport(self, provider_name: str) -> Transport:
         """The transport of a provider: the pooled HTTP client, unless one is registered for it
