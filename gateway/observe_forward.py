@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import orjson
+from opentelemetry.context import Context
 
 from gateway.call import Call, digest
 from gateway.errors import GatewayError, InvalidRequest
@@ -47,7 +48,7 @@ def start_forward(gw: Gateway, identity: Identity, headers: Mapping[str, str], *
 def _open(telemetry: Telemetry, headers: Mapping[str, str], epoch: int, method: str, url: str,
           operation: str | None, model: str | None, identity: Identity, labels: StepLabels) -> StepSpan:
     """The span, under the agent's trace context, else its run's root."""
-    parent = context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch)
+    parent = _parent(telemetry, headers, identity, epoch)
     if operation is None:
         return telemetry.start_http(method, url, labels=labels, parent=parent, run_id=identity.run_id,
                                     agent=identity.agent)
@@ -55,6 +56,11 @@ def _open(telemetry: Telemetry, headers: Mapping[str, str], epoch: int, method: 
                                      provider_name=labels.provider, server_address=labels.server_address or "",
                                      server_port=labels.server_port or 0, parent=parent,
                                      run_id=identity.run_id, agent=identity.agent)
+
+
+def _parent(telemetry: Telemetry, headers: Mapping[str, str], identity: Identity, epoch: int) -> Context:
+    """The agent's trace context when it sent one, else its run's root (of `epoch`)."""
+    return context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch)
 
 
 def end_forward(span: StepSpan | None, *, status: int | None, failure: str | None = None) -> None:
@@ -118,11 +124,9 @@ def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayErro
     detail = "" if isinstance(error, InvalidRequest) else error.redacted
     telemetry = telemetry_of(gw)
     if telemetry is not None:
-        parent = context_from_headers(headers)
-        if parent is None:
-            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=1)
         span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0,
-                                         parent=parent, run_id=identity.run_id, agent=identity.agent)
+                                         parent=_parent(telemetry, headers, identity, 1),
+                                         run_id=identity.run_id, agent=identity.agent)
         if error.stop_reason:
             span.stop(reason, detail or None)
         else:

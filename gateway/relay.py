@@ -34,8 +34,8 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     adapter = step.adapter
     reader = adapter.stream_reader(hide_usage=step.hide_usage, choices=step.call.params.choice_count or 1)
     parser = SseParser()
-    headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step),
-                             secret=provider_secret(step.route.provider))
+    key = provider_secret(step.route.provider)
+    headers = answer_headers(upstream.headers, SSE_HEADERS, base_headers(step.identity, step), secret=key)
     out = web.StreamResponse(status=200, headers=headers)
     held: list[bytes] = []
     failure: GatewayError | None = None
@@ -44,7 +44,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     if checkers and step.call.prefill:  # the answer is the prefill plus what streams back
         for checker in checkers:
             checker.feed(step.call.prefill)
-    secret = secret_bytes(provider_secret(step.route.provider))
+    secret = secret_bytes(key)
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
