@@ -96,7 +96,8 @@ class Usage:
     cache_creation_tokens: int = 0
     reasoning_tokens: int = 0
     cache_write_1h_tokens: int = 0  # of `cache_creation_tokens`, those written for an hour (Anthropic's dearer rate)
-    web_search_requests: int = 0  # searches the provider ran and bills apart (Anthropic's server_tool_use)
+    web_search_requests: int = 0  # web searches the provider ran and bills apart (per search, not per token)
+    file_search_requests: int = 0  # file (vector store) searches the provider ran and bills apart
 
     @property
     def total(self) -> int:
@@ -145,6 +146,9 @@ class Call:
     request_hash: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     prefill: str = ""  # text the request puts in the answer's mouth (Anthropic: a last assistant message)
+    # one entry per limit on the searches the provider may run and bill apart (an Anthropic web search
+    # tool's `max_uses`, a Responses request's `max_tool_calls` over its search tools); None: no limit sent
+    search_limits: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,6 +139,9 @@ class Price(Frozen):
     input_per_mtok: NonNegFloat
     output_per_mtok: NonNegFloat
     max_output_tokens: PosInt | None = None
+    # USD per 1,000 searches the provider runs and bills apart; unset: genai-prices' fee for the model
+    web_search_per_k: NonNegFloat | None = None
+    file_search_per_k: NonNegFloat | None = None
 
 
 class State(Frozen):

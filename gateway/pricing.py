@@ -48,6 +48,12 @@ class ModelPrice:
     source: str = "genai-prices"
     cache_write_1h: Rate | None = None  # a cache written for an hour (Anthropic), when priced apart
     web_search: float = 0.0  # USD per web search the provider ran
+    file_search: float = 0.0  # USD per file search the provider ran (OpenAI's file_search tool)
+
+    @property
+    def search_fee(self) -> float:
+        """Highest fee one search the provider runs can cost (what a reservation holds per search)."""
+        return max(self.web_search, self.file_search)
 
     @property
     def worst_input(self) -> float:
@@ -70,7 +76,7 @@ class ModelPrice:
             total += (written - hour) * self.cache_write.at(n)
             if self.cache_write_1h is not None:
                 total += hour * self.cache_write_1h.at(n)
-        return total + usage.web_search_requests * self.web_search
+        return total + usage.web_search_requests * self.web_search + usage.file_search_requests * self.file_search
 
 
 def _rate(value: Any) -> Rate | None:
@@ -102,14 +108,23 @@ class Pricer:
         override = self._overrides.get(model)
         if override is None:
             override = next((p for g, p in self._overrides.items() if fnmatchcase(model, g)), None)
-        if override is not None:
-            return ModelPrice(
-                Rate(override.input_per_mtok / _MTOK),
-                Rate(override.output_per_mtok / _MTOK),
-                max_output_tokens=override.max_output_tokens,
-                source="config",
-            )
-        return _from_genai_prices(model, provider_type)
+        if override is None:
+            return _from_genai_prices(model, provider_type)
+        # an override of the token prices keeps the provider's search fees unless it sets its own
+        known = None if None not in (override.web_search_per_k, override.file_search_per_k) else (
+            _from_genai_prices(model, provider_type))
+        return ModelPrice(
+            Rate(override.input_per_mtok / _MTOK),
+            Rate(override.output_per_mtok / _MTOK),
+            max_output_tokens=override.max_output_tokens,
+            source="config",
+            web_search=_per_search(override.web_search_per_k, known.web_search if known else 0.0),
+            file_search=_per_search(override.file_search_per_k, known.file_search if known else 0.0),
+        )
+
+
+def _per_search(per_k: float | None, known: float) -> float:
+    return known if per_k is None else per_k / 1000
 
 
 def _from_genai_prices(model: str, provider_type: str) -> ModelPrice | None:
@@ -126,4 +141,5 @@ def _from_genai_prices(model: str, provider_type: str) -> ModelPrice | None:
         return None
     return ModelPrice(input_rate, output_rate, _rate(mp.cache_read_mtok), _rate(mp.cache_write_mtok),
                       cache_write_1h=_rate(getattr(mp, "cache_write_1h_mtok", None)),
-                      web_search=float(getattr(mp, "web_searches_kcount", None) or 0) / 1000)
+                      web_search=float(getattr(mp, "web_searches_kcount", None) or 0) / 1000,
+                      file_search=float(getattr(mp, "storage_searches_kcount", None) or 0) / 1000)

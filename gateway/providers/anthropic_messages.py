@@ -96,6 +96,18 @@ _MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")  # server tool types
 _SERVER_TOOLS = (*_MAX_USES_TOOLS, "code_execution_", "mcp_toolset")  # tool types Anthropic runs itself
 
 
+def _search_limits(tools: list[Any]) -> tuple[int | None, ...]:
+    """The `max_uses` of each web search tool offered (searches are billed apart); None where it sends
+    no count."""
+    if not tools:
+        return ()
+    return tuple(_count(tool.get("max_uses")) for tool in tools if _type_starts(tool, ("web_search_",)))
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _type_starts(tool: Any, prefixes: tuple[str, ...]) -> bool:
     kind = tool.get("type") if isinstance(tool, Mapping) else None
     return isinstance(kind, str) and kind.startswith(prefixes)
@@ -142,6 +154,7 @@ class AnthropicMessages:
             request_hash=digest(raw),
             raw=body,
             prefill=_prefill(messages),
+            search_limits=_search_limits(raw_tools),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:

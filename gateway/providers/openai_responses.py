@@ -57,6 +57,7 @@ _AGENT_RUN_TOOLS = frozenset(name for name in AGENT_CALLS.values() if name)
 HOSTED_CALL_ITEMS = frozenset({"web_search_call", "file_search_call", "code_interpreter_call",
                                "image_generation_call", "mcp_call", "tool_search_call"})
 _OUTPUT_ITEMS = frozenset(f"{kind}_output" for kind in AGENT_CALLS)
+_SEARCH_TOOLS = ("web_search", "file_search")  # tool types (some dated) whose calls are billed apart
 _TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
 _ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -83,6 +84,16 @@ def _openai_runs(tool: Any) -> bool:
     """An offered tool OpenAI runs itself (not a function, a custom tool or one the agent runs)."""
     kind = item_type(tool)
     return kind is not None and kind not in ("function", "custom") and tool_name(tool) not in _AGENT_RUN_TOOLS
+
+
+def _search_limits(body: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is offered:
+    web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in tools):
+        return ()
+    sent = body.get("max_tool_calls")
+    return (sent if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0 else None,)
 
 
 def call_name(item: Mapping[str, Any]) -> str:
@@ -258,6 +269,7 @@ class OpenAIResponses:
                                  top_p=opt_number(body, "top_p")),
             request_hash=digest(raw),
             raw=body,
+            search_limits=_search_limits(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -340,7 +352,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
     """The neutral answer of a response object: its messages' text and its call items."""
     texts: list[str] = []
     calls: list[ToolCall] = []
-    hosted = 0
+    hosted = web_searches = file_searches = 0
     for item in body.get("output") or ():
         kind = item_type(item)
         if kind == "message":
@@ -349,14 +361,19 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
             calls.append(_call(item))
         elif kind in HOSTED_CALL_ITEMS:
             hosted += 1
+            web_searches += kind == "web_search_call"
+            file_searches += kind == "file_search_call"
     status = body.get("status")
+    usage = usage_from(body.get("usage"))
+    if usage is not None and hosted:  # the usage object does not count them: the output items do
+        usage = replace(usage, web_search_requests=web_searches, file_search_requests=file_searches)
     return Answer(
         response_id=body.get("id"),
         model=body.get("model"),
         text="".join(texts),
         tool_calls=tuple(calls),
         finish_reasons=(_finish(body),) if status else (),
-        usage=usage_from(body.get("usage")),
+        usage=usage,
         hosted_calls=hosted,
     )
 

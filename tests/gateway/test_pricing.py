@@ -135,17 +135,41 @@ OVERRIDES = {
 @pytest.mark.parametrize(
     ("model", "provider_type", "price"),
     [
-        ("gpt-4o", "openai", ModelPrice(Rate(1e-6), Rate(2e-6), max_output_tokens=4096, source="config")),
+        # search fees the config does not set stay genai-prices' (OpenAI: $10 per 1,000 web searches,
+        # $2.50 per 1,000 file searches)
+        ("gpt-4o", "openai", ModelPrice(Rate(1e-6), Rate(2e-6), max_output_tokens=4096, source="config",
+                                        web_search=0.01, file_search=0.0025)),
         # exact before globs, globs in the order of the table
-        ("gpt-4o-mini", "openai", ModelPrice(Rate(7e-6), Rate(8e-6), source="config")),
+        ("gpt-4o-mini", "openai", ModelPrice(Rate(7e-6), Rate(8e-6), source="config", web_search=0.01,
+                                             file_search=0.0025)),
         ("my-local-llama", "openai", ModelPrice(Rate(0.0), Rate(0.0), source="config")),
         ("claude-3", "anthropic", ModelPrice(Rate(5e-6), Rate(6e-6), source="config")),
-        # the config decides whatever the provider type
+        # the config decides whatever the provider type (genai-prices has no gpt-4o under anthropic)
         ("gpt-4o", "anthropic", ModelPrice(Rate(1e-6), Rate(2e-6), max_output_tokens=4096, source="config")),
     ],
 )
 def test_config_prices_override_genai_prices(model: str, provider_type: str, price: ModelPrice) -> None:
     assert Pricer(OVERRIDES).lookup(model, provider_type) == price
+
+
+def test_config_search_fees_replace_genai_prices_ones() -> None:
+    pricer = Pricer({"gpt-4o": Price(input_per_mtok=1.0, output_per_mtok=2.0, web_search_per_k=25.0,
+                                     file_search_per_k=0.0)})
+    price = pricer.lookup("gpt-4o", "openai")
+    assert price is not None and (price.web_search, price.file_search) == (0.025, 0.0)
+    assert price.search_fee == 0.025
+
+
+def test_searches_are_charged_at_their_fees() -> None:
+    price = ModelPrice(Rate(1e-6), Rate(4e-6), web_search=0.01, file_search=0.0025)
+    usage = Usage(input_tokens=100, output_tokens=10, web_search_requests=3, file_search_requests=2)
+    assert price.cost(usage) == pytest.approx(100e-6 + 40e-6 + 0.03 + 0.005)
+    assert price.search_fee == 0.01
+
+
+def test_openai_search_fees_come_from_genai_prices() -> None:
+    price = Pricer({}).lookup("gpt-4.1-mini", "openai")
+    assert price is not None and (price.web_search, price.file_search) == (0.01, 0.0025)
 
 
 def test_config_price_has_no_cache_rates_so_cached_input_costs_full_price() -> None:
@@ -231,5 +255,6 @@ def test_lookups_are_cached_per_provider_type_and_model(monkeypatch: pytest.Monk
         assert pricer.lookup("gpt-4o", "openai") is PLAIN
         assert pricer.lookup("gpt-4o", "anthropic") is PLAIN
         assert pricer.lookup("unknown", "openai") is None  # a miss is cached too
-        assert pricer.lookup("cfg-x", "openai") is not None  # config prices never ask genai-prices
-    assert calls == [("gpt-4o", "openai"), ("gpt-4o", "anthropic"), ("unknown", "openai")]
+        # a config price asks genai-prices only for the search fees it does not set, once
+        assert pricer.lookup("cfg-x", "openai") is not None
+    assert calls == [("gpt-4o", "openai"), ("gpt-4o", "anthropic"), ("unknown", "openai"), ("cfg-x", "openai")]

@@ -35,6 +35,7 @@ def call(
     results: tuple[str, ...] = (),
     request_hash: str = "req-0",
     tool_call: ToolCall | None = None,
+    search_limits: tuple[int | None, ...] = (),
 ) -> Call:
     protocol = "mcp" if operation == "execute_tool" else "openai"
     return Call(
@@ -48,6 +49,7 @@ def call(
         tool_results=tuple(ToolResult(f"c{i}", text) for i, text in enumerate(results)),
         tool_call=tool_call,
         request_hash=request_hash,
+        search_limits=search_limits,
     )
 
 

@@ -331,3 +331,20 @@ def test_with_no_tool_calls_left_server_tools_and_the_mcp_connector_go() -> None
     only = {"tools": [{"type": "web_fetch_20250910", "name": "f"}], "tool_choice": {"type": "any"}}
     assert ADAPTER.limit_hosted_calls(only, 0) is True and only == {}
     assert ADAPTER.limit_hosted_calls({"tools": [{"name": "mine"}]}, 0) is False
+
+
+@pytest.mark.parametrize(
+    ("tools", "limits"),
+    [
+        ([], ()),
+        ([{"name": "mine", "input_schema": {}}], ()),
+        ([{"type": "web_fetch_20250910", "name": "web_fetch"}], ()),  # fetches are billed as tokens only
+        ([{"type": "web_search_20250305", "name": "web_search"}], (None,)),
+        ([{"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+          {"type": "web_search_20250305", "name": "w2", "max_uses": "x"}], (3, None)),
+    ],
+)
+def test_search_limits_are_each_web_search_tools_max_uses(tools: list[Any], limits: tuple[int | None, ...]) -> None:
+    body: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 10,
+                            "messages": [{"role": "user", "content": "hi"}]}
+    assert parse({**body, "tools": tools} if tools else body).search_limits == limits

@@ -315,7 +315,8 @@ def test_parse_answer(
     body: dict[str, Any], text: str, calls: tuple[ToolCall, ...], finish: tuple[str]
 ) -> None:
     hosted = sum(1 for item in body["output"] if item["type"] == "web_search_call")  # counted, not judged
-    assert ADAPTER.parse_answer(body) == Answer("resp_fake", "gpt-4o-mini", text, calls, finish, Usage(10, 5),
+    usage = Usage(10, 5, web_search_requests=hosted)  # billed apart, per call: counted from the items
+    assert ADAPTER.parse_answer(body) == Answer("resp_fake", "gpt-4o-mini", text, calls, finish, usage,
                                                 hosted_calls=hosted)
     parsed = Response.model_validate(body)  # a real response, whose text the SDK reads the same
     assert parsed.output_text == text
@@ -899,3 +900,30 @@ def test_a_cut_stream_still_counts_the_calls_openai_ran() -> None:
     reader.feed(sse({"type": "response.output_item.added", "sequence_number": 0, "output_index": 0,
                      "item": search}, "response.output_item.added"))
     assert reader.answer().hosted_calls == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "limits"),
+    [
+        ({}, ()),
+        ({"tools": [FN]}, ()),
+        ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, ()),  # not billed per call
+        ({"tools": [{"type": "web_search"}]}, (None,)),
+        ({"tools": [{"type": "web_search_preview_2025_03_11"}], "max_tool_calls": 4}, (4,)),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}, {"type": "web_search"}],
+          "max_tool_calls": 2}, (2,)),  # one limit over every call of OpenAI's tools
+        ({"tools": [{"type": "web_search"}], "max_tool_calls": True}, (None,)),  # no count: none sent
+    ],
+)
+def test_search_limits(fields: dict[str, Any], limits: tuple[int | None, ...]) -> None:
+    assert parse({"model": "gpt-4o", "input": "hi", **fields}).search_limits == limits
+
+
+def test_searches_the_answer_ran_are_counted_in_its_usage() -> None:
+    files = {"id": "fs_1", "type": "file_search_call", "status": "completed", "queries": ["q"], "results": None}
+    answer = ADAPTER.parse_answer(response(WEB, WEB, files, message_item("ok")))
+    assert answer.usage is not None
+    assert (answer.usage.web_search_requests, answer.usage.file_search_requests) == (2, 1)
+    assert answer.hosted_calls == 3
+    without_usage = ADAPTER.parse_answer({**response(WEB, message_item("ok")), "usage": None})
+    assert without_usage.usage is None  # no usage: the reservation, searches included, is charged

@@ -1,0 +1,135 @@
+"""Searches the provider runs and bills apart (web search, file search), through a running gateway with
+the official SDKs: reserved before the call at their fee, limited when the agent sends no limit, and
+charged at settlement from what the answer reports."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import GatewayFactory, Harness
+from tests.fakes.responses import message_item, response_body
+from tests.fakes.upstream import Reply, anthropic_message
+
+CLAUDE = "claude-3-5-haiku-latest"  # genai-prices: $0.8 / $4 per Mtok, $10 per 1,000 web searches
+GPT = "gpt-4.1-mini"  # genai-prices: $10 per 1,000 web searches, $2.50 per 1,000 file searches
+SEARCH_FEE = 0.01
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search"}
+WEB_CALL = {"id": "ws_1", "type": "web_search_call", "status": "completed", "action": {"type": "search", "query": "q"}}
+FILE_CALL = {"id": "fs_1", "type": "file_search_call", "status": "completed", "queries": ["q"], "results": None}
+
+
+def headers(run: str) -> dict[str, str]:
+    return {"x-tollgate-run-id": run, "x-tollgate-agent": "bot"}
+
+
+def agents(usd: float) -> dict[str, Any]:
+    return {"bot": {"budget": {"usd": usd}}}
+
+
+async def ask_claude(h: Harness, run: str, tools: list[Any]) -> Any:
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers=headers(run)) as client:
+        return await client.messages.create(model=CLAUDE, max_tokens=64, tools=tools,
+                                            messages=[{"role": "user", "content": "news?"}])
+
+
+async def ask_gpt(h: Harness, run: str, tools: list[Any], **fields: Any) -> Any:
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers=headers(run)) as client:
+        return await client.responses.create(model=GPT, input="news?", tools=tools, **fields)
+
+
+def searched(searches: int, input_tokens: int = 100, output_tokens: int = 20) -> dict[str, Any]:
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens,
+             "server_tool_use": {"web_search_requests": searches}}
+    return {**anthropic_message("found"), "usage": usage}
+
+
+async def reserved_while_upstream(h: Harness, run: str, reply: Reply, call: Any) -> tuple[float, Any]:
+    """The run's reserved USD while `call` (a coroutine) waits at the upstream, and its result."""
+    reply.delay = 0.3
+    h.fake.queue(reply)
+    task = asyncio.ensure_future(call)
+    await asyncio.wait_for(h.fake.wait_seen(len(h.fake.seen) + 1), 5)
+    reserved = (await h.run(run))["reserved_usd"]
+    return reserved, await task
+
+
+async def test_anthropic_search_without_max_uses_is_limited_reserved_and_charged(
+    gateway_factory: GatewayFactory,
+) -> None:
+    h = await gateway_factory(agents=agents(5.0))
+    reply = Reply(body=searched(3))
+    reserved, message = await reserved_while_upstream(h, "ws-unset", reply, ask_claude(h, "ws-unset", [WEB_SEARCH]))
+    assert message.content[0].text == "found"
+    sent = h.fake.seen[-1].json
+    assert sent["tools"] == [{**WEB_SEARCH, "max_uses": 10}]  # tollgate's limit, reserved
+    assert reserved >= 10 * SEARCH_FEE
+    view = await h.run("ws-unset")
+    assert view["reserved_usd"] == 0
+    assert view["spent_usd"] == pytest.approx(100 * 0.8e-6 + 20 * 4e-6 + 3 * SEARCH_FEE)
+
+
+async def test_anthropic_search_limit_of_the_agent_is_kept_and_reserved(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agents(5.0))
+    tool = {**WEB_SEARCH, "max_uses": 2}
+    reserved, _ = await reserved_while_upstream(h, "ws-two", Reply(body=searched(2)), ask_claude(h, "ws-two", [tool]))
+    assert h.fake.seen[-1].json["tools"] == [tool]
+    assert 2 * SEARCH_FEE <= reserved < 3 * SEARCH_FEE
+
+
+async def test_anthropic_search_limit_follows_the_budget_left(gateway_factory: GatewayFactory) -> None:
+    """$0.035 left pays for 3 searches after the input bound: the provider is given max_uses 3."""
+    h = await gateway_factory(agents=agents(0.035))
+    h.fake.queue(Reply(body=searched(1)))
+    await ask_claude(h, "ws-few", [WEB_SEARCH])
+    assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 3}]
+    view = await h.run("ws-few")
+    assert view["status"] == "active" and view["spent_usd"] <= 0.035
+
+
+async def test_anthropic_search_nobody_can_pay_for_is_not_offered(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agents(0.005))
+    h.fake.queue(Reply(body=anthropic_message("no search")))
+    await ask_claude(h, "ws-none", [WEB_SEARCH])
+    assert "tools" not in h.fake.seen[-1].json
+
+
+async def test_searches_an_upstream_ran_past_its_limit_are_still_charged(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agents(5.0))
+    h.fake.queue(Reply(body=searched(12)))
+    await ask_claude(h, "ws-over", [WEB_SEARCH])
+    assert (await h.run("ws-over"))["spent_usd"] == pytest.approx(100 * 0.8e-6 + 20 * 4e-6 + 12 * SEARCH_FEE)
+
+
+async def test_responses_searches_are_limited_reserved_and_charged(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agents(5.0))
+    body = response_body("", model=GPT, usage=(100, 20))
+    body["output"] = [WEB_CALL, {**WEB_CALL, "id": "ws_2"}, FILE_CALL, message_item("found")]
+    reserved, response = await reserved_while_upstream(h, "rs-unset", Reply(body=body), ask_gpt(
+        h, "rs-unset", [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}]))
+    assert response.output_text == "found"
+    sent = h.fake.seen[-1].json
+    assert sent["max_tool_calls"] == 10  # one limit over every call of the tools OpenAI runs
+    assert reserved >= 10 * SEARCH_FEE  # at the dearer fee: web search
+    view = await h.run("rs-unset")
+    assert view["spent_usd"] == pytest.approx(100 * 0.4e-6 + 20 * 1.6e-6 + 2 * SEARCH_FEE + 0.0025)
+
+
+async def test_responses_search_limit_of_the_agent_is_kept(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=agents(5.0))
+    h.fake.queue(Reply(body=response_body("ok", model=GPT)))
+    await ask_gpt(h, "rs-two", [{"type": "web_search"}], max_tool_calls=2)
+    assert h.fake.seen[-1].json["max_tool_calls"] == 2
+
+
+async def test_without_a_usd_budget_the_request_is_forwarded_as_sent(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 10**6}}})
+    h.fake.queue(Reply(body=searched(1)))
+    await ask_claude(h, "ws-free", [WEB_SEARCH])
+    assert h.fake.seen[-1].json["tools"] == [WEB_SEARCH]
