@@ -42,10 +42,10 @@ from gateway.step import Step
 from gateway.store.base import Denial, ReserveRequest
 from gateway.upstream import forwardable
 from guards.base import REASK, Add, Decision, StepContext
-from guards.budget import USAGE_COUNTERS, settlement, unset_search_limit
+from guards.bounds import MIN_OUTPUT_TOKENS, search_limit
+from guards.budget import USAGE_COUNTERS, settlement
 from guards.chain import Verdict
 
-MIN_OUTPUT_TOKENS = 16
 STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
 JUDGED = "judged"  # step.extra: guard_after ran on the step's answer
@@ -181,8 +181,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         # a re-ask sends the agent's own limit again (its body is rebuilt from the original): a clamp of
         # an earlier attempt no longer describes what the upstream is given
         step.max_tokens_set = grant.units
-    # billed searches sent without a limit were reserved for the limit tollgate picked: the upstream gets it
-    searches = unset_search_limit(call, step.price, ident.policy.budget.usd, snapshot)
+    # billed searches were reserved up to the limit tollgate picked (guards.bounds): the upstream gets it
+    searches = search_limit(call, step.price, ident.policy.budget, snapshot)
     if searches is not None and step.adapter.limit_hosted_calls(step.body, searches):
         step.changed = True
     cap = ident.policy.caps.tool_calls

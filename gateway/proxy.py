@@ -100,6 +100,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         if step.tools is not None and shape_tools(step.tools, call, step.body):
             step.changed = True
             step.original = dict(step.body)  # re-asks never offer what the agent may not use
+            if call.search_limits:  # a search tool the agent may not use holds nothing
+                step.call = replace(call, search_limits=adapter.search_limits(step.body))
         if plan is not None:  # after `original`: a re-ask adds the native fields (and their bound) again
             step.changed = add_native(step, plan) or step.changed
         response = await run_step(gw, step, request)

@@ -7,10 +7,7 @@ plus `IMAGE_TOKENS` for each image part, whose tokens follow its pixels, not its
 The output limit is the request's `max_tokens` or, when absent, what the remaining budget can pay for
 (clamped by the model's limit); the pipeline writes the granted value back into the request. Every
 choice may use all of it, and the provider bills them all, so a unit of it is reserved `n` times.
-Searches the provider runs and bills apart (web search, file search) are reserved at their fee for
-each one the request allows (`Call.search_limits`). Where it sends no limit, tollgate picks one
-(`unset_search_limit`: `SEARCHES_WHEN_UNSET`, or fewer when the USD budget left pays for fewer), reserves
-it, and the pipeline sends it (`max_uses`, `max_tool_calls`).
+Searches the provider runs and bills apart are held too (`guards.bounds`).
 An MCP tool execution (`execute_tool`) spends no tokens: it claims nothing from either budget.
 """
 
@@ -18,16 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.call import Answer, Call, Usage
+from gateway.call import Answer, Usage
 from gateway.pricing import ModelPrice
-from gateway.store.base import Claim, Reservation, RunState
+from gateway.store.base import Claim, Reservation
 from guards.base import BaseGuard, Decision, StepContext
+from guards.bounds import IMAGE_TOKENS, SEARCH_INPUT_TOKENS, input_bound, searches_allowed
 
-# tokens one image may cost at most: OpenAI bills a high-detail image ~1.5-2.5k, Anthropic ~1.6k (it
-# downsizes larger ones); the rest of the bound is conservative room for models that bill more
-IMAGE_TOKENS = 8192
-SEARCHES_WHEN_UNSET = 10
-"""Searches one request may run when it offers a billed search tool without a limit (tollgate sends it)."""
+__all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "answer_usage", "settlement"]
 
 
 class BudgetGuard(BaseGuard):
@@ -47,7 +41,9 @@ class BudgetGuard(BaseGuard):
             )
         bound = input_bound(ctx.call)
         choices = float(ctx.call.params.choice_count or 1)
-        claims = [Claim("tokens", float(bound), choices, _f(budget.tokens), "token_budget_exhausted")]
+        searches = searches_allowed(ctx.call, ctx.price, budget, ctx.run) if ctx.call.search_limits else 0
+        claims = [Claim("tokens", float(bound + searches * SEARCH_INPUT_TOKENS), choices, _f(budget.tokens),
+                        "token_budget_exhausted")]
         price = ctx.price
         if price is None:
             if budget.usd is not None:
@@ -58,41 +54,9 @@ class BudgetGuard(BaseGuard):
                     "add it under `pricing:` in the config",
                 )
         else:
-            fixed = bound * price.worst_input
-            if ctx.call.search_limits and price.search_fee:
-                fixed += searches_allowed(ctx.call, price, budget.usd, ctx.run) * price.search_fee
+            fixed = (bound + searches * SEARCH_INPUT_TOKENS) * price.worst_input + searches * price.search_fee
             claims.append(Claim("usd", fixed, choices * price.output.worst, budget.usd, "budget_exhausted"))
         return Decision.allow(self.name, claims=tuple(claims))
-
-
-def input_bound(call: Call) -> int:
-    """Most input tokens the request can be billed (see the module docstring)."""
-    return call.input_bytes + call.input_images * IMAGE_TOKENS
-
-
-def unset_search_limit(
-    call: Call, price: ModelPrice | None, budget_usd: float | None, run: RunState | None
-) -> int | None:
-    """The limit tollgate sends for each billed search tool the request sends without one, or None when
-    there is nothing to limit (no such tool, no search fee, no USD budget): `SEARCHES_WHEN_UNSET`, or fewer
-    when the budget, after what the run spent and holds, the input bound and the searches the request
-    limits itself, pays for fewer (0: none is paid for, the tools the provider runs are not offered).
-    Pure: the guard reserves it and the pipeline sends it, from the same snapshot."""
-    unset = call.search_limits.count(None)
-    if not unset or price is None or not price.search_fee or budget_usd is None:
-        return None
-    held = run.used.get("usd", 0.0) + run.reserved.get("usd", 0.0) if run is not None else 0.0
-    limited = sum(limit for limit in call.search_limits if limit is not None)
-    left = budget_usd - held - input_bound(call) * price.worst_input - limited * price.search_fee
-    return max(0, min(SEARCHES_WHEN_UNSET, int(left / price.search_fee / unset)))
-
-
-def searches_allowed(call: Call, price: ModelPrice | None, budget_usd: float | None, run: RunState | None) -> int:
-    """Most billed searches the request lets the provider run: its own limits, and for each one unset the
-    limit tollgate sends (`SEARCHES_WHEN_UNSET` where it sends none: a bound for the books)."""
-    sent = unset_search_limit(call, price, budget_usd, run)
-    per_unset = SEARCHES_WHEN_UNSET if sent is None else sent
-    return sum(per_unset if limit is None else limit for limit in call.search_limits)
 
 
 USAGE_COUNTERS = frozenset({"usd", "tokens"})

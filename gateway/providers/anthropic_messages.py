@@ -96,14 +96,6 @@ _MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")  # server tool types
 _SERVER_TOOLS = (*_MAX_USES_TOOLS, "code_execution_", "mcp_toolset")  # tool types Anthropic runs itself
 
 
-def _search_limits(tools: list[Any]) -> tuple[int | None, ...]:
-    """The `max_uses` of each web search tool offered (searches are billed apart); None where it sends
-    no count."""
-    if not tools:
-        return ()
-    return tuple(_count(tool.get("max_uses")) for tool in tools if _type_starts(tool, ("web_search_",)))
-
-
 def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
@@ -154,7 +146,7 @@ class AnthropicMessages:
             request_hash=digest(raw),
             raw=body,
             prefill=_prefill(messages),
-            search_limits=_search_limits(raw_tools),
+            search_limits=self.search_limits(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -268,9 +260,12 @@ class AnthropicMessages:
                 if len(kept) != len(tools):
                     changed = True
                     body["tools"] = kept
+                    choice = body.get("tool_choice")
+                    named = choice.get("name") if isinstance(choice, Mapping) and choice.get("type") == "tool" else None
+                    if not kept or (named is not None and named not in {t.get("name") for t in kept}):
+                        body.pop("tool_choice", None)  # it forced a tool no longer offered: the API refuses
                     if not kept:
                         body.pop("tools")
-                        body.pop("tool_choice", None)
             return changed
         if not isinstance(tools, list):
             return False
@@ -279,6 +274,14 @@ class AnthropicMessages:
             return False
         body["tools"] = limited
         return True
+
+    def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
+        """The `max_uses` of each web search tool offered (searches are billed apart); None where it sends
+        no count."""
+        tools = body.get("tools")
+        if not isinstance(tools, list):
+            return ()
+        return tuple(_count(tool.get("max_uses")) for tool in tools if _type_starts(tool, ("web_search_",)))
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # Anthropic streams always carry usage (message_start and message_delta)

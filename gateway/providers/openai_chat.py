@@ -215,6 +215,9 @@ class OpenAIChat:
     def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
         return False  # Chat Completions offers no tools the provider runs itself
 
+    def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
+        return ()
+
     def ask_usage(self, body: dict[str, Any]) -> bool:
         """Ask for the usage chunk; True when the agent had not asked for it (then it is hidden)."""
         options = body.get("stream_options")

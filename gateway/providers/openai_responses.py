@@ -86,16 +86,6 @@ def _openai_runs(tool: Any) -> bool:
     return kind is not None and kind not in ("function", "custom") and tool_name(tool) not in _AGENT_RUN_TOOLS
 
 
-def _search_limits(body: Mapping[str, Any]) -> tuple[int | None, ...]:
-    """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is offered:
-    web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""
-    tools = body.get("tools")
-    if not isinstance(tools, list) or not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in tools):
-        return ()
-    sent = body.get("max_tool_calls")
-    return (sent if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0 else None,)
-
-
 def call_name(item: Mapping[str, Any]) -> str:
     """The allow-list name of a call item's tool."""
     return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
@@ -269,7 +259,7 @@ class OpenAIResponses:
                                  top_p=opt_number(body, "top_p")),
             request_hash=digest(raw),
             raw=body,
-            search_limits=_search_limits(body),
+            search_limits=self.search_limits(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -327,8 +317,16 @@ class OpenAIResponses:
             else:
                 for key in ("tools", "tool_choice", "parallel_tool_calls"):
                     body.pop(key, None)
-            if item_type(body.get("tool_choice")) in {item_type(t) for t in hosted}:
+            choice = body.get("tool_choice")
+            if item_type(choice) in {item_type(t) for t in hosted}:
                 del body["tool_choice"]  # it forced a tool no longer offered
+            elif isinstance(choice, Mapping) and item_type(choice) == "allowed_tools" and isinstance(
+                    choice.get("tools"), list):
+                allowed = [t for t in choice["tools"] if not _openai_runs(t)]
+                if allowed:
+                    body["tool_choice"] = {**choice, "tools": allowed}
+                else:
+                    del body["tool_choice"]
             body.pop("max_tool_calls", None)
             return True
         sent = body.get("max_tool_calls")
@@ -336,6 +334,15 @@ class OpenAIResponses:
             return False
         body["max_tool_calls"] = limit
         return True
+
+    def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
+        """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is
+        offered: web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""
+        tools = body.get("tools")
+        if not isinstance(tools, list) or not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in tools):
+            return ()
+        sent = body.get("max_tool_calls")
+        return (sent if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0 else None,)
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # the final event of a stream always carries the usage

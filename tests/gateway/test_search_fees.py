@@ -11,6 +11,7 @@ import anthropic
 import openai
 import pytest
 
+from guards.bounds import SEARCH_INPUT_TOKENS
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import message_item, response_body
 from tests.fakes.upstream import Reply, anthropic_message
@@ -80,17 +81,19 @@ async def test_anthropic_search_limit_of_the_agent_is_kept_and_reserved(gateway_
     tool = {**WEB_SEARCH, "max_uses": 2}
     reserved, _ = await reserved_while_upstream(h, "ws-two", Reply(body=searched(2)), ask_claude(h, "ws-two", [tool]))
     assert h.fake.seen[-1].json["tools"] == [tool]
-    assert 2 * SEARCH_FEE <= reserved < 3 * SEARCH_FEE
+    per_search = SEARCH_FEE + SEARCH_INPUT_TOKENS * 1.6e-6  # the fee and its results at the dearest input rate
+    assert 2 * per_search <= reserved < 3 * per_search
 
 
 async def test_anthropic_search_limit_follows_the_budget_left(gateway_factory: GatewayFactory) -> None:
-    """$0.035 left pays for 3 searches after the input bound: the provider is given max_uses 3."""
-    h = await gateway_factory(agents=agents(0.035))
+    """$0.05 pays for 2 searches ($0.01 and 8,000 input tokens at the dearest input rate, $1.6/Mtok, each)
+    after the input bound and the smallest answer: the provider is given max_uses 2."""
+    h = await gateway_factory(agents=agents(0.05))
     h.fake.queue(Reply(body=searched(1)))
     await ask_claude(h, "ws-few", [WEB_SEARCH])
-    assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 3}]
+    assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 2}]
     view = await h.run("ws-few")
-    assert view["status"] == "active" and view["spent_usd"] <= 0.035
+    assert view["status"] == "active" and view["spent_usd"] <= 0.05
 
 
 async def test_anthropic_search_nobody_can_pay_for_is_not_offered(gateway_factory: GatewayFactory) -> None:
@@ -128,8 +131,15 @@ async def test_responses_search_limit_of_the_agent_is_kept(gateway_factory: Gate
     assert h.fake.seen[-1].json["max_tool_calls"] == 2
 
 
-async def test_without_a_usd_budget_the_request_is_forwarded_as_sent(gateway_factory: GatewayFactory) -> None:
-    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 10**6}}})
+async def test_without_a_budget_the_request_is_forwarded_as_sent(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"bot": {}})
     h.fake.queue(Reply(body=searched(1)))
     await ask_claude(h, "ws-free", [WEB_SEARCH])
     assert h.fake.seen[-1].json["tools"] == [WEB_SEARCH]
+
+
+async def test_a_token_budget_limits_searches_by_the_tokens_their_results_add(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 3 * SEARCH_INPUT_TOKENS}}})
+    h.fake.queue(Reply(body=searched(1)))
+    await ask_claude(h, "ws-tokens", [WEB_SEARCH])
+    assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 2}]

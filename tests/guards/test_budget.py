@@ -11,15 +11,8 @@ from gateway.call import RequestParams, Usage
 from gateway.pricing import ModelPrice, Rate
 from gateway.store import logic
 from gateway.store.base import Claim, Denial, Reservation
-from guards.budget import (
-    IMAGE_TOKENS,
-    SEARCHES_WHEN_UNSET,
-    BudgetGuard,
-    answer_usage,
-    searches_allowed,
-    settlement,
-    unset_search_limit,
-)
+from guards.bounds import SEARCH_INPUT_TOKENS, SEARCHES_WHEN_UNSET
+from guards.budget import IMAGE_TOKENS, BudgetGuard, answer_usage, settlement
 from tests.guards.support import NOW, PRICE, answer, call, ctx, mcp_call, policy, reserve, run
 
 GUARD = BudgetGuard()
@@ -320,48 +313,14 @@ def test_documents_named_not_sent_are_refused_under_a_budget(budget: dict[str, A
 SEARCHING = ModelPrice(Rate(1e-6), Rate(4e-6), web_search=0.01, file_search=0.0025)
 
 
-@pytest.mark.parametrize(
-    ("limits", "searches"),
-    [((), 0), ((3,), 3), ((0,), 0), ((None,), SEARCHES_WHEN_UNSET), ((2, None, 5), 7 + SEARCHES_WHEN_UNSET)],
-)
-def test_searches_the_provider_bills_apart_are_reserved_at_the_dearest_fee(
-    limits: tuple[int | None, ...], searches: int
-) -> None:
+@pytest.mark.parametrize("limits", [(3,), (None,), (2, 5)])
+def test_searches_are_reserved_at_their_fee_and_the_tokens_their_results_add(limits: tuple[int | None, ...]) -> None:
     the_call = call(input_bytes=1000, search_limits=limits)
-    assert searches_allowed(the_call, SEARCHING, 5.0, None) == searches
+    searches = sum(SEARCHES_WHEN_UNSET if n is None else n for n in limits)
     decision = GUARD.before(ctx(the_call, policy(budget={"usd": 5.0}), price=SEARCHING))
-    usd_claim = decision.claims[1]
-    assert usd_claim.fixed == pytest.approx(1000 * 1e-6 + searches * 0.01)
-    assert decision.claims[0].fixed == 1000  # searches cost no tokens
-
-
-@pytest.mark.parametrize(
-    ("limits", "budget", "used", "reserved", "sent"),
-    [
-        ((None,), 5.0, 0.0, 0.0, SEARCHES_WHEN_UNSET),
-        ((None,), 0.05, 0.0, 0.0, 4),  # $0.049 left after the input bound: 4 searches at $0.01
-        ((None,), 5.0, 4.96, 0.0, 3),  # what the run spent counts
-        ((None,), 5.0, 4.95, 0.01, 3),  # and what its steps in flight hold
-        ((None, None), 0.05, 0.0, 0.0, 2),  # shared between the tools sent without a limit
-        ((3, None), 0.05, 0.0, 0.0, 1),  # after the searches the request limits itself
-        ((None,), 0.005, 0.0, 0.0, 0),  # none paid for: the tools are not offered
-        ((None,), None, 0.0, 0.0, None),  # no USD budget: nothing to limit
-        ((2,), 0.05, 0.0, 0.0, None),  # every limit sent
-    ],
-)
-def test_unset_search_limit_is_what_the_budget_left_pays_for(
-    limits: tuple[int | None, ...], budget: float | None, used: float, reserved: float, sent: int | None
-) -> None:
-    state = dataclasses.replace(run(), used={"usd": used}, reserved={"usd": reserved})
-    the_call = call(input_bytes=1000, search_limits=limits)
-    assert unset_search_limit(the_call, SEARCHING, budget, state) == sent
-    assert unset_search_limit(the_call, PRICE, budget, state) is None  # no search fee: nothing to limit
-
-
-def test_search_limits_reserve_nothing_for_a_model_without_search_fees() -> None:
-    decision = GUARD.before(ctx(call(input_bytes=1000, search_limits=(None,)), policy(budget={"usd": 5.0}),
-                                price=PRICE))
-    assert decision.claims[1].fixed == pytest.approx(1000 * PRICE.worst_input)
+    tokens_claim, usd_claim = decision.claims
+    assert tokens_claim.fixed == 1000 + searches * SEARCH_INPUT_TOKENS
+    assert usd_claim.fixed == pytest.approx((1000 + searches * SEARCH_INPUT_TOKENS) * 1e-6 + searches * 0.01)
 
 
 def test_settlement_charges_the_searches_the_provider_reported() -> None:

@@ -334,6 +334,21 @@ def test_with_no_tool_calls_left_server_tools_and_the_mcp_connector_go() -> None
 
 
 @pytest.mark.parametrize(
+    ("choice", "kept"),
+    [
+        ({"type": "tool", "name": "w"}, False),  # it forced a tool no longer offered: the API would refuse it
+        ({"type": "tool", "name": "mine"}, True),
+        ({"type": "any"}, True),
+    ],
+)
+def test_with_no_calls_left_a_tool_choice_naming_a_removed_tool_goes(choice: dict[str, Any], kept: bool) -> None:
+    body = {"tools": [{"type": "web_search_20250305", "name": "w"}, {"name": "mine", "input_schema": {}}],
+            "tool_choice": choice}
+    assert ADAPTER.limit_hosted_calls(body, 0) is True
+    assert body.get("tool_choice") == (choice if kept else None)
+
+
+@pytest.mark.parametrize(
     ("tools", "limits"),
     [
         ([], ()),
@@ -348,3 +363,4 @@ def test_search_limits_are_each_web_search_tools_max_uses(tools: list[Any], limi
     body: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 10,
                             "messages": [{"role": "user", "content": "hi"}]}
     assert parse({**body, "tools": tools} if tools else body).search_limits == limits
+    assert ADAPTER.search_limits({"tools": tools}) == limits

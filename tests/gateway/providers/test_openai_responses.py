@@ -894,6 +894,18 @@ def test_with_no_tool_calls_left_tools_openai_runs_are_not_offered() -> None:
     assert only == {}
 
 
+def test_with_no_tool_calls_left_allowed_tools_lose_the_tools_openai_runs() -> None:
+    allowed = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "web_search"}, {"type": "function",
+                                                                                          "name": "get"}]}
+    body: dict[str, Any] = {"tools": [FN, {"type": "web_search"}], "tool_choice": allowed}
+    assert ADAPTER.limit_hosted_calls(body, 0) is True
+    assert body["tool_choice"] == {**allowed, "tools": [{"type": "function", "name": "get"}]}
+    searches_only = {**allowed, "tools": [{"type": "web_search"}]}
+    body = {"tools": [FN, {"type": "web_search"}], "tool_choice": searches_only}
+    assert ADAPTER.limit_hosted_calls(body, 0) is True
+    assert "tool_choice" not in body
+
+
 def test_a_cut_stream_still_counts_the_calls_openai_ran() -> None:
     reader = ADAPTER.stream_reader(hide_usage=False)
     search = {"type": "web_search_call", "id": "ws", "status": "in_progress"}
@@ -917,6 +929,7 @@ def test_a_cut_stream_still_counts_the_calls_openai_ran() -> None:
 )
 def test_search_limits(fields: dict[str, Any], limits: tuple[int | None, ...]) -> None:
     assert parse({"model": "gpt-4o", "input": "hi", **fields}).search_limits == limits
+    assert ADAPTER.search_limits(fields) == limits
 
 
 def test_searches_the_answer_ran_are_counted_in_its_usage() -> None:

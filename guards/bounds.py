@@ -1,0 +1,83 @@
+"""What one step can cost at most: its input bound, the smallest answer, and the searches the provider runs
+and bills apart (web search, file search): how many a request may run and what each one holds. Pure: the
+budget guard reserves from it and the pipeline sends the limits it picks, from the same run snapshot.
+
+A search costs its fee (`ModelPrice.search_fee`, the dearer of web and file search) and the input tokens
+its results add, which the provider bills as input: `SEARCH_INPUT_TOKENS` is held for them (OpenAI bills
+its mini models a fixed block of that size per search; results larger than it can take a run past its
+budget by the excess, the one estimate in the reservation). A request limits its searches itself
+(`Call.search_limits`: an Anthropic web search tool's `max_uses`, a Responses request's `max_tool_calls`);
+with a budget, tollgate sends a lower limit where the request sends none (`SEARCHES_WHEN_UNSET`) or more
+than the budget left pays for, after the input bound and the smallest answer of every choice, like an
+unpayable `max_tokens`. A limit of 0 means the tools the provider runs are not offered.
+"""
+
+from __future__ import annotations
+
+from gateway.call import Call
+from gateway.config import Budget
+from gateway.pricing import ModelPrice
+from gateway.store.base import RunState
+
+IMAGE_TOKENS = 8192
+"""Tokens one image may cost at most: OpenAI bills a high-detail image ~1.5-2.5k, Anthropic ~1.6k (it
+downsizes larger ones); the rest of the bound is conservative room for models that bill more."""
+MIN_OUTPUT_TOKENS = 16
+"""The smallest answer a reservation must pay for, per choice; a budget that cannot pay it stops the run."""
+SEARCHES_WHEN_UNSET = 10
+"""The limit tollgate sends for a billed search tool the request offers without one (with a budget)."""
+SEARCH_INPUT_TOKENS = 8000
+"""Input tokens held for what one search's results add to the input."""
+_UNLIMITED = 2**31
+
+
+def input_bound(call: Call) -> int:
+    """Most input tokens the request itself can be billed: its UTF-8 size plus `IMAGE_TOKENS` per image."""
+    return call.input_bytes + call.input_images * IMAGE_TOKENS
+
+
+def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int | None:
+    """The limit to send for each billed search tool, or None to send none (no such tool, no budget, or
+    every limit the request sends is already paid for)."""
+    limits = call.search_limits
+    if not limits:
+        return None
+    count = len(limits)
+    choices = call.params.choice_count or 1
+    bound = input_bound(call)
+    affordable: list[int] = []
+    if budget.usd is not None and price is not None:
+        per_search = price.search_fee + SEARCH_INPUT_TOKENS * price.worst_input
+        left = (budget.usd - _held(run, "usd") - bound * price.worst_input
+                - choices * MIN_OUTPUT_TOKENS * price.output.worst)
+        affordable.append(_per_tool(left, per_search, count))
+    if budget.tokens is not None:
+        left = budget.tokens - _held(run, "tokens") - bound - choices * MIN_OUTPUT_TOKENS
+        affordable.append(_per_tool(left, SEARCH_INPUT_TOKENS, count))
+    if not affordable:
+        return None
+    sent = [limit for limit in limits if limit is not None]
+    wanted = SEARCHES_WHEN_UNSET if len(sent) < count else max(sent)
+    limit = min(wanted, *affordable)
+    return limit if len(sent) < count or limit < max(sent) else None
+
+
+def searches_allowed(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int:
+    """Most billed searches the request lets the provider run once `search_limit` is sent (one unset and
+    not limited counts `SEARCHES_WHEN_UNSET`: a bound for the books)."""
+    sent = search_limit(call, price, budget, run)
+    total = 0
+    for limit in call.search_limits:
+        own = SEARCHES_WHEN_UNSET if limit is None else limit
+        total += own if sent is None else min(own, sent)
+    return total
+
+
+def _held(run: RunState | None, counter: str) -> float:
+    return run.used.get(counter, 0.0) + run.reserved.get(counter, 0.0) if run is not None else 0.0
+
+
+def _per_tool(left: float, per_search: float, tools: int) -> int:
+    if per_search <= 0:
+        return _UNLIMITED  # free searches (a model priced at 0): the budget limits none
+    return max(0, min(_UNLIMITED, int(left / per_search / tools)))

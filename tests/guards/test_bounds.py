@@ -1,0 +1,83 @@
+"""What one step can cost at most: the input bound and the searches the provider bills apart (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway.call import RequestParams
+from gateway.config import Budget
+from gateway.pricing import ModelPrice, Rate
+from guards.bounds import (
+    IMAGE_TOKENS,
+    MIN_OUTPUT_TOKENS,
+    SEARCH_INPUT_TOKENS,
+    SEARCHES_WHEN_UNSET,
+    input_bound,
+    search_limit,
+    searches_allowed,
+)
+from tests.guards.support import PRICE, call, run
+
+# $1 / $4 per Mtok, $10 per 1,000 web searches: one search holds $0.01 + 8,000 input tokens ($0.008)
+SEARCHING = ModelPrice(Rate(1e-6), Rate(4e-6), web_search=0.01, file_search=0.0025)
+PER_SEARCH = 0.01 + SEARCH_INPUT_TOKENS * 1e-6
+FIXED = 1000 * 1e-6 + MIN_OUTPUT_TOKENS * 4e-6  # the input bound and the smallest answer of one choice
+
+
+def test_input_bound_counts_each_image_apart() -> None:
+    assert input_bound(call(input_bytes=1000, input_images=2)) == 1000 + 2 * IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("limits", "budget", "held", "sent"),
+    [
+        ((), {"usd": 5.0}, 0.0, None),  # no search tool
+        ((None,), {}, 0.0, None),  # no budget: nothing to limit
+        ((None,), {"usd": 5.0}, 0.0, SEARCHES_WHEN_UNSET),
+        ((3,), {"usd": 5.0}, 0.0, None),  # the request's own limit is paid for: kept as sent
+        ((None,), {"usd": FIXED + 4.5 * PER_SEARCH}, 0.0, 4),  # what the budget left pays for
+        ((None,), {"usd": 5.0}, 5.0 - FIXED - 3.5 * PER_SEARCH, 3),  # after what the run spent and holds
+        ((10,), {"usd": FIXED + 4.5 * PER_SEARCH}, 0.0, 4),  # an unpayable limit is lowered, like max_tokens
+        ((None, None), {"usd": FIXED + 4.5 * PER_SEARCH}, 0.0, 2),  # shared between the tools
+        ((None,), {"usd": FIXED + 0.5 * PER_SEARCH}, 0.0, 0),  # none paid for: the tools are not offered
+        ((None,), {"usd": FIXED - 1e-9}, 0.0, 0),  # not even the smallest answer: the store stops the run
+        ((None,), {"tokens": 1000 + MIN_OUTPUT_TOKENS + 2 * SEARCH_INPUT_TOKENS}, 0.0, 2),  # a token budget
+        ((5,), {"usd": 5.0, "tokens": 1000 + MIN_OUTPUT_TOKENS + 2 * SEARCH_INPUT_TOKENS}, 0.0, 2),  # the lower
+    ],
+)
+def test_search_limit(limits: tuple[int | None, ...], budget: dict[str, float], held: float, sent: int | None) -> None:
+    state = dataclasses.replace(run(), used={"usd": held / 2}, reserved={"usd": held / 2})
+    assert search_limit(call(input_bytes=1000, search_limits=limits), SEARCHING, Budget(**budget), state) == sent
+
+
+def test_search_limit_leaves_room_for_the_smallest_answer_of_every_choice() -> None:
+    three = dataclasses.replace(call(input_bytes=1000, search_limits=(None,)), params=RequestParams(choice_count=3))
+    budget = Budget(usd=1000 * 1e-6 + 3 * MIN_OUTPUT_TOKENS * 4e-6 + 2.5 * PER_SEARCH)
+    assert search_limit(three, SEARCHING, budget, None) == 2
+
+
+def test_free_searches_are_not_limited_by_the_budget() -> None:
+    free = ModelPrice(Rate(0.0), Rate(0.0))
+    assert search_limit(call(search_limits=(50,)), free, Budget(usd=1.0), None) is None
+    assert search_limit(call(search_limits=(None,)), free, Budget(usd=1.0), None) == SEARCHES_WHEN_UNSET
+
+
+@pytest.mark.parametrize(
+    ("limits", "budget", "searches"),
+    [
+        ((), {"usd": 5.0}, 0),
+        ((3,), {"usd": 5.0}, 3),
+        ((None,), {}, SEARCHES_WHEN_UNSET),  # nothing sent: a bound for the books
+        ((2, None, 5), {"usd": 5.0}, 7 + SEARCHES_WHEN_UNSET),
+        ((2, 10), {"usd": FIXED + 8.5 * PER_SEARCH}, 2 + 4),  # each tool held to the limit sent
+    ],
+)
+def test_searches_allowed(limits: tuple[int | None, ...], budget: dict[str, float], searches: int) -> None:
+    assert searches_allowed(call(input_bytes=1000, search_limits=limits), SEARCHING, Budget(**budget), None) == searches
+
+
+def test_a_model_without_search_fees_still_holds_the_results_tokens() -> None:
+    budget = Budget(usd=FIXED + 2.5 * SEARCH_INPUT_TOKENS * PRICE.worst_input)
+    assert search_limit(call(input_bytes=1000, search_limits=(None,)), PRICE, budget, None) == 2
