@@ -18,6 +18,7 @@
     + ApprovalDenied           - 403 approval_denied (a human denied a parked tool call)
       - ApprovalTimeout        - 403 approval_timeout (nobody decided within approval_timeout_s)
     + DuplicateToolCall        - 403 duplicate_tool_call (a side-effecting call already ran; no result to replay)
+    + WriteInProgress          - 403 tool_call_in_progress (the same side-effecting call is running now)
     + OutputNonconforming      - 422 output_nonconforming
     + UpstreamError            - the upstream failed (`request_sent`: it may have the request)
       - UpstreamUnavailable    - 502 upstream_unavailable
@@ -188,11 +189,23 @@ class ApprovalTimeout(ApprovalDenied):
 
 
 class DuplicateToolCall(GatewayError):
-    """A `write`/`dangerous` tool call that already ran in this run, whose recorded result this
-    process does not hold (restart, another replica): it is refused rather than run twice."""
+    """A `write`/`dangerous` tool call that already ran in this run, whose result was not recorded (too
+    large to keep in the run store, or the store failed while it was recorded): it is refused rather
+    than run twice."""
 
     status = 403
     code = "duplicate_tool_call"
+    openai_type = "permission_error"
+    anthropic_type = "permission_error"
+
+
+class WriteInProgress(GatewayError):
+    """The identical side-effecting call of the run is running now, held by another sidecar (or a
+    former request of this one whose lease has not lapsed): it is not run twice. Retrying once it has
+    finished gets its recorded result. MCP: JSON-RPC error -32003, `data.code` `tool_call_in_progress`."""
+
+    status = 403
+    code = "tool_call_in_progress"
     openai_type = "permission_error"
     anthropic_type = "permission_error"
 

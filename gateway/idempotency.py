@@ -2,26 +2,122 @@
 
 Keys are `(run_id, epoch, key)`: the key is the call's fingerprint (tool name + canonical arguments)
 or the explicit idempotency key the caller sent; the epoch changes when the run is reset, so a reset
-run starts with nothing recorded. Concurrent duplicates share one execution: the first caller leads
-(`begin` returns a fresh future it must `finish`), the others await the leader's outcome.
+run starts with nothing claimed or recorded.
 
-The run store remembers which keys were executed (the pipeline pushes them to the run's
-`tool_writes` list); this cache holds the result bodies, in this process only, bounded by entries and
-bytes with least-recently-used eviction.
+Two layers:
+* The run store (shared by every sidecar of the run): before a call runs, its caller claims the key
+  (`WriteLease.claim`, `RunStore.claim_write`: one atomic operation across processes), so of duplicates
+  sent through several sidecars at once exactly one runs it; the others learn that it is running. The
+  claim is a lease of `lease_for(server timeouts)` renewed while the call runs (a crashed holder's claim
+  lapses after one lease, then another caller may run the call). Once it ran, its result is recorded
+  there (bodies up to `MAX_RECORDED_BYTES`; at most `WRITES_KEEP` calls per run; they expire with the
+  run), so a repeat through any sidecar gets it replayed.
+* `ResultCache`, in this process: concurrent duplicates in one process share one execution (the first
+  caller leads: `begin` returns a fresh future it must `finish`, the others await the leader's outcome),
+  and recorded results are kept here too, bounded by entries and bytes with least-recently-used
+  eviction, so a repeat in the same process needs no store round trip.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+import uuid
 from collections import OrderedDict
 from typing import Any
 
 import orjson
 
+from gateway.config import Timeouts
+from gateway.errors import StateUnavailable
+from gateway.store.base import RunStore, WriteClaim
+
 Key = tuple[str, int, str]
 Outcome = dict[str, Any]  # a JSON-RPC response message (its id is replaced when replayed)
-WRITES_LIST = "tool_writes"
-WRITES_KEEP = 1000
+WRITES_KEEP = 1000  # calls per run the run store keeps (the oldest are dropped first)
+MAX_RECORDED_BYTES = 64 * 1024  # a larger result is not kept in the run store (this process still keeps it)
+RENEWALS_PER_LEASE = 3
+log = logging.getLogger(__name__)
+
+
+def lease_for(timeouts: Timeouts) -> float:
+    """How long a claim holds without renewal: the longest one call to the MCP server goes without a
+    sign of life before tollgate gives up on it (connect, the first byte, one idle gap). Renewed every
+    third of it while the call runs (approval waits and long streamed answers included), so only a
+    holder that died, or lost the store for that long, loses its claim."""
+    return float(timeouts.connect + timeouts.first_byte + timeouts.idle)
+
+
+class WriteLease:
+    """One caller's claim on a side-effecting call in the run store.
+
+    `claim` once; when it answers "claimed", the claim is renewed in the background until `finish`
+    (the call ran: its result is recorded) or `close`. `close` must be called at the end in any case:
+    it stops the renewals and, for a claim not finished, releases it (the call did not run) or marks
+    the call done without its result (it ran: a repeat is refused rather than run again)."""
+
+    def __init__(self, store: RunStore, agent: str, key: Key, lease_s: float) -> None:
+        self._store = store
+        self._agent = agent
+        self._run_id, self._epoch, self._key = key
+        self._lease = lease_s
+        self._token = uuid.uuid4().hex
+        self._renewer: asyncio.Task[None] | None = None
+        self._held = False  # claimed and neither finished nor released
+
+    async def claim(self) -> WriteClaim:
+        """Raises StateUnavailable (then nothing is held; a claim whose answer was lost lapses after
+        one lease)."""
+        found = await self._store.claim_write(self._run_id, self._agent, self._epoch, self._key, self._token,
+                                              lease_s=self._lease, keep=WRITES_KEEP, now=time.time())
+        if found.state == "claimed":
+            self._held = True
+            self._renewer = asyncio.get_running_loop().create_task(self._renew())
+        return found
+
+    async def finish(self, outcome: Outcome) -> None:
+        """Record the response the agent gets as the call's result (without its body when it is larger
+        than `MAX_RECORDED_BYTES`). Raises StateUnavailable (the claim is then still held: `close`
+        retries marking it done)."""
+        self._stop()
+        body = orjson.dumps(outcome)
+        await self._store.finish_write(self._run_id, self._agent, self._epoch, self._key, self._token,
+                                       body if len(body) <= MAX_RECORDED_BYTES else None,
+                                       keep=WRITES_KEEP, now=time.time())
+        self._held = False
+
+    async def close(self, *, ran: bool) -> None:
+        """The call is over. Never raises: a claim the store did not take back lapses after its lease."""
+        self._stop()
+        if not self._held:
+            return
+        self._held = False
+        with contextlib.suppress(StateUnavailable):
+            if ran:  # it ran but its result was not recorded (the store failed, or judging it did)
+                await self._store.finish_write(self._run_id, self._agent, self._epoch, self._key, self._token,
+                                               None, keep=WRITES_KEEP, now=time.time())
+            else:
+                await self._store.release_write(self._run_id, self._epoch, self._key, self._token)
+
+    def _stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease / RENEWALS_PER_LEASE)
+            try:
+                held = await self._store.renew_write(self._run_id, self._epoch, self._key, self._token,
+                                                     until=time.time() + self._lease)
+            except StateUnavailable:
+                continue  # the claim holds for a lease: a later renewal may get through
+            if not held:
+                log.warning("the claim on a running write tool call of run %s lapsed; another caller may have "
+                            "run it too", self._run_id)
+                return
 
 
 class ResultCache:

@@ -6,8 +6,11 @@ In order, none of which contacts the server until the last:
    `inputSchema` (when a `tools/list` answer through tollgate showed it).
 2. `write` and `dangerous` tools are idempotent within a run: the same tool with the same canonical
    arguments, or the same `params._meta["tollgate/idempotency_key"]`, gets the recorded result
-   (concurrent duplicates wait for the first, and share its approval); with an explicit key the key
-   alone identifies the call (arguments are not compared), so a new key runs the tool again.
+   (`gateway.idempotency`); with an explicit key the key alone identifies the call (arguments are not
+   compared), so a new key runs the tool again. Concurrent duplicates in one process wait for the first
+   and share its approval; the first claims the call in the run store, so a duplicate sent through
+   another sidecar meanwhile is refused `tool_call_in_progress`, and a repeat through any sidecar once
+   it ran gets the result recorded in the run store (`duplicate_tool_call` when it was too large to keep).
 3. the guard chain: `before`, then, unless the call executes a proposal the model already made
    (`pending_calls` of the run), the proposal judgement (`after` with `counts_tool_call` and no
    result): the call counts toward `caps.tool_calls` and feeds loop detection *before* it runs,
@@ -40,8 +43,9 @@ from gateway.errors import (
     Stopped,
     ToolNotAllowed,
     UpstreamError,
+    WriteInProgress,
 )
-from gateway.idempotency import WRITES_KEEP, WRITES_LIST, Key, Outcome
+from gateway.idempotency import Key, Outcome, WriteLease, lease_for
 from gateway.jsonrpc import (
     IDEMPOTENCY_META_KEY,
     UPSTREAM_FAILED,
@@ -57,7 +61,7 @@ from gateway.jsonrpc import (
 from gateway.mcp_transport import McpRequest, relay, state_of
 from gateway.observe_mcp import end_tool_span, start_tool_span
 from gateway.pipeline import STOP_HEADER
-from gateway.store.base import RunState
+from gateway.store.base import RunState, WriteClaim
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
 from grammars.tool_args import validate_tool_arguments
 from guards.base import StepContext
@@ -84,8 +88,8 @@ class ToolStep:
     response: dict[str, Any] | None = None  # the server's JSON-RPC response, as it answered
     unguarded: bool = False  # the run store is down and the policy says `state_failure: fail_open`
     approved_by: str | None = None  # who approved a call parked for approval (the ledger's audit trail)
-    write_key: str | None = None  # a write-tier call: its entry in the run's list of writes that ran
-    write_listed: bool = False  # that entry is in the run store
+    lease: WriteLease | None = None  # a write-tier call: its claim in the run store, when it holds one
+    ran: bool = False  # the server answered a final result: the tool ran
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
@@ -201,35 +205,66 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
     key: Key = (mcp.identity.run_id, run.epoch if run is not None else 1, f"{step.qualified}:{fingerprint}")
     cache = state_of(mcp.gw).results
     recorded = cache.recorded(key)
-    if recorded is None and run is not None and key[2] in run.lists.get(WRITES_LIST, ()):
-        raise DuplicateToolCall(f"{step.qualified} already ran in this run with these arguments; its recorded "
-                                "result is not held by this process, so it is not run again")
     if recorded is not None:
         return _replay(mcp, message, recorded)
     leader, future = cache.begin(key)
     if not leader:
         return _replay(mcp, message, await asyncio.shield(future))
-    step.write_key = key[2]
+    lease = WriteLease(mcp.gw.store, mcp.identity.agent, key, lease_for(mcp.server.timeouts))
     try:
-        response = await _execute(step)
+        found = await _claim(step, lease)
+        if found is not None and found.state == "done":
+            if found.result is None:
+                raise DuplicateToolCall(f"{step.qualified} already ran in this run with these arguments; its result "
+                                        "was not recorded (too large, or the run store failed while it was "
+                                        "recorded), so it is not run again")
+            step.outcome, step.record = orjson.loads(found.result), True
+            return _replay(mcp, message, step.outcome)
+        if found is not None and found.state == "running":
+            raise WriteInProgress(f"{step.qualified} with these arguments is running in this run now (an "
+                                  "earlier request, e.g. through another sidecar); it is not run twice: retry "
+                                  "for its recorded result")
+        step.lease = lease if found is not None else None
+        return await _execute(step)
     except GatewayError as exc:
-        step.outcome = gateway_error(message.id, exc)[1]
+        if not step.record:  # a result the tool answered stays what a repeat gets, whatever went wrong since
+            step.outcome = gateway_error(message.id, exc)[1]
         raise
     finally:
+        await lease.close(ran=step.ran)
         outcome = step.outcome or error_message(
             message.id, UPSTREAM_FAILED, "upstream_failed: the identical call in flight got no result")
-        cache.finish(key, outcome, record=step.record)
-        await _list_write(step)  # when judging the result did not (a JSON answer relayed unjudged)
-    return response
+        # a call that ran is never run again by this process, even when judging it failed (then the
+        # error its agent got is what a repeat gets)
+        cache.finish(key, outcome, record=step.record or step.ran)
 
 
-async def _list_write(step: ToolStep) -> None:
-    """The run's list of writes that ran gets this call's entry, once: other sidecars of the run refuse a
-    repeat (`duplicate_tool_call`). Done before the result reaches the client where the result is
-    judged, so a repeat the client sends at once through another sidecar finds it."""
-    if step.record and step.write_key is not None and not step.write_listed and not step.unguarded:
-        step.write_listed = True
-        await step.mcp.gw.store.push(step.ctx.run_id, step.ctx.agent, WRITES_LIST, (step.write_key,), WRITES_KEEP)
+async def _claim(step: ToolStep, lease: WriteLease) -> WriteClaim | None:
+    """The call's claim in the run store; None when the store is down and the policy says
+    `state_failure: fail_open` (the call goes on unguarded, deduplicated in this process only)."""
+    if step.unguarded:
+        return None
+    try:
+        return await lease.claim()
+    except StateUnavailable:
+        if step.ctx.policy.state_failure != "fail_open":
+            raise
+        step.unguarded = True
+        return None
+
+
+async def _record_write(step: ToolStep) -> None:
+    """The judged response goes to the run store as the call's recorded result, before the agent sees
+    it, so a repeat the agent sends at once through another sidecar gets it. With the store down, a
+    fail_open agent gets its result unrecorded; otherwise the result is withheld (503)."""
+    if step.lease is None or step.outcome is None:
+        return
+    try:
+        await step.lease.finish(step.outcome)
+    except StateUnavailable:
+        if step.ctx.policy.state_failure != "fail_open":
+            raise
+        step.unguarded = True
 
 
 def _replay(mcp: McpRequest, message: Message, outcome: Outcome) -> web.Response:
@@ -268,8 +303,7 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
             return response
         if not isinstance(result, dict):
             return response  # a JSON-RPC error of the server: counted, as a retry is
-        step.record = True
-        await _list_write(step)
+        step.ran = True
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
         refused: InvalidRequest | None = None
@@ -282,6 +316,8 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         except InvalidRequest as exc:  # a guard's reject: the result is withheld, the run goes on
             refused = exc
             response = step.outcome = gateway_error(message.id, exc)[1]
+        step.record = True  # what the agent gets is what a repeat gets
+        await _record_write(step)
         step.recorded = True
         status = 200 if refused is None else refused.status
         await _record(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started)

@@ -86,6 +86,18 @@ class Denial:
     held: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class WriteClaim:
+    """What `RunStore.claim_write` found for a side-effecting tool call of a run.
+
+    `state`: "claimed" (the caller holds the call now and must finish or release it), "running" (another
+    caller holds a live claim on it), or "done" (it ran; `result` is the recorded result body, None when
+    the body was not kept)."""
+
+    state: str
+    result: bytes | None = None
+
+
 @dataclass(slots=True)
 class RunState:
     run_id: str
@@ -118,7 +130,7 @@ class RunState:
             "reserved_usd": round(self.reserved.get("usd", 0.0), 10),
             "input_tokens": int(self.used.get("input_tokens", 0)),
             "output_tokens": int(self.used.get("output_tokens", 0)),
-            "reserved_tokens": int(round(self.reserved.get("tokens", 0.0))),
+            "reserved_tokens": round(self.reserved.get("tokens", 0.0)),
             "llm_calls": int(self.used.get("llm_calls", 0)),
             "tool_calls": int(self.used.get("tool_calls", 0)),
             "started_at": self.started_at,
@@ -163,6 +175,35 @@ class RunStore(Protocol):
     async def reset(self, run_id: str, now: float) -> RunState | None: ...
 
     async def list_runs(self, limit: int = 100) -> list[RunState]: ...
+
+    # -- side-effecting tool calls (`write`/`dangerous` tiers): at most one execution per key ------------
+    # Entries are per `(run_id, epoch, key)`: a reset run (new epoch) starts with nothing claimed or
+    # recorded. A run keeps at most `keep` entries (the oldest are dropped first) and they expire with it.
+
+    async def claim_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, *, lease_s: float, keep: int, now: float
+    ) -> WriteClaim:
+        """Atomically, across every process sharing the store: claim the call for `token` until
+        `now + lease_s` when nobody holds it, its holder's lease ran out (a crashed holder), or `token`
+        holds it already; else answer that it is "running" or "done" (with its recorded result)."""
+        ...
+
+    async def renew_write(self, run_id: str, epoch: int, key: str, token: str, *, until: float) -> bool:
+        """Extend `token`'s live or lapsed claim to `until`; False when `token` no longer holds the call
+        (released, recorded, or taken over after its lease ran out). Never creates a claim."""
+        ...
+
+    async def finish_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, result: bytes | None, *, keep: int,
+        now: float,
+    ) -> None:
+        """The call ran: mark it "done" with `result` (None: ran, result not kept), whoever holds it. A call
+        already done keeps its first result."""
+        ...
+
+    async def release_write(self, run_id: str, epoch: int, key: str, token: str) -> None:
+        """The call did not run: drop `token`'s claim (if it still holds it) so the next caller runs it."""
+        ...
 
     def runs_updated(self, after: float, before: float, page: int = 1000) -> AsyncIterator[list[RunState]]:
         """Every run last updated in (`after`, `before`], least recently updated first (ties by run id),

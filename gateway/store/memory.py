@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from gateway.store import logic
-from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState, WriteClaim
+from gateway.store.writes import WriteBook, field
 
 
 class MemoryRunStore:
@@ -15,6 +16,7 @@ class MemoryRunStore:
 
     def __init__(self) -> None:
         self._runs: dict[str, RunState] = {}
+        self._writes: dict[str, WriteBook] = {}  # run id -> its side-effecting tool calls
         self._ids = itertools.count(1)
 
     def _run(self, run_id: str, agent: str) -> RunState:
@@ -63,6 +65,7 @@ class MemoryRunStore:
         if state is None:
             return None
         logic.reset(state, now)
+        self._writes.pop(run_id, None)  # the new epoch names none of them: only their memory goes
         return logic.from_dict(logic.to_dict(state))
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
@@ -79,6 +82,29 @@ class MemoryRunStore:
         for start in range(0, len(window), page):
             chunk = (self._runs.get(run_id) for _, run_id in window[start:start + page])
             yield [logic.from_dict(logic.to_dict(r)) for r in chunk if r is not None]
+
+    async def claim_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, *, lease_s: float, keep: int, now: float
+    ) -> WriteClaim:
+        self._run(run_id, agent)  # a run with calls to replay exists, as in the other backends
+        book = self._writes.setdefault(run_id, WriteBook())
+        return book.claim(field(epoch, key), token, now + lease_s, keep, now)
+
+    async def renew_write(self, run_id: str, epoch: int, key: str, token: str, *, until: float) -> bool:
+        book = self._writes.get(run_id)
+        return book is not None and book.renew(field(epoch, key), token, until)
+
+    async def finish_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, result: bytes | None, *, keep: int,
+        now: float,
+    ) -> None:
+        self._run(run_id, agent)
+        self._writes.setdefault(run_id, WriteBook()).finish(field(epoch, key), token, result, keep)
+
+    async def release_write(self, run_id: str, epoch: int, key: str, token: str) -> None:
+        book = self._writes.get(run_id)
+        if book is not None:
+            book.release(field(epoch, key), token)
 
     async def close(self) -> None:
         return None

@@ -17,6 +17,8 @@ Contracts:
   connection included, gives up after 2 s; no automatic retries (a retried reserve could reserve
   twice). The pool reconnects on the next call once Redis is back. `open()` does not connect, so a
   gateway can start while Redis is down.
+* Side-effecting tool calls (`claim_write` and the rest) keep their claims and recorded results in two
+  keys of their own per run (`gateway.store.redis_writes`), so the hot path's `get` never reads them.
 * A settle that failed is kept (bounded) and replayed before this store's next call (and when it
   closes), also after errors of a Redis that cannot write for now (READONLY, NOREPLICAS, ...); a reserve
   whose answer was lost is released at zero then (the step never went upstream): settle is idempotent,
@@ -49,8 +51,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import StateUnavailable
 from gateway.store import logic
-from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState, WriteClaim
 from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, scripts
+from gateway.store.writes import field
 
 T = TypeVar("T")
 MAX_UNSETTLED = 10_000  # settles kept for replay while Redis is away; beyond, the oldest stay reserved
@@ -159,6 +162,24 @@ class RedisRunStore:
             if self._unsettled:
                 await self._replay()
             return await self._eval(name, run_id, agent, args)
+
+        return await self._guard(run)
+
+    async def _call_writes(
+        self, name: str, run_id: str, agent: str, args: list[Any], body: bytes | None = None
+    ) -> Any:
+        """`_call` for the scripts of `redis_writes`: the run's keys plus its two keys of tool writes."""
+        script = self._scripts[name]
+        keys = [self._key(run_id), self._index, self._steps_key(run_id), f"{self._prefix}writes:{run_id}",
+                f"{self._prefix}writeorder:{run_id}"]
+        argv: list[Any] = [run_id, agent, self._ttl, self._idle, orjson.dumps(args)]
+        if body is not None:
+            argv.append(body)
+
+        async def run() -> Any:
+            if self._unsettled:
+                await self._replay()
+            return await script(keys=keys, args=argv)
 
         return await self._guard(run)
 
@@ -290,6 +311,26 @@ class RedisRunStore:
     async def reset(self, run_id: str, now: float) -> RunState | None:
         reply = await self._call("reset", run_id, "", [float(now)])
         return None if reply is None else decode_reply(reply)
+
+    async def claim_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, *, lease_s: float, keep: int, now: float
+    ) -> WriteClaim:
+        reply = await self._call_writes("claim_write", run_id, agent,
+                                        [field(epoch, key), token, float(now + lease_s), int(keep), float(now)])
+        state = reply[0].decode()
+        return WriteClaim(state, bytes(reply[1]) if len(reply) > 1 else None)
+
+    async def renew_write(self, run_id: str, epoch: int, key: str, token: str, *, until: float) -> bool:
+        return bool(await self._call_writes("renew_write", run_id, "", [field(epoch, key), token, float(until)]))
+
+    async def finish_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, result: bytes | None, *, keep: int,
+        now: float,
+    ) -> None:
+        await self._call_writes("finish_write", run_id, agent, [field(epoch, key), token, int(keep)], result)
+
+    async def release_write(self, run_id: str, epoch: int, key: str, token: str) -> None:
+        await self._call_writes("release_write", run_id, "", [field(epoch, key), token])
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         """Most recently updated first. Not atomic across runs (each run is read whole); ids of runs that

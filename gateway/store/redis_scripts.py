@@ -39,6 +39,7 @@ import orjson
 from gateway.store import logic
 from gateway.store.base import RunState
 from gateway.store.redis_ops import BODIES
+from gateway.store.redis_writes import BODIES as WRITE_BODIES
 
 _PRELUDE = """
 local EPS = @EPS@
@@ -152,7 +153,7 @@ end
 def scripts() -> dict[str, str]:
     """Operation name -> complete Lua source (prelude with `logic.EPS` + body)."""
     prelude = _PRELUDE.replace("@EPS@", repr(logic.EPS))
-    return {name: prelude + body for name, body in BODIES.items()}
+    return {name: prelude + body for name, body in {**BODIES, **WRITE_BODIES}.items()}
 
 
 # -- the Python side of the layout ---------------------------------------------------------------

@@ -30,6 +30,8 @@ Contracts:
   open are settled at their reserved amount (the spend of a call is never counted below what was
   reserved for it). What else can be lost is the last 10 ms of counters that did not stop anything
   (tool calls counted, loop histories) and of step history.
+* Side-effecting tool calls (`claim_write` and the rest) live in their own table
+  (`gateway.store.sqlite_writes`), each change on file before the call returns.
 * A write-through that fails puts memory back as it was before the call (the file may be behind it by
   writes still to come) and raises `StateUnavailable`; a batch that fails stays buffered and is
   retried by the timer. A failed transition or write never leaves memory half changed.
@@ -50,11 +52,13 @@ import orjson
 
 from gateway.errors import StateUnavailable
 from gateway.store import logic
-from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState, WriteClaim
 from gateway.store.sqlite_checkpoint import Checkpointer, no_autocheckpoint
 from gateway.store.sqlite_lock import StateFileLock
 from gateway.store.sqlite_steps import SCHEMA as STEPS_SCHEMA
 from gateway.store.sqlite_steps import StepLog
+from gateway.store.sqlite_writes import SCHEMA as WRITES_SCHEMA
+from gateway.store.sqlite_writes import SqliteWrites
 
 T = TypeVar("T")
 
@@ -102,6 +106,7 @@ class SqliteRunStore:
             conn, _WRITE, _row, self._error,
             flush_after_s=flush_after_s, batch=STEP_BATCH, limit=MAX_PENDING_STEPS,
         )
+        self._writes = SqliteWrites(conn, self._error)
         self._prefix = uuid.uuid4().hex[:8]  # reservation ids never collide with a dead process's
         self._seq = 0
         self._closed = False
@@ -121,7 +126,7 @@ class SqliteRunStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute("PRAGMA busy_timeout=5000")  # the ledger's connections write the same file
                 no_autocheckpoint(conn)  # commits run on the event loop; checkpoints on their own thread
-                for statement in (_RUNS, *STEPS_SCHEMA):
+                for statement in (_RUNS, *STEPS_SCHEMA, *WRITES_SCHEMA):
                     conn.execute(statement)
                 store = cls(conn, lock, path, cache_size=max(cache_size, 1), flush_after_s=flush_after_s)
                 store._recover()
@@ -333,6 +338,10 @@ class SqliteRunStore:
         if state is None:
             return None
         self._change(state, lambda s: logic.reset(s, now))
+        # the new epoch names none of the former epochs' tool calls: deleting them only frees the space,
+        # so a refusal leaves them for the next reset rather than failing a reset that happened
+        with contextlib.suppress(sqlite3.Error):
+            self._writes.forget_former(run_id, state.epoch)
         return _copy(state)
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
@@ -381,6 +390,23 @@ class SqliteRunStore:
             if len(rows) < page:
                 return
             cursor = (rows[-1][0], rows[-1][2])
+
+    async def claim_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, *, lease_s: float, keep: int, now: float
+    ) -> WriteClaim:
+        return self._writes.claim(run_id, epoch, key, token, now + lease_s, keep, now)
+
+    async def renew_write(self, run_id: str, epoch: int, key: str, token: str, *, until: float) -> bool:
+        return self._writes.renew(run_id, epoch, key, token, until)
+
+    async def finish_write(
+        self, run_id: str, agent: str, epoch: int, key: str, token: str, result: bytes | None, *, keep: int,
+        now: float,
+    ) -> None:
+        self._writes.finish(run_id, epoch, key, token, result, keep)
+
+    async def release_write(self, run_id: str, epoch: int, key: str, token: str) -> None:
+        self._writes.release(run_id, epoch, key, token)
 
     async def close(self) -> None:
         """Write buffered steps, close the file, release the lock. Idempotent. Raises StateUnavailable
