@@ -46,7 +46,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     resolve_agent_grammars(library, config.agents)
     local = await _local_transports(config)
     store = open_store(config)  # SQLite: holds the state file's lock until closed
-    upstream = Upstream.create()
+    upstream = Upstream.create(max_answer_bytes=config.limits.max_answer_bytes)
     ledger: Ledger | None = None
     try:
         gw = Gateway(

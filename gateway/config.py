@@ -218,6 +218,9 @@ class Agent(Frozen):
 
 class Limits(Frozen):
     max_body_bytes: PosInt = 32 * 1024 * 1024
+    # an upstream answer tollgate reads whole (a non-streamed model answer, a forwarded error body, a
+    # model list): more is a 502 upstream_unavailable, so a runaway upstream cannot exhaust memory
+    max_answer_bytes: PosInt = 64 * 1024 * 1024
     max_json_depth: PosInt = 64
     max_messages: PosInt = 10_000
     max_tools: PosInt = 512

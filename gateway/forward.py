@@ -169,7 +169,11 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     failure: str | None = None
     try:
         if upstream.status >= 400:  # an error may echo the key tollgate sent: read whole, scrubbed
-            body = scrub(await upstream.read(), secret_bytes(secret))
+            try:  # bounded by `limits.max_answer_bytes` (2xx bodies stream through, a chunk at a time)
+                body = scrub(await upstream.read(), secret_bytes(secret))
+            except GatewayError as exc:  # nothing was sent yet: the error in the caller's wire format
+                failure = exc.code
+                return error_response(adapter, exc, base_headers(identity))
             out.content_length = len(body)
             await out.prepare(request)
             await out.write(body)

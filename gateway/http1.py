@@ -8,7 +8,8 @@ httptools parser. A sidecar makes one upstream call per step, so that was a fift
 What it does: one request at a time per connection (no pipelining), keep-alive pooling per origin
 (idle connections older than `keepalive_s` are closed, not reused), TLS through `ssl`, request bodies
 in memory, response bodies streamed with back-pressure (reading pauses above `HIGH_WATER` buffered
-bytes), `gzip` / `deflate` content decoded (we ask for `identity`), bounded response headers.
+bytes), `gzip` / `deflate` content decoded (we ask for `identity`), bounded response headers, and a
+body read whole (`read()`) bounded by `max_answer_bytes`, before and after decoding.
 Timeouts are per phase, as `Timeouts` says: connect, first byte (headers), idle gap between body
 chunks. Every failure is an `UpstreamUnavailable` or `UpstreamTimeout`; a response that did not end
 cleanly never returns its connection to the pool.
@@ -26,11 +27,12 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.config import Timeouts
+from gateway.config import Limits, Timeouts
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.http1_wire import Origin, Sending, decoder_for, request_head, split_url
 
 HIGH_WATER = 1 << 20  # buffered response bytes at which reading from the socket pauses
+MAX_ANSWER_BYTES: int = Limits.model_fields["max_answer_bytes"].default  # `tollgate serve` passes the config's
 MAX_HEADER_BYTES = 64 * 1024  # a response head larger than this is refused (aiohttp's limits are near)
 
 
@@ -208,19 +210,24 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 class Http1Response:
     """`UpstreamResponse` of one exchange. `read()` / `chunks()` release the connection back to the
-    pool once the body ended; `release()` (idempotent) closes it when the body did not end."""
+    pool once the body ended; `release()` (idempotent) closes it when the body did not end. `cap`: the
+    most body bytes `read()` returns (see there); `chunks()` is not bounded as a whole (streams are
+    bounded event by event, by their SSE parser)."""
 
-    __slots__ = ("_conn", "_decoder", "_idle", "_released", "headers", "status")
+    __slots__ = ("_cap", "_conn", "_decoder", "_idle", "_released", "headers", "status")
 
-    def __init__(self, conn: Connection, idle: float) -> None:
+    def __init__(self, conn: Connection, idle: float, cap: int = MAX_ANSWER_BYTES) -> None:
         self._conn = conn
         self._idle = idle
+        self._cap = cap
         self._released = False
         self.status = conn.status
         self.headers = conn.headers()
         self._decoder = decoder_for(self.headers.get("Content-Encoding", "").strip().lower())
 
-    def _decode(self, data: bytes, final: bool) -> bytes:
+    def _decode(self, data: bytes, final: bool, limit: int = 0) -> bytes:
+        """`data` decoded (the rest of the body with `final`). `limit` > 0: a body that decodes to more
+        than `limit` bytes is refused before all of it is decoded (a compression bomb stays small)."""
         decoder = self._decoder
         if decoder is None:
             return data
@@ -228,17 +235,38 @@ class Http1Response:
             if not final:
                 return decoder.decode(data)
             self._decoder = None
-            return decoder.decode(data) + decoder.finish()
+            out = decoder.decode(data, limit + 1 if limit else 0)
+            if limit and len(out) > limit:
+                raise self._too_large()
+            out += decoder.finish()
         except zlib.error as exc:
             raise UpstreamUnavailable(f"upstream body does not decode: {exc}") from None
+        if limit and len(out) > limit:
+            raise self._too_large()
+        return out
+
+    def _too_large(self) -> UpstreamUnavailable:
+        """Refuse the answer: its connection closes (the rest of the body is never read) and leaves the
+        pool. The request was sent: the upstream may bill it (`request_sent`)."""
+        self._conn._fail("answer over the size limit")
+        self.release()
+        return UpstreamUnavailable(f"upstream answer is larger than limits.max_answer_bytes ({self._cap} bytes)")
 
     async def read(self) -> bytes:
+        """The whole body, decoded. More than `cap` bytes, as sent or decoded, is an `UpstreamUnavailable`
+        and the connection closes: what is held stays within `cap` plus what the socket buffered before
+        reading paused (about `HIGH_WATER`)."""
         conn = self._conn
+        room = self._cap  # body bytes still allowed: one comparison per chunk
         parts: list[bytes] = []
         try:
             while True:
                 if conn.body:
-                    parts.append(conn.take())
+                    data = conn.take()
+                    room -= len(data)
+                    if room < 0:
+                        raise self._too_large()
+                    parts.append(data)
                 if conn.complete:
                     break
                 if conn.error is not None:
@@ -246,8 +274,9 @@ class Http1Response:
                 await conn.wait(self._idle)
         except _Expired:
             raise UpstreamTimeout(f"upstream sent no data for {self._idle:g}s") from None
-        self.release()
-        return self._decode(parts[0] if len(parts) == 1 else b"".join(parts), True)
+        body = self._decode(parts[0] if len(parts) == 1 else b"".join(parts), True, self._cap)
+        self.release()  # after decoding: an answer refused there closes its connection instead
+        return body
 
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -277,13 +306,16 @@ class Http1Response:
 
 
 class Http1Pool:
-    """Connections per origin, at most `limit` busy at once (more callers wait for one)."""
+    """Connections per origin, at most `limit` busy at once (more callers wait for one). Each response's
+    `read()` returns at most `max_answer_bytes` (`limits.max_answer_bytes`)."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, *, limit: int = 256, keepalive_s: float = 15.0
+        self, loop: asyncio.AbstractEventLoop, *, limit: int = 256, keepalive_s: float = 15.0,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.loop = loop
         self.keepalive_s = keepalive_s
+        self.max_answer_bytes = max_answer_bytes
         self._idle: dict[Origin, list[Connection]] = {}
         self._busy: set[Connection] = set()
         self._slots = asyncio.Semaphore(limit)
@@ -339,7 +371,7 @@ class Http1Pool:
                 if conn.error is not None:
                     raise UpstreamUnavailable(f"upstream request failed: {conn.error}")
                 await conn.wait(deadline - loop.time())
-            return Http1Response(conn, timeouts.idle)
+            return Http1Response(conn, timeouts.idle, self.max_answer_bytes)
         except _Expired:
             self.release(conn)
             raise UpstreamTimeout(f"upstream did not answer within {timeouts.first_byte:g}s") from None

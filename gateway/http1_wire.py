@@ -94,16 +94,22 @@ class Decoder:
         self._zlib = zlib.decompressobj(zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS)
         return self._zlib, data
 
-    def decode(self, data: bytes) -> bytes:
+    def decode(self, data: bytes, limit: int = 0) -> bytes:
+        """The bytes `data` decodes to. `limit` > 0: at most `limit` bytes come out, and input that would
+        make more is left undecoded (a result of `limit` bytes may have been cut: a caller that bounds
+        an answer passes its cap + 1 and refuses a longer result, before `finish`). 0: no bound."""
         self._fed = self._fed or bool(data)
         decoder, data = self._start(data)
         if decoder is None:
             return b""
-        out = decoder.decompress(data)
+        out = decoder.decompress(data, limit)
         while self._gzip and decoder.eof and decoder.unused_data:  # the next gzip member
+            left = limit - len(out) if limit else 0
+            if limit and left <= 0:
+                break  # the bound is reached: what is left would only be refused
             rest = decoder.unused_data
             decoder = self._zlib = zlib.decompressobj(_GZIP)
-            out += decoder.decompress(rest)
+            out += decoder.decompress(rest, left)
         return out
 
     def finish(self) -> bytes:

@@ -16,7 +16,7 @@ from multidict import CIMultiDict
 
 from gateway.config import Timeouts
 from gateway.errors import InvalidRequest
-from gateway.http1 import Http1Pool
+from gateway.http1 import MAX_ANSWER_BYTES, Http1Pool
 from gateway.http1_wire import Sending
 
 MIN_SECRET = 8
@@ -87,7 +87,9 @@ def scrub(data: bytes, secret: bytes | None) -> bytes:
 
 
 class UpstreamResponse(Protocol):
-    """An open upstream response. Read it with `read()` or `chunks()`; always `release()` it."""
+    """An open upstream response. Read it with `read()` or `chunks()`; always `release()` it. `read()`
+    of a network transport refuses a body over `limits.max_answer_bytes` with `UpstreamUnavailable`
+    (its connection closed); `chunks()` is not bounded as a whole (streams are bounded event by event)."""
 
     @property
     def status(self) -> int: ...
@@ -141,10 +143,11 @@ class Upstream:
         self._pool = pool
 
     @classmethod
-    def create(cls, *, limit: int = 256) -> Upstream:
+    def create(cls, *, limit: int = 256, max_answer_bytes: int = MAX_ANSWER_BYTES) -> Upstream:
         """Call from the running event loop (the app's startup). The client keeps no cookies: a proxy
-        must not replay what one agent's upstream set for another."""
-        return cls(Http1Pool(asyncio.get_running_loop(), limit=limit))
+        must not replay what one agent's upstream set for another. `max_answer_bytes`: the most a
+        response's `read()` returns (`limits.max_answer_bytes`)."""
+        return cls(Http1Pool(asyncio.get_running_loop(), limit=limit, max_answer_bytes=max_answer_bytes))
 
     async def close(self) -> None:
         await self._pool.close()

@@ -100,6 +100,8 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
      "unknown key"),
     ("unknown agent key", {"agents": {"bot": {"budjet": {}}}}, "agents.bot.budjet", "unknown key"),
     ("unknown limits key", {"limits": {"max_bytes": 1}}, "limits.max_bytes", "unknown key"),
+    ("zero answer cap", {"limits": {"max_answer_bytes": 0}}, "limits.max_answer_bytes", "greater than 0"),
+    ("answer cap not an int", {"limits": {"max_answer_bytes": 1.5}}, "limits.max_answer_bytes", "integer"),
     ("port not an int", {"listen": {"port": "http"}}, "listen.port", ""),
     ("port out of range", {"admin": {"port": 70000}}, "admin.port", ""),
     ("provider type", {"providers": {"o": {**OPENAI, "type": "gemini"}}}, "providers.o.type", ""),
@@ -160,6 +162,7 @@ VALID: list[tuple[str, dict[str, Any]]] = [
     ("https base_url", {"providers": {"o": {**OPENAI, "base_url": "https://api.openai.com/v1"}}}),
     ("port 0 (any free port)", {"listen": {"port": 0}}),
     ("zero prices", {"pricing": {"m": {"input_per_mtok": 0, "output_per_mtok": 0}}}),
+    ("an answer cap", {"limits": {"max_answer_bytes": 1}}),
 ]
 
 
@@ -173,6 +176,7 @@ def test_defaults() -> None:
     assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8080)
     assert (config.admin.host, config.admin.port) == ("127.0.0.1", 9464)
     assert config.limits.max_body_bytes == 33554432 and config.limits.max_json_depth == 64
+    assert config.limits.max_answer_bytes == 64 * 1024 * 1024
     assert (config.state.backend, config.state.path) == ("sqlite", "tollgate.db")
     assert config.grammars.dir == "grammars"
     assert config.otel.capture_content is False

@@ -86,3 +86,31 @@ def test_identity_and_unknown_encodings() -> None:
     assert decoder_for("") is None and decoder_for("identity") is None
     with pytest.raises(UpstreamUnavailable, match="unsupported content-encoding 'br'"):
         decoder_for("br")
+
+
+
+BOMB = b"\0" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("encoding", "data", "size"),
+    [
+        ("gzip", gzip.compress(BOMB), len(BOMB)),
+        ("gzip", gzip.compress(b"a" * 40) + gzip.compress(BOMB), 40 + len(BOMB)),
+        ("deflate", zlib.compress(BOMB), len(BOMB)),
+        ("deflate", _raw_deflate(BOMB), len(BOMB)),
+    ],
+    ids=["gzip", "gzip-members", "deflate-zlib", "deflate-raw"],
+)
+def test_a_decoding_limit_stops_the_output_there(encoding: str, data: bytes, size: int) -> None:
+    """`limit` bounds what one call decodes (a compression bomb is not inflated whole); 0 is no bound."""
+    bounded = decoder_for(encoding)
+    assert bounded is not None
+    assert len(bounded.decode(data, 1001)) == 1001
+    assert len(bounded.decode(b"", 1001)) <= 1001  # what is left stays bounded too
+    whole = decoder_for(encoding)
+    assert whole is not None
+    assert len(whole.decode(data, 0) + whole.finish()) == size
+    exact = decoder_for(encoding)
+    assert exact is not None
+    assert len(exact.decode(data, size + 1) + exact.finish()) == size  # one over the size: nothing cut

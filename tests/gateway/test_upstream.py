@@ -1,13 +1,24 @@
-"""gateway/upstream.py, its pure parts: `forwardable` (headers that may cross the proxy) and
-`check_target` (no dot segments in upstream paths)."""
+"""gateway/upstream.py: its pure parts, `forwardable` (headers that may cross the proxy) and
+`check_target` (no dot segments in upstream paths), and the cap `Upstream.create` sets on answers."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from multidict import CIMultiDict
 
-from gateway.errors import InvalidRequest
-from gateway.upstream import HOP_BY_HOP, answer_headers, check_target, forwardable, scrub, secret_bytes
+from gateway.config import Limits, Timeouts
+from gateway.errors import InvalidRequest, UpstreamUnavailable
+from gateway.upstream import (
+    HOP_BY_HOP,
+    Upstream,
+    answer_headers,
+    check_target,
+    forwardable,
+    scrub,
+    secret_bytes,
+)
 
 Fields = list[tuple[str, str]]
 
@@ -196,3 +207,47 @@ def test_answer_headers_leave_out_fields_holding_the_secret() -> None:
     out = answer_headers(upstream, {"x-tollgate-run-id": "run"}, secret=KEY)
     assert list(out.items()) == [("X-Request-Id", "r1"), ("X-Echo", "fine"), ("x-tollgate-run-id", "run")]
     assert len(answer_headers(upstream, secret=None)) == 3
+
+
+async def test_create_caps_what_read_returns() -> None:
+    """`Upstream.create(max_answer_bytes=...)` (the app passes `limits.max_answer_bytes`) bounds every
+    response's `read()`; a refused answer's connection is closed, not pooled."""
+    sizes = [101, 100]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                body = b"x" * sizes.pop(0)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/models"
+    timeouts = Timeouts(connect=1, first_byte=1, idle=1)
+    upstream = Upstream.create(max_answer_bytes=100)
+    try:
+        resp = await upstream.open("GET", url, {}, None, timeouts)
+        try:
+            with pytest.raises(UpstreamUnavailable, match=r"max_answer_bytes \(100 bytes\)"):
+                await resp.read()
+        finally:
+            resp.release()
+        assert upstream.busy_connections() == 0 and upstream.open_connections() == 0
+        resp = await upstream.open("GET", url, {}, None, timeouts)
+        assert await resp.read() == b"x" * 100  # exactly the cap
+        assert upstream.open_connections() == 1
+    finally:
+        await upstream.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_create_defaults_to_the_configs_default() -> None:
+    upstream = Upstream.create()
+    assert upstream._pool.max_answer_bytes == Limits().max_answer_bytes == 64 * 1024 * 1024
+    await upstream.close()
