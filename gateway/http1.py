@@ -21,7 +21,7 @@ import asyncio
 import ssl
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import cast
 
 import httptools
@@ -245,6 +245,29 @@ class Http1Response:
             raise self._too_large()
         return out
 
+    def _pieces(self, data: bytes, final: bool) -> Iterator[bytes]:
+        """`data` decoded (the rest of the body with `final`), `HIGH_WATER` bytes at most per piece."""
+        decoder = self._decoder
+        if decoder is None:
+            if data:
+                yield data
+            return
+        try:
+            out = decoder.decode(data, HIGH_WATER)
+            while True:
+                if out:
+                    yield out
+                if not decoder.pending:
+                    break
+                out = decoder.decode(b"", HIGH_WATER)
+            if final:
+                self._decoder = None
+                tail = decoder.finish()
+                if tail:
+                    yield tail
+        except zlib.error as exc:
+            raise UpstreamUnavailable(f"upstream body does not decode: {exc}") from None
+
     def _too_large(self) -> UpstreamUnavailable:
         """Refuse the answer: its connection closes (the rest of the body is never read) and leaves the
         pool. The request was sent: the upstream may bill it (`request_sent`)."""
@@ -279,18 +302,19 @@ class Http1Response:
         return body
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, decoded a piece of at most `HIGH_WATER` bytes at a time (what a
+        compressed chunk inflates to is never held whole)."""
         conn = self._conn
         while True:
             if conn.body:
-                data = self._decode(conn.take(), conn.complete)
-                if data:
+                for data in self._pieces(conn.take(), conn.complete):
                     yield data
                 continue
             if conn.complete:
-                tail = self._decode(b"", True)
+                tail = list(self._pieces(b"", True))
                 self.release()
-                if tail:
-                    yield tail
+                for data in tail:
+                    yield data
                 return
             if conn.error is not None:
                 raise UpstreamUnavailable(f"upstream stream broke: {conn.error}")

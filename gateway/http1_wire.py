@@ -102,6 +102,8 @@ class Decoder:
         decoder, data = self._start(data)
         if decoder is None:
             return b""
+        if decoder.unconsumed_tail:  # what an earlier bounded call left undecoded comes first
+            data = decoder.unconsumed_tail + data
         out = decoder.decompress(data, limit)
         while self._gzip and decoder.eof and decoder.unused_data:  # the next gzip member
             left = limit - len(out) if limit else 0
@@ -111,6 +113,14 @@ class Decoder:
             decoder = self._zlib = zlib.decompressobj(_GZIP)
             out += decoder.decompress(rest, left)
         return out
+
+    @property
+    def pending(self) -> bool:
+        """Input is left that a bounded `decode` did not decode yet: `decode(b"", limit)` goes on."""
+        decoder = self._zlib
+        if decoder is None:
+            return False
+        return bool(decoder.unconsumed_tail) or (self._gzip and decoder.eof and bool(decoder.unused_data))
 
     def finish(self) -> bytes:
         decoder = self._zlib

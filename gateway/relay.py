@@ -46,9 +46,13 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
             checker.feed(step.call.prefill)
     secret = secret_bytes(key)
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
+    room = gw.config.limits.max_answer_bytes  # what the reader and held events keep stays bounded
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         async for chunk in upstream.chunks():
+            room -= len(chunk)
+            if room < 0:
+                raise _too_long(gw.config.limits.max_answer_bytes)
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
@@ -148,16 +152,21 @@ def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
     return OutputNonconforming(f"the streamed answer breaks its constraint: {reason}")
 
 
-async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes, Answer]:
+async def collect_stream(step: Step, upstream: UpstreamResponse, limit: int) -> tuple[bytes, Answer]:
     """`stream_check: buffer`: read the whole stream without relaying it, so it can be validated and
-    re-asked like a non-streamed answer. Returns the events to send and the answer."""
+    re-asked like a non-streamed answer. Returns the events to send and the answer. A stream of more
+    than `limit` bytes (`limits.max_answer_bytes`) is an `UpstreamUnavailable`."""
     reader = step.adapter.stream_reader(hide_usage=step.hide_usage, choices=step.call.params.choice_count or 1)
     parser = SseParser()
     parts: list[bytes] = []
     ended = False
     secret = secret_bytes(provider_secret(step.route.provider))
+    room = limit
     try:
         async for chunk in upstream.chunks():
+            room -= len(chunk)
+            if room < 0:
+                raise _too_long(limit)
             for event in parser.feed(chunk):
                 if not ended:  # nothing after the final event counts (see relay_stream)
                     emitted = reader.feed(event)
@@ -175,6 +184,10 @@ async def collect_stream(step: Step, upstream: UpstreamResponse) -> tuple[bytes,
     if not reader.complete:
         raise UpstreamUnavailable("upstream stream ended before the answer was complete")
     return b"".join(parts), reader.answer()
+
+
+def _too_long(limit: int) -> UpstreamUnavailable:
+    return UpstreamUnavailable(f"upstream stream is longer than limits.max_answer_bytes ({limit} bytes)")
 
 
 def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:

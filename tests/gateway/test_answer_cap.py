@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory
-from tests.fakes.upstream import FakeProvider, Reply, anthropic_message, openai_completion
+from tests.fakes.upstream import FakeProvider, Reply, anthropic_message, openai_completion, openai_stream
 from tests.gateway.test_faults import (
     CHAT,
     MESSAGES,
@@ -253,3 +253,32 @@ async def test_an_oversized_model_list_is_not_merged(env: Env) -> None:
     async with openai.AsyncOpenAI(base_url=f"{env.h.url}/v1", api_key="k", max_retries=0) as oa:
         assert len((await oa.models.list()).data) == 6  # both providers' lists (the fake serves both)
 
+
+
+async def test_a_stream_longer_than_the_cap_ends_with_an_error_event(env: Env) -> None:
+    """The reader keeps the streamed text: a stream is bounded as a whole too, ending with the error
+    event of its wire once it passes the cap, settled at the reservation."""
+    env.h.fake.queue(Reply(chunks=openai_stream(["y" * 1024] * 100)))
+    async with openai.AsyncOpenAI(base_url=f"{env.h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers={"x-tollgate-run-id": "long-stream"}) as oa:
+        stream = await oa.chat.completions.create(model="gpt-4o-mini", messages=USER, stream=True)  # type: ignore[arg-type]
+        with pytest.raises(openai.APIError, match="max_answer_bytes"):
+            async for _ in stream:
+                pass
+    run = await assert_released(env, "long-stream")
+    assert run["spent_usd"] > 0, run
+
+
+async def test_a_buffered_stream_longer_than_the_cap_is_a_502(env: Env) -> None:
+    """Several choices under an output grammar (the stream held whole until it validates) past the cap:
+    a 502 before anything is relayed."""
+    env.h.fake.queue(Reply(chunks=openai_stream(["y" * 1024] * 100)))
+    headers = {"x-tollgate-run-id": "long-held", "x-tollgate-grammar": "regex:y+"}
+    async with openai.AsyncOpenAI(base_url=f"{env.h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers=headers) as oa:
+        with pytest.raises(openai.InternalServerError, match="max_answer_bytes"):
+            stream = await oa.chat.completions.create(model="gpt-4o-mini", messages=USER, n=2,  # type: ignore[arg-type]
+                                                      stream=True)
+            async for _ in stream:
+                pass
+    await assert_released(env, "long-held")

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from gateway.errors import UpstreamUnavailable
-from gateway.http1 import Http1Pool
+from gateway.http1 import HIGH_WATER, Http1Pool
 from tests.gateway.test_http1 import FAST, Handler, Server, answer
 
 BOTH_LOOPS = True  # every async test on asyncio's loop and on uvloop (tests/conftest.py)
@@ -139,3 +139,24 @@ async def test_streamed_chunks_are_not_capped(served: Served) -> None:
     resp = await pool.open("GET", url, {}, None, FAST)
     assert sum([len(chunk) async for chunk in resp.chunks()]) == CAP * 5
     assert pool.busy() == 0 and pool.open_count() == 1
+
+
+async def test_a_compressed_stream_is_decoded_a_piece_at_a_time(served: Served) -> None:
+    """A chunk that inflates to many megabytes (a compression bomb in a stream) is never held whole:
+    `chunks()` yields it `HIGH_WATER` bytes at most at a time, and all of it."""
+    inflated = 8 * HIGH_WATER + 123
+    body = gzip.compress(b"\0" * (inflated // 2)) + gzip.compress(b"\1" * (inflated - inflated // 2))
+    pool, _, url = await served(encoded_chunked(body), CAP)
+    resp = await pool.open("GET", url, {}, None, FAST)
+    sizes = [len(piece) async for piece in resp.chunks()]
+    assert sum(sizes) == inflated and max(sizes) <= HIGH_WATER
+    assert pool.busy() == 0 and pool.open_count() == 1
+
+
+def encoded_chunked(body: bytes) -> Handler:
+    async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Encoding: gzip\r\n\r\n")
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        await writer.drain()
+
+    return handle
