@@ -99,6 +99,7 @@ class Ledger:
         self._wake: asyncio.Event | None = None
         self._progress: asyncio.Condition | None = None
         self._closing = False
+        self._urgent = False  # a `flush` waits: write without lingering
         self.accepted = self.written = self.overflowed = self.dropped = self.lost = self.write_errors = 0
 
     @classmethod
@@ -170,6 +171,7 @@ class Ledger:
                 await self._write_batch()
             return
         assert self._progress is not None and self._wake is not None
+        self._urgent = True
         self._wake.set()
         async with self._progress:
             await self._progress.wait_for(
@@ -222,10 +224,11 @@ class Ledger:
                     await self._wake.wait()
                     self._wake.clear()
                     continue
-                if self._linger_s and not self._closing and len(self._pending) < self._batch_size:
+                if self._linger_s and not (self._closing or self._urgent) and len(self._pending) < self._batch_size:
                     # batch rows of the next few ms into one transaction: each write is a thread hop
                     # (~100 us CPU) plus a few GIL hand-offs with the request path's thread
                     await asyncio.sleep(self._linger_s)
+                self._urgent = False  # a flush called from here on waits for a batch after this one
                 try:
                     await self._write_batch()
                     failures = 0

@@ -50,6 +50,9 @@ from otel.runs import RunTotals, context_from_headers, path_fingerprint
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
 
+STOP_ROW_WAIT_S: Final = 2.0  # the most a stop waits for its ledger row before it is answered
+_LEDGERED: Final = "ledgered"  # step.extra: the step's ledger row is written (a stop, before its answer)
+
 # step.extra keys ("span" and "trace_headers" are also read by relay.py / proxy.py)
 SPAN: Final = "span"
 HEADERS: Final = "trace_headers"
@@ -296,12 +299,32 @@ def on_step(gw: Gateway, step: Step) -> None:
         cost = _end_spans(gw, telemetry, step)
         if cost:
             telemetry.metrics.cost(step.agent, step.route.provider_name, step.call.model, cost)
-    if ledger is not None:
-        row_decision, reason, detail = ledger_decision(step)
-        ledger.append_nowait(LedgerEntry(
-            agent=step.agent, run_id=step.run_id, operation=step.call.operation, model=step.call.model,
-            input_hash=step.call.request_hash, decision=row_decision, reason=reason, detail=detail,
-        ))
+    if ledger is not None and not step.extra.get(_LEDGERED):
+        ledger.append_nowait(_ledger_entry(step))
+
+
+async def ledger_stop_now(gw: Gateway, step: Step) -> None:
+    """Write a stopping step's ledger row before the agent hears of the stop (called right before it
+    is sent), so the audit trail holds every stop the run store holds, whatever happens to the process
+    next; `on_step` then writes no second row. Waits `STOP_ROW_WAIT_S` at most (a ledger that cannot
+    write keeps the row queued and retries); never raises."""
+    ledger: Ledger | None = gw.services.get("ledger")
+    if ledger is None or not step.stop_reason or step.extra.get(_LEDGERED):
+        return
+    ledger.append_nowait(_ledger_entry(step))
+    step.extra[_LEDGERED] = True
+    try:
+        async with asyncio.timeout(STOP_ROW_WAIT_S):
+            await ledger.flush()
+    except TimeoutError:
+        return  # still queued: written once the ledger recovers (or counted `lost` at close)
+
+
+def _ledger_entry(step: Step) -> LedgerEntry:
+    row_decision, reason, detail = ledger_decision(step)
+    return LedgerEntry(agent=step.agent, run_id=step.run_id, operation=step.call.operation,
+                       model=step.call.model, input_hash=step.call.request_hash, decision=row_decision,
+                       reason=reason, detail=detail)
 
 
 def ledger_decision(step: Step) -> tuple[str, str | None, str]:

@@ -22,7 +22,7 @@ from gateway.errors import (
 )
 from gateway.http1_wire import Sending
 from gateway.identity import Identity
-from gateway.observe import begin_step, end_run, start_span
+from gateway.observe import begin_step, end_run, ledger_stop_now, start_span
 from gateway.observe_forward import refused_call
 from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
 from gateway.pipeline import (
@@ -128,6 +128,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         if response is None:  # no answer to send: cancelled, or failed unexpectedly
             gw.notify(step)
     assert response is not None  # every path above assigned it or raised
+    if step.stop_reason:
+        await ledger_stop_now(gw, step)
     try:
         await send(response, request, step)
     finally:

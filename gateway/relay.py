@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
-from gateway.observe import step_span
+from gateway.observe import ledger_stop_now, step_span
 from gateway.outputs import judge_tool_arguments
 from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
 from gateway.providers.sse import SseParser
@@ -133,6 +133,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                                               f"{verdict.violation.message}")
                 await guard_after(gw, step, answer)
             except Stopped as stop:
+                await ledger_stop_now(gw, step)
                 await out.write(_stop_tail(step, reader, stop))
             except GatewayError as exc:  # e.g. the run store failed while judging the answer
                 step.error_type = exc.code

@@ -593,3 +593,19 @@ async def test_on_the_loop_a_locked_file_fails_the_batch_at_once(tmp_path: Path)
     finally:
         other.close()
         ledger.close_sync()
+
+
+async def test_a_flush_does_not_wait_out_the_linger(tmp_path: Path) -> None:
+    """Rows linger to batch up, but a waiting `flush` (a stop's row, written before it is answered)
+    has its row written at once."""
+    ledger = Ledger.open(tmp_path / "l.db", linger_s=30.0, on_loop=True)
+    await ledger.start()
+    try:
+        ledger.append_nowait(entry(0))
+        await ledger.flush()  # well before the 30 s linger
+        ledger.append_nowait(entry(1))
+        async with asyncio.timeout(5):
+            await ledger.flush()
+        assert ledger.written == 2
+    finally:
+        await ledger.close()

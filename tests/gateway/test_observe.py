@@ -17,7 +17,7 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as Ge
 from gateway.config import Agent, Limits, Provider
 from gateway.errors import StateUnavailable
 from gateway.identity import Identity
-from gateway.observe import end_idle_runs, forwarded_call, ledger_decision
+from gateway.observe import end_idle_runs, forwarded_call, ledger_decision, ledger_stop_now, on_step
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.routing import Route
 from gateway.step import Step
@@ -188,3 +188,21 @@ async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_sinc
     ended = sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots)
     assert ended == sorted(f"r-{i}" for i in range(2500))  # each once, and not the run idle before any sweep
     telemetry.shutdown()
+
+
+async def test_a_stops_ledger_row_is_written_before_it_is_answered_and_only_once(
+    gateway_factory: GatewayFactory,
+) -> None:
+    h = await gateway_factory()
+    ledger = h.gateway.services["ledger"]
+    step = step_for({"model": "gpt-4o-mini", "messages": MSG})
+    step.stop_reason, step.stop_detail = "llm_call_cap", "the run made its 5 calls"
+    written = ledger.written
+    await ledger_stop_now(h.gateway, step)
+    assert ledger.written == written + 1  # durable before the agent hears of it
+    await ledger_stop_now(h.gateway, step)
+    on_step(h.gateway, step)  # the step's telemetry after the answer: no second row
+    await ledger.flush()
+    assert ledger.written == written + 1
+    row = ledger.rows("run-1")[-1]
+    assert (row["decision"], row["reason"]) == ("stop", "llm_call_cap")
