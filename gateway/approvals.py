@@ -3,9 +3,12 @@
 A tool call that matches `tools.approval` is parked: `ApprovalQueue.request` records it as pending and
 the caller awaits `wait`, which ends when a human decides (`POST /admin/approvals/{id}` with
 `{"decision": "approve"|"deny", "by": "<who>"}`), when `approval_timeout_s` passes (status
-`timed_out`, a denial), or when the waiting request is cancelled (status `denied`; at shutdown, after
-the grace period in which humans can still decide). A decision is final: deciding twice is an error. Records stay listed (newest last) until `keep` newer ones push them
-out; pending records are never pushed out.
+`timed_out`, a denial), when the waiting request is cancelled (status `denied`: its client went away
+or sent `notifications/cancelled`), or at shutdown (status `denied`): `deny_after_grace` denies what is
+still pending when the grace period, in which humans can still decide, ends, so each waiting call is
+answered `approval_denied` before its connection closes (a dropped connection is retried by the SDKs,
+against the next process). A decision is final: deciding twice is an error. Records stay listed
+(newest last) until `keep` newer ones push them out; pending records are never pushed out.
 
 The queue lives in the process (`gw.services["approvals"]`): a parked call waits on the sidecar that
 holds its connection, so the decision must reach that sidecar's admin port.
@@ -89,6 +92,13 @@ class ApprovalQueue:
             self._finish(item, "denied", "tollgate (the client cancelled the request)")
         return len(found)
 
+    def deny_pending(self, by: str) -> int:
+        """Deny every pending record (`by` says why); how many there were."""
+        found = self.list("pending")
+        for item in found:
+            self._finish(item, "denied", by)
+        return len(found)
+
     async def wait(self, item: Approval, timeout_s: float) -> Approval:
         """Wait for the decision; after `timeout_s` the record becomes `timed_out`. A cancelled wait
         (the caller went away) denies the record, so nobody approves a call that can no longer run."""
@@ -137,6 +147,15 @@ def queue_of(gw: Gateway) -> ApprovalQueue:
     if not isinstance(queue, ApprovalQueue):
         queue = gw.services[SERVICE] = ApprovalQueue()
     return queue
+
+
+async def deny_after_grace(gw: Gateway, grace_s: float) -> None:
+    """At shutdown: after `grace_s` (humans may still decide meanwhile), deny what is still parked, so
+    each waiting call is answered `approval_denied` while the server still waits for its handler."""
+    await asyncio.sleep(grace_s)
+    queue = gw.services.get(SERVICE)
+    if isinstance(queue, ApprovalQueue):
+        queue.deny_pending("tollgate (shutdown: nobody decided within the grace period)")
 
 
 # -- admin routes ----------------------------------------------------------------------------------------

@@ -18,6 +18,14 @@ In order, none of which contacts the server until the last:
 4. approval, when `tools.approval` matches: the call waits for a human or the timeout.
 5. forward; the result goes through `after` again (no-progress guard) before the agent sees it.
 MCP calls cost no tokens: nothing is reserved.
+
+A call is recorded (run view, span, ledger row) however it ends, also when its client goes away or the
+shutdown cuts it: it runs in a task of its own (`gateway.mcp_flights`). Cut before it reached the
+server, it did not run: a parked call's approval is denied (`approval_denied`), and a counted call
+carries its count to an identical retry. A sent `write`/`dangerous` call is not cut when its client
+leaves: it runs on to its answer, which is judged and recorded, so the retry gets it. Cut once sent
+(another tier, or at shutdown), it is `client_disconnected` / `shutting_down`; a write cut so may have
+run and is never run again (a repeat is refused `duplicate_tool_call`).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.approvals import queue_of
+from gateway.approvals import Approval, queue_of
 from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
 from gateway.errors import (
     ApprovalDenied,
@@ -45,6 +53,7 @@ from gateway.errors import (
     UpstreamError,
     WriteInProgress,
 )
+from gateway.http1_wire import Sending
 from gateway.idempotency import Key, Outcome, WriteLease, lease_for
 from gateway.jsonrpc import (
     IDEMPOTENCY_META_KEY,
@@ -58,18 +67,20 @@ from gateway.jsonrpc import (
     replayed,
     result_content,
 )
+from gateway.mcp_flights import CLIENT_LEFT, Flight, cause_of, flights_of
 from gateway.mcp_transport import McpRequest, relay, state_of
-from gateway.observe_mcp import end_tool_span, start_tool_span
+from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState, WriteClaim
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
 from grammars.tool_args import validate_tool_arguments
 from guards.base import StepContext
 from guards.caps import PENDING_KEEP
-from guards.chain import Verdict
+from guards.chain import GuardChain, Verdict
 from otel.spans import StepSpan
 
 PENDING = "pending_calls"
+CUT_STATUS = 499  # the step's status in the run view when nobody got an answer (nginx's "client closed")
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,11 +101,27 @@ class ToolStep:
     approved_by: str | None = None  # who approved a call parked for approval (the ledger's audit trail)
     lease: WriteLease | None = None  # a write-tier call: its claim in the run store, when it holds one
     ran: bool = False  # the server answered a final result: the tool ran
+    flight: Flight = dataclasses.field(default_factory=Flight)  # what the handler and this execution share
+    writes: bool = False  # a `write` or `dangerous` tool: idempotent, and runs on when its client leaves
+    approval: Approval | None = None  # the call's approval, once parked
+    sending: Sending | None = None  # set when the call is forwarded: whether it may have reached the server
+    unknown: bool = False  # cut after it was sent and before its answer: it may have run
+    carried: bool = False  # its count went to an identical retry (once, however the call ended)
+
+    @property
+    def sent(self) -> bool:
+        """The server may have the request (a transport that cannot tell says so)."""
+        return self.sending is not None and self.sending.started is not False
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
     """Answer one `tools/call` request. Every refusal is a JSON-RPC error naming its code; every call
-    that names a tool is recorded as a step of the run."""
+    that names a tool is recorded as a step of the run, also when its client goes away meanwhile (the
+    cancellation of this handler reaches the execution once, through `gateway.mcp_flights`)."""
+    return await flights_of(mcp.gw).run(lambda flight: _call_tool(mcp, message, size, flight))
+
+
+async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Flight) -> web.StreamResponse:
     ident = mcp.identity
     params = message.params
     tool = params.get("name")
@@ -130,40 +157,46 @@ async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamR
                     tool_call=ToolCall(str(message.id), tool, args_json),
                     request_hash=digest(qualified.encode(), args_json.encode()), raw=message.body)
         ctx = StepContext(call, ident.agent, ident.run_id, ident.policy, run, time.time())
-        step = ToolStep(mcp, message, call, qualified, arguments, ctx, started, unguarded=unguarded)
-        if mcp.policy.tier(qualified) in SIDE_EFFECT_TIERS:
-            response = await _idempotent(step, run)
-        else:
-            response = await _execute(step)
+        step = ToolStep(mcp, message, call, qualified, arguments, ctx, started, unguarded=unguarded, flight=flight,
+                        writes=mcp.policy.tier(qualified) in SIDE_EFFECT_TIERS)
+        response = await (_idempotent(step, run) if step.writes else _execute(step))
     except GatewayError as exc:
         refused = exc
         response = _refusal(mcp, message, exc)
-    stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
-    if step is None or not step.recorded:
-        await _record(mcp, qualified, response.status, stop, refused, started)
-    await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
-                        outcome=step.response if step else None, refused=refused, stop=stop,
-                        started_wall=started_wall, approved_by=step.approved_by if step else None)
+    except asyncio.CancelledError:  # cut: nobody gets an answer, but the call is a step all the same
+        refused = _cut_refusal(step)
+        failure = cause_of(flight) if refused is None else None
+        await _conclude(mcp, message, tool, step, run, refused, refused.status if refused else CUT_STATUS,
+                        failure, started_wall, qualified=qualified, started=started)
+        raise
+    flight.recording = True  # the outcome is decided: its client leaving now must not cut the recording
+    await _conclude(mcp, message, tool, step, run, refused, response.status,
+                    CLIENT_LEFT if flight.client_left else None, started_wall, qualified=qualified, started=started)
     return response
 
 
-async def _record(
-    mcp: McpRequest, tool: str, status: int, stop: str | None, refused: GatewayError | None, started: float
+async def _conclude(
+    mcp: McpRequest, message: Message, tool: str, step: ToolStep | None, run: RunState | None,
+    refused: GatewayError | None, status: int, failure: str | None, started_wall: float, *, qualified: str,
+    started: float,
 ) -> None:
-    """The step as the admin API lists it under the run (the keys of a model call's step, plus
-    `refusal`: the code of a refusal that did not stop the run, such as `approval_denied`)."""
-    decision = "stop" if stop else "refuse" if refused is not None else "allow"
-    step = {
-        "at": time.time(), "operation": "execute_tool", "model": mcp.server_name, "provider": "mcp",
-        "stream": False, "status": status, "decision": decision, "stop_reason": stop,
-        "refusal": refused.code if refused is not None and not stop else None,
-        "cost_usd": 0.0, "input_tokens": None, "output_tokens": None, "tool_calls": [tool], "attempts": 1,
-        "duration_ms": round((time.monotonic() - started) * 1000, 3),
-    }
-    try:
-        await mcp.gw.store.record_step(mcp.identity.run_id, mcp.identity.agent, step, time.time())
-    except GatewayError:
-        return  # the step list is a convenience view; the decision itself was already made and applied
+    """Stage `record`: the step in the run view (unless it is there already), the span, the ledger row.
+    `failure`: nobody got the answer (`client_disconnected`, `shutting_down`)."""
+    stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
+    if step is None or not step.recorded:
+        await record_tool_step(mcp, qualified, status, stop, refused, started, failure)
+    await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
+                        outcome=step.response if step else None, refused=refused, stop=stop,
+                        started_wall=started_wall, approved_by=step.approved_by if step else None,
+                        failure=failure)
+
+
+def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
+    """The decision a cut call ended with: parked, it was denied when its client went away."""
+    item = step.approval if step is not None else None
+    if step is None or item is None or item.status != "denied":
+        return None
+    return ApprovalDenied(f"{step.qualified} was denied by {item.decided_by} (approval {item.id})")
 
 
 def _refusal(mcp: McpRequest, message: Message, exc: GatewayError) -> web.Response:
@@ -231,12 +264,17 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
             step.outcome = gateway_error(message.id, exc)[1]
         raise
     finally:
-        await lease.close(ran=step.ran)
+        if step.unknown and not step.record:
+            step.outcome = gateway_error(message.id, DuplicateToolCall(
+                f"{step.qualified} with these arguments was sent to the server and cut off before its answer "
+                f"({cause_of(step.flight)}); it may have run, so it is not run again"))[1]
+        # a call that may have run keeps its claim, marked done without a result: never run twice
+        await lease.close(ran=step.ran or step.unknown)
         outcome = step.outcome or error_message(
             message.id, UPSTREAM_FAILED, "upstream_failed: the identical call in flight got no result")
         # a call that ran is never run again by this process, even when judging it failed (then the
         # error its agent got is what a repeat gets)
-        cache.finish(key, outcome, record=step.record or step.ran)
+        cache.finish(key, outcome, record=step.record or step.ran or step.unknown)
 
 
 async def _claim(step: ToolStep, lease: WriteLease) -> WriteClaim | None:
@@ -278,24 +316,46 @@ def _replay(mcp: McpRequest, message: Message, outcome: Outcome) -> web.Response
 
 
 async def _execute(step: ToolStep) -> web.StreamResponse:
-    mcp, ctx, message = step.mcp, step.ctx, step.message
+    ctx = step.ctx
     assert step.call.tool_call is not None
-    chain = mcp.gw.chain(ctx.agent, ctx.policy)
+    chain = step.mcp.gw.chain(ctx.agent, ctx.policy)
     await _apply(step, chain.before(ctx))
     if not await _take_proposal(step, step.call.tool_call):
         proposal = dataclasses.replace(ctx, extra={"counts_tool_call": True})
         await _apply(step, chain.after(proposal, Answer()))
     try:
+        return await _forward(step, chain)
+    except asyncio.CancelledError:  # cut (gateway.mcp_flights), now counted
+        if not step.sent:
+            try:
+                await _carry(step)  # the tool did not run (parked, or never sent)
+            except GatewayError:
+                pass  # the store is down: the retry counts again, the cut is still recorded as such
+        elif not step.ran:
+            step.unknown = True  # the server may run it
+        raise
+
+
+async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
+    """Approval, then the call goes to the server; its answer is judged before the agent sees it."""
+    mcp, ctx, message = step.mcp, step.ctx, step.message
+    assert step.call.tool_call is not None
+    try:
         if mcp.policy.needs_approval(step.qualified):
             await _approve(step)
         step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run.epoch if ctx.run else 1)
-        upstream = await mcp.open("POST", body)
+        step.sending = Sending()
+        # from here a side-effecting call runs on to its answer if its client leaves: the answer is
+        # recorded for the identical retry, instead of the tool maybe running once unrecorded
+        step.flight.keep = step.writes
+        upstream = await mcp.open("POST", body, step.sending)
     except (ApprovalDenied, UpstreamError) as exc:
         if not isinstance(exc, UpstreamError) or not exc.request_sent:
             await _carry(step)  # the tool did not run
         raise
 
     async def judge(response: dict[str, Any]) -> dict[str, Any]:
+        step.flight.recording = True  # the answer is in hand: judging and recording it is not cut
         step.outcome = step.response = response
         result = response.get("result")
         if isinstance(result, dict) and not is_final_result(result):
@@ -320,7 +380,7 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         await _record_write(step)
         step.recorded = True
         status = 200 if refused is None else refused.status
-        await _record(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started)
+        await record_tool_step(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started)
         return response
 
     return await relay(mcp, upstream, message.id, judge)
@@ -345,6 +405,9 @@ async def _carry(step: ToolStep) -> None:
     an identical retry of it is this call, as a model's proposal is, and does not count again."""
     assert step.call.tool_call is not None
     ctx = step.ctx
+    if step.carried:
+        return
+    step.carried = True
     if not step.unguarded:
         await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
                                      PENDING_KEEP)
@@ -383,8 +446,8 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
 async def _approve(step: ToolStep) -> None:
     mcp, ctx = step.mcp, step.ctx
     queue = queue_of(mcp.gw)
-    item = queue.request(ctx.run_id, ctx.agent, step.qualified, step.arguments,
-                         cancel_key=mcp.request_key(step.message.id))
+    item = step.approval = queue.request(ctx.run_id, ctx.agent, step.qualified, step.arguments,
+                                         cancel_key=mcp.request_key(step.message.id))
     timeout = mcp.policy.approval_timeout_s
     await queue.wait(item, timeout)
     if item.status == "timed_out":

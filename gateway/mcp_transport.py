@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.config import McpServer
 from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.http1_wire import Sending
 from gateway.idempotency import ResultCache
 from gateway.identity import Identity
 from gateway.jsonrpc import RequestId, replace_event_data
@@ -63,21 +64,25 @@ class McpRequest:
     def allowed(self, tool: str) -> bool:
         return self.policy.allowed(mcp_tool_name(self.server_name, tool))
 
-    def request_key(self, rpc_id: Any) -> tuple[str, str, str, str]:
-        """Names one JSON-RPC request of this client (run, server, MCP session, id as the SDKs match
-        it), so a `notifications/cancelled` finds the call it cancels and no other."""
+    def request_key(self, rpc_id: Any) -> tuple[str, str, str, str, str]:
+        """Names one JSON-RPC request of this client (run, agent, server, MCP session, id as the SDKs
+        match it), so a `notifications/cancelled` finds the call it cancels and no other. The agent is
+        part of it: agents sharing a run number their requests independently (and, in the 2026-07-28
+        era, have no session to tell them apart)."""
         number = _as_number(rpc_id)
-        return (self.identity.run_id, self.server_name, self.request.headers.get("Mcp-Session-Id", ""),
-                str(number) if number is not None else repr(rpc_id))
+        return (self.identity.run_id, self.identity.agent, self.server_name,
+                self.request.headers.get("Mcp-Session-Id", ""), str(number) if number is not None else repr(rpc_id))
 
-    async def open(self, method: str, body: bytes | None) -> UpstreamResponse:
-        """Send the request on to the MCP server (through `gateway.upstream`, the one network seam)."""
+    async def open(self, method: str, body: bytes | None, sending: Sending | None = None) -> UpstreamResponse:
+        """Send the request on to the MCP server (through `gateway.upstream`, the one network seam).
+        `sending` learns whether the request may have reached the server, for a caller cancelled
+        meanwhile."""
         drop = frozenset({"authorization", "x-api-key"}) if self.gw.config.keyed else frozenset()
         headers = forwardable(self.request.headers, drop=drop)  # repeated fields forwarded as they came
         headers.update(self.server.headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
-        return await self.gw.upstream.open(method, self.server.url, headers, body, self.server.timeouts)
+        return await self.gw.upstream.open(method, self.server.url, headers, body, self.server.timeouts, sending)
 
 
 def _is_response(value: Any, rpc_id: RequestId | None) -> bool:
@@ -139,10 +144,10 @@ async def relay(
                                       "neither JSON nor an event stream")
         headers = answer_headers(upstream.headers, mcp.headers)
         out = web.StreamResponse(status=upstream.status, headers=headers)
-        await out.prepare(mcp.request)
+        client = await _prepare(out, mcp.request)
         if judged and kind == "text/event-stream":
-            await _relay_events(mcp, upstream, out, rpc_id, transform)
-        else:
+            await _relay_events(mcp, upstream, out, rpc_id, transform, client)
+        elif client:
             async for chunk in upstream.chunks():
                 if not await _write(out, chunk):
                     return out
@@ -158,10 +163,10 @@ async def relay(
 
 async def _relay_events(
     mcp: McpRequest, upstream: UpstreamResponse, out: web.StreamResponse, rpc_id: RequestId | None,
-    transform: Transform | None,
+    transform: Transform | None, client: bool,
 ) -> None:
     parser = SseParser(mcp.gw.config.limits.max_body_bytes)
-    client, answered = True, False
+    answered = False
     async for chunk in upstream.chunks():
         for event in parser.feed(chunk):
             part, answered = await _event(event.raw, event.data, rpc_id, transform)
@@ -191,6 +196,16 @@ async def _event(
         return raw, False
     changed = await transform(message)
     return (raw if changed is message else replace_event_data(raw, orjson.dumps(changed))), rpc_id is not None
+
+
+async def _prepare(out: web.StreamResponse, request: web.Request) -> bool:
+    """Send the status line and headers; False when the client has gone away already (a call kept
+    running after its client left is still read to its response, so its result is judged and kept)."""
+    try:
+        await out.prepare(request)
+    except ConnectionResetError:
+        return False
+    return True
 
 
 async def _write(out: web.StreamResponse, data: bytes) -> bool:

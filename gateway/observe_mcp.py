@@ -1,4 +1,5 @@
-"""Stage `record` for MCP `tools/call`: a span, samples and a ledger row per call.
+"""Stage `record` for MCP `tools/call`: the step in the run view, a span, samples and a ledger row per
+call.
 
 `start_tool_span` opens the MCP CLIENT span before the call is forwarded (parent from
 `params._meta`, else the HTTP `traceparent`, else the run root) and returns the body to forward with
@@ -9,6 +10,7 @@ stopped the run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -29,6 +31,28 @@ from otel.telemetry import Telemetry
 if TYPE_CHECKING:
     from gateway.jsonrpc import Message
     from gateway.mcp_transport import McpRequest
+
+
+async def record_tool_step(
+    mcp: McpRequest, tool: str, status: int, stop: str | None, refused: GatewayError | None, started: float,
+    failure: str | None = None,
+) -> None:
+    """The step as the admin API lists it under the run (the keys of a model call's step, plus
+    `refusal`: the code of a refusal that did not stop the run, such as `approval_denied`, and `error`:
+    why nobody got the answer, `client_disconnected` or `shutting_down`; decision `error` when the call
+    ended so without a decision)."""
+    decision = "stop" if stop else "refuse" if refused is not None else "error" if failure else "allow"
+    step = {
+        "at": time.time(), "operation": "execute_tool", "model": mcp.server_name, "provider": "mcp",
+        "stream": False, "status": status, "decision": decision, "stop_reason": stop,
+        "refusal": refused.code if refused is not None and not stop else None, "error": failure,
+        "cost_usd": 0.0, "input_tokens": None, "output_tokens": None, "tool_calls": [tool], "attempts": 1,
+        "duration_ms": round((time.monotonic() - started) * 1000, 3),
+    }
+    try:
+        await mcp.gw.store.record_step(mcp.identity.run_id, mcp.identity.agent, step, time.time())
+    except GatewayError:
+        return  # the step list is a convenience view; the decision itself was already made and applied
 
 
 def _tool_parent(telemetry: Telemetry, mcp: McpRequest, message: Message, epoch: int) -> Context:
@@ -118,12 +142,15 @@ async def end_tool_span(
     stop: str | None,
     started_wall: float,
     approved_by: str | None = None,
+    failure: str | None = None,
 ) -> None:
     """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
     replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
     response when it answered; `stop` the stop code the agent was given, if any; `run` the run as
     read before the call (None when the call was refused before that); `approved_by` who approved it
-    when it was parked for approval (the ledger row says so). A stop exports the run's root span."""
+    when it was parked for approval (the ledger row says so); `failure` why nobody got the answer
+    (`client_disconnected`, `shutting_down`: the span is an error; without a decision or a result the
+    row's decision is `error`). A stop exports the run's root span."""
     gw = mcp.gw
     telemetry = telemetry_of(gw)
     if telemetry is None:
@@ -151,12 +178,15 @@ async def end_tool_span(
     elif refused is not None:
         upstream = outcome is None and refused.code in UPSTREAM_ERRORS
         span.error(refused.code, refused.redacted, upstream=upstream)
+    if failure is not None:
+        span.error(failure, None, upstream=False)  # the server's answer, if any, still measures as it was
     answer, rpc_code = _answer(outcome, message)
     if rpc_code is not None:
         span.error(rpc_code, None, upstream=True)
     if stopped_now and (run is None or not run.stopped):
         metrics.run_stopped(stop or "stopped")
-    metrics.tool_call(_tool_decision(outcome, refused, stop))
+    decision = _tool_decision(outcome, refused, stop, failure)
+    metrics.tool_call(decision)
     if answer is not None and telemetry.capture_content:
         span.capture_output(answer, gw.services["redactor"])
     span.finish(answer)
@@ -168,16 +198,26 @@ async def end_tool_span(
         ledger.append_nowait(LedgerEntry(
             agent=mcp.identity.agent, run_id=mcp.identity.run_id, operation=f"{TOOLS_CALL} {tool}",
             model=mcp.server_name, input_hash=digest(tool.encode(), canonical_json(arguments or {})),
-            decision=_tool_decision(outcome, refused, stop),
-            reason=stop or (refused.code if refused is not None else None),
-            detail=refused.redacted if refused is not None else (
-                f"approved by {approved_by}" if approved_by is not None else ""),
+            decision=decision,
+            reason=stop or (refused.code if refused is not None else None) or (failure if decision == "error" else None),
+            detail=_detail(refused, approved_by, failure if decision != "error" else None),
         ))
 
 
-def _tool_decision(outcome: Mapping[str, Any] | None, refused: GatewayError | None, stop: str | None) -> str:
+def _detail(refused: GatewayError | None, approved_by: str | None, failure: str | None) -> str:
+    parts = [refused.redacted if refused is not None else f"approved by {approved_by}" if approved_by else ""]
+    if failure is not None:
+        parts.append(f"nobody got the answer ({failure})")
+    return "; ".join(p for p in parts if p)
+
+
+def _tool_decision(
+    outcome: Mapping[str, Any] | None, refused: GatewayError | None, stop: str | None, failure: str | None = None
+) -> str:
     if stop:
         return "rejected" if stop == "tool_not_allowed" else "stopped"
     if refused is not None:
         return {"approval_denied": "denied", "approval_timeout": "denied"}.get(refused.code, "refused")
-    return "executed" if outcome is not None else "replayed"
+    if outcome is not None:
+        return "executed"
+    return "error" if failure is not None else "replayed"

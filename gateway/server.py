@@ -2,7 +2,9 @@
 
 On a signal the gateway stops accepting connections, closes idle keep-alive connections, lets in-flight
 requests and streams finish within `shutdown_grace_s`, then exits 0; a request that still reaches a
-handler meanwhile gets 503 `shutting_down`.
+handler meanwhile gets 503 `shutting_down`. A tool call still parked for approval when the grace ends
+is denied and answered `approval_denied` (aiohttp waits for a handler once more after the grace before
+cutting it); tool calls that are cut are still recorded before the run store and the ledger close.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import gc
 import ipaddress
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
 
 from gateway.app import create_apps
+from gateway.approvals import deny_after_grace
 from gateway.config import Config, Limits
 from gateway.errors import ConfigError, StateUnavailable
+from gateway.mcp_flights import end_flights
 from gateway.proxy import GATEWAY
 from gateway.runner import GatewayRunner
 
@@ -58,6 +63,9 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
     if warning:
         print(warning, file=sys.stderr, flush=True)
     proxy, admin = create_apps(config)
+    # first of the cleanup: it runs once the connections drained (their handlers cut), before the
+    # app's own cleanup closes the run store and the ledger that the cut tool calls still record to
+    proxy.on_cleanup.insert(0, _end_tool_calls)
     # handler_cancellation: a client that goes away cancels its handler at once, and with it the
     # upstream request, even while the relay is holding events and has nothing to write
     runner = GatewayRunner(
@@ -67,6 +75,7 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
     admin_runner = GatewayRunner(admin, shutdown_timeout=1.0, access_log=None, **handler_args(config.limits))
     await runner.setup()
     await admin_runner.setup()
+    parked: asyncio.Task[None] | None = None
     try:
         site = web.TCPSite(runner, host, port, backlog=1024)
         await site.start()
@@ -88,10 +97,19 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
         gw = proxy.get(GATEWAY)
         if gw is not None:
             gw.shutting_down = True
+            parked = loop.create_task(deny_after_grace(gw, config.shutdown_grace_s))
         print("tollgate: draining in-flight requests", flush=True)
     finally:
         await runner.cleanup()
+        if parked is not None:
+            parked.cancel()  # the drain is over (perhaps before the grace ended): nothing is left parked
         await admin_runner.cleanup()
+
+
+async def _end_tool_calls(app: web.Application) -> None:
+    gw = app.get(GATEWAY)
+    if gw is not None:
+        await end_flights(gw)
 
 
 def freeze_startup_heap() -> None:
@@ -116,6 +134,7 @@ def _port(site: web.TCPSite) -> int:
 
 
 def run(config: Config, *, host: str, port: int, admin_host: str, admin_port: int) -> int:
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop  # measured faster for the proxy loop; optional
 

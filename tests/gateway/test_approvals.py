@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from gateway.approvals import ApprovalQueue
+from gateway.approvals import ApprovalQueue, deny_after_grace
 
 
 async def test_a_cancelled_request_denies_only_what_it_parked() -> None:
@@ -29,3 +31,22 @@ def test_a_decision_that_is_not_approve_or_deny_is_refused(decision: object) -> 
     with pytest.raises(ValueError, match="approve"):
         queue.decide(item.id, decision, "alice")  # type: ignore[arg-type]
     assert item.status == "pending"
+
+
+async def test_when_the_shutdown_grace_ends_what_is_still_parked_is_denied_and_its_waiter_answered() -> None:
+    queue = ApprovalQueue()
+    decided = queue.request("r", "bot", "files/rm", {"path": "a"})
+    queue.decide(decided.id, "approve", "alice")
+    parked = queue.request("r", "bot", "files/rm", {"path": "b"})
+    waiter = asyncio.create_task(queue.wait(parked, 60))
+    gw: Any = SimpleNamespace(services={"approvals": queue})
+    await deny_after_grace(gw, 0)
+    assert (await waiter).status == "denied" and "shutdown" in (parked.decided_by or "")
+    assert decided.status == "approved" and decided.decided_by == "alice"  # a decision is final
+    assert queue.deny_pending("again") == 0
+
+
+async def test_a_shutdown_without_any_approval_creates_no_queue() -> None:
+    gw: Any = SimpleNamespace(services={})
+    await deny_after_grace(gw, 0)
+    assert gw.services == {}

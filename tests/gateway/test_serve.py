@@ -13,6 +13,7 @@ import gc
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from aiohttp.test_utils import TestServer
 from gateway import server
 from gateway.cli import main as cli_main
 from gateway.config import parse_config
+from tests.fakes import mcp_server
 from tests.fakes.upstream import (
     FakeProvider,
     Reply,
@@ -234,6 +236,47 @@ async def test_sigterm_lets_the_stream_finish_then_exits_0(serve: Callable[..., 
         await streaming.close()
     assert await asyncio.wait_for(served.proc.wait(), 5.0) == 0
     assert "draining" in served.output()
+
+
+async def test_a_write_still_running_when_the_grace_ends_is_recorded_and_never_run_again(
+    serve: Callable[..., Any], tmp_path: Path
+) -> None:
+    """README: a tool call cut at the end of the grace is still recorded (`shutting_down`); a sent write
+    is never run again: after a restart, the identical call is refused `duplicate_tool_call`."""
+    files = mcp_server.start(slow_s=30.0)
+    try:
+        config = {"mcp_servers": {"files": {"url": files.url}}, "shutdown_grace_s": 1,
+                  "agents": {"bot": {"tools": {"allow": ["files/write_note"], "tiers": {"files/write_*": "write"}}}}}
+        served: Served = await serve(**config)
+        body = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                "params": {"name": "write_note", "arguments": {"text": "cut"},
+                           "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                                     "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "0"},
+                                     "io.modelcontextprotocol/clientCapabilities": {}}}}
+        headers = {"x-tollgate-agent": "bot", "x-tollgate-run-id": "cut-write",
+                   "accept": "application/json, text/event-stream",
+                   "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": "write_note"}
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.create_task(session.post(f"{served.url}/mcp/files", json=body, headers=headers))
+            await wait_for(lambda: files.seen.calls(), 10.0, "the call to reach the server")
+            served.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(aiohttp.ClientError):
+                (await call).close()
+        assert await asyncio.wait_for(served.proc.wait(), 15.0) == 0
+        ledger = sqlite3.connect(tmp_path / "state.db")
+        try:
+            rows = ledger.execute("SELECT decision, reason FROM ledger WHERE run_id = 'cut-write'").fetchall()
+        finally:
+            ledger.close()
+        assert rows == [("error", "shutting_down")], rows
+        restarted: Served = await serve(**config)
+        async with (aiohttp.ClientSession() as session,
+                    session.post(f"{restarted.url}/mcp/files", json={**body, "id": 8}, headers=headers) as resp):
+            answer = await resp.json()
+        assert answer["error"]["data"] == {"code": "duplicate_tool_call"}, answer
+        assert len(files.seen.calls()) == 1
+    finally:
+        files.stop()
 
 
 # -- check-config ---------------------------------------------------------------------------------------
