@@ -307,6 +307,9 @@ class Http1Response:
         conn = self._conn
         while True:
             if conn.body:
+                if self._decoder is None:  # the usual case (we ask for identity): no generator per chunk
+                    yield conn.take()
+                    continue
                 for data in self._pieces(conn.take(), conn.complete):
                     yield data
                 continue

@@ -102,8 +102,8 @@ class Decoder:
         decoder, data = self._start(data)
         if decoder is None:
             return b""
-        if decoder.unconsumed_tail:  # what an earlier bounded call left undecoded comes first
-            data = decoder.unconsumed_tail + data
+        if decoder.unconsumed_tail and not decoder.eof:  # what an earlier bounded call left undecoded
+            data = decoder.unconsumed_tail + data  # (at a member's end it is `unused_data` as well)
         out = decoder.decompress(data, limit)
         while self._gzip and decoder.eof and decoder.unused_data:  # the next gzip member
             left = limit - len(out) if limit else 0
@@ -120,7 +120,9 @@ class Decoder:
         decoder = self._zlib
         if decoder is None:
             return False
-        return bool(decoder.unconsumed_tail) or (self._gzip and decoder.eof and bool(decoder.unused_data))
+        if decoder.eof:  # what follows the end is the next gzip member, or for deflate nothing to decode
+            return self._gzip and bool(decoder.unused_data)
+        return bool(decoder.unconsumed_tail)
 
     def finish(self) -> bytes:
         decoder = self._zlib

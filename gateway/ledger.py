@@ -26,6 +26,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import sqlite3
@@ -99,7 +100,7 @@ class Ledger:
         self._wake: asyncio.Event | None = None
         self._progress: asyncio.Condition | None = None
         self._closing = False
-        self._urgent = False  # a `flush` waits: write without lingering
+        self._hurry: asyncio.Event | None = None  # set by a waiting `flush`: write without lingering
         self.accepted = self.written = self.overflowed = self.dropped = self.lost = self.write_errors = 0
 
     @classmethod
@@ -135,7 +136,7 @@ class Ledger:
     async def start(self) -> None:
         """Start the background writer on the running loop. Idempotent."""
         if self._task is None:
-            self._wake, self._progress = asyncio.Event(), asyncio.Condition()
+            self._wake, self._progress, self._hurry = asyncio.Event(), asyncio.Condition(), asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="tollgate-ledger")
             self._wake.set()
 
@@ -170,8 +171,8 @@ class Ledger:
             while self._pending:  # no writer task: write here
                 await self._write_batch()
             return
-        assert self._progress is not None and self._wake is not None
-        self._urgent = True
+        assert self._progress is not None and self._wake is not None and self._hurry is not None
+        self._hurry.set()
         self._wake.set()
         async with self._progress:
             await self._progress.wait_for(
@@ -216,7 +217,7 @@ class Ledger:
         return self._task is not None and not self._task.done()
 
     async def _run(self) -> None:
-        assert self._wake is not None and self._progress is not None
+        assert self._wake is not None and self._progress is not None and self._hurry is not None
         failures = 0
         try:
             while self._pending or not self._closing:
@@ -224,11 +225,14 @@ class Ledger:
                     await self._wake.wait()
                     self._wake.clear()
                     continue
-                if self._linger_s and not (self._closing or self._urgent) and len(self._pending) < self._batch_size:
+                if self._linger_s and not self._closing and len(self._pending) < self._batch_size:
                     # batch rows of the next few ms into one transaction: each write is a thread hop
-                    # (~100 us CPU) plus a few GIL hand-offs with the request path's thread
-                    await asyncio.sleep(self._linger_s)
-                self._urgent = False  # a flush called from here on waits for a batch after this one
+                    # (~100 us CPU) plus a few GIL hand-offs with the request path's thread; a flush
+                    # (a stop's row) ends the wait
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._linger_s):
+                            await self._hurry.wait()
+                self._hurry.clear()  # a flush called from here on waits for a batch after this one
                 try:
                     await self._write_batch()
                     failures = 0

@@ -179,6 +179,10 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         else:
             try:
                 data = await upstream.read()
+            except GatewayError:
+                if upstream.status >= 300:  # an upstream error answer, however long, is billed nothing
+                    await settle(gw, step, None, charged=False)
+                raise
             finally:
                 upstream.release()
             step.status = upstream.status

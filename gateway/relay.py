@@ -46,18 +46,18 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
             checker.feed(step.call.prefill)
     secret = secret_bytes(key)
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
-    room = gw.config.limits.max_answer_bytes  # what the reader and held events keep stays bounded
+    limit = gw.config.limits.max_answer_bytes  # what is kept (the answer's text, held events) stays under it
+    kept = 0  # bytes of held events
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         async for chunk in upstream.chunks():
-            room -= len(chunk)
-            if room < 0:
-                raise _too_long(gw.config.limits.max_answer_bytes)
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
                 emitted = reader.feed(event)
                 ended = emitted.done
+                if reader.output_chars + kept > limit:
+                    raise _too_long(limit)
                 if checkers and reader.delta and not all(c.feed(reader.delta) for c in checkers):
                     failure = _nonconforming(checkers)
                     break
@@ -68,6 +68,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 # error event after it would never be seen
                 if reader.holding or (emitted.done and checkers):
                     held.append(data)
+                    kept += len(data)
                     continue
                 if step.first_chunk_at is None:
                     step.first_chunk_at = time.monotonic()
@@ -180,7 +181,7 @@ async def collect_stream(step: Step, upstream: UpstreamResponse, limit: int) -> 
         raise UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}") from None
     finally:
         upstream.release()
-    step.relayed_chars = reader.output_chars
+        step.relayed_chars = reader.output_chars  # a cut answer is charged what it streamed, at least
     step.status = 200
     if not reader.complete:
         raise UpstreamUnavailable("upstream stream ended before the answer was complete")
@@ -188,7 +189,7 @@ async def collect_stream(step: Step, upstream: UpstreamResponse, limit: int) -> 
 
 
 def _too_long(limit: int) -> UpstreamUnavailable:
-    return UpstreamUnavailable(f"upstream stream is longer than limits.max_answer_bytes ({limit} bytes)")
+    return UpstreamUnavailable(f"upstream stream keeps more than limits.max_answer_bytes ({limit} bytes)")
 
 
 def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
