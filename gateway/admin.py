@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import hmac
+import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -11,13 +14,15 @@ from aiohttp import web
 
 from gateway.admin_guard import cross_site_refusal, host_refusal
 from gateway.approvals import routes as approval_routes
-from gateway.errors import StateUnavailable
+from gateway.errors import InvalidRequest, StateUnavailable
 from gateway.proxy import GATEWAY
 from gateway.runtime import Gateway
+from gateway.store.base import RunsCursor
 
 PROXY_APP: web.AppKey[web.Application] = web.AppKey("proxy_app", web.Application)
 JSON = "application/json"
 _OPEN = frozenset({"/healthz", "/readyz"})
+RUNS_PAGE = 1000  # default and largest page of GET /admin/runs (a run view with its steps is a few KB)
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -85,15 +90,56 @@ def _unavailable() -> web.Response:
 
 
 async def list_runs(request: web.Request) -> web.Response:
+    """`{"runs": [...]}`, a page of at most `limit` runs (1 to RUNS_PAGE, default RUNS_PAGE) in the
+    store's listing order (`RunStore.runs_page`: least recently updated first), plus `"next"`, an opaque
+    cursor, when more runs follow: `?cursor=<next>` answers the page after it. A bad `limit` or
+    `cursor` is a 400 invalid_request."""
     gw = _gateway(request)
     if gw is None:
         return _unavailable()
     try:
-        limit = max(1, min(int(request.query.get("limit", "100")), 1000))
+        limit = _page_limit(request.query.get("limit"))
+        after = None if "cursor" not in request.query else decode_cursor(request.query["cursor"])
+    except InvalidRequest as exc:
+        return _json({"error": {"code": exc.code, "message": exc.message}}, exc.status)
+    page = await gw.store.runs_page(after, limit)
+    body: dict[str, object] = {"runs": [r.view() for r in page.runs]}
+    if page.next is not None:
+        body["next"] = encode_cursor(page.next)
+    return _json(body)
+
+
+def _page_limit(text: str | None) -> int:
+    if text is None:
+        return RUNS_PAGE
+    try:
+        limit = int(text)
     except ValueError:
-        return _json({"error": {"code": "invalid_request", "message": "limit must be an integer"}}, 400)
-    runs = await gw.store.list_runs(limit)
-    return _json({"runs": [r.view() for r in runs]})
+        limit = 0
+    if not 1 <= limit <= RUNS_PAGE:
+        raise InvalidRequest(f"limit must be an integer from 1 to {RUNS_PAGE}")
+    return limit
+
+
+def encode_cursor(position: RunsCursor) -> str:
+    """The `next` of a page: URL-safe text, opaque to clients (JSON keeps the float exact: its repr)."""
+    return base64.urlsafe_b64encode(json.dumps([position[0], position[1]]).encode()).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> RunsCursor:
+    """The position `encode_cursor` wrote. Raises InvalidRequest for anything else."""
+    position = None
+    try:
+        at, run_id = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+        # not float(at) alone: it would take a string; a huge int overflows, NaN and infinity pass it
+        if type(at) in (int, float) and isinstance(run_id, str):
+            run_id.encode()  # run ids are UTF-8 text: a lone surrogate (UnicodeEncodeError) names none
+            position = (float(at), run_id)
+    except (ValueError, TypeError, OverflowError, RecursionError):  # not base64, not JSON, not a pair
+        pass
+    if position is None or not math.isfinite(position[0]):
+        raise InvalidRequest("cursor is not one GET /admin/runs gave out: pass a page's `next` unchanged")
+    return position
 
 
 async def get_run(request: web.Request) -> web.Response:

@@ -6,17 +6,19 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from gateway.errors import ConfigError
 
 if TYPE_CHECKING:
     import urllib.error
     import urllib.request
+    from types import FrameType
 
     from gateway.config import Config
+    from gateway.errors import ConfigError
 
 
 def _load(path: str | None) -> Config:
@@ -29,26 +31,77 @@ def _load(path: str | None) -> Config:
     return default_config()
 
 
+class _StartupSignal:
+    """SIGTERM before the gateway listens. Until `server.serve` installs its own handler (which drains,
+    then exits 0), the signal's default would kill the process (exit 143, read as a crash by an
+    orchestrator stopping a pod that is still starting). This handler only remembers the stop: raising
+    from it, at whatever point of the start the signal lands, proved unsafe (inside a C extension's
+    initialisation orjson crashes the process; inside the event loop's own setup uvloop is left
+    running and cannot close). `cmd_serve` returns 0 at its next check (the imports are most of the
+    start); later, a thread sends the signal again as soon as the server's handler has replaced this
+    one, and the gateway stops as a running one does (it has nothing in flight yet)."""
+
+    def __init__(self) -> None:
+        self._requested = False  # a plain flag: the handler takes no lock the interrupted code may hold
+        self._done = threading.Event()
+        signal.signal(signal.SIGTERM, self._handle)
+        threading.Thread(target=self._pass_on, name="tollgate-startup-stop", daemon=True).start()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._requested = True
+
+    def _pass_on(self) -> None:
+        """Until the server's handler replaces this one (then this thread ends): a 10 ms poll, during a
+        start that takes about a second."""
+        while not self._done.wait(0.01):
+            current = signal.getsignal(signal.SIGTERM)
+            if current != self._handle:
+                if self._requested and callable(current):  # never to a default that would kill
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def stopped(self) -> bool:
+        """Whether the start is to end here (said on stderr)."""
+        if self._requested:
+            print("tollgate: SIGTERM while starting: stopped", file=sys.stderr, flush=True)
+        return self._requested
+
+    def close(self) -> None:
+        """The start ended (the gateway ran and stopped, or failed to start): nothing to pass on."""
+        self._done.set()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the gateway; exit 0 after SIGTERM or SIGINT, also after a SIGTERM while it is still starting."""
+    startup = _StartupSignal()  # first: the console script gets here within ~0.1 s of its start
     # Until the gateway listens (`server.freeze_startup_heap` turns it back on), the cyclic collector
     # would only walk the modules, config and apps being built, which all live as long as the process:
     # two full collections of ~60,000 objects, ~40 ms each, of the start to the first answer.
     gc.disable()
-    from gateway.server import run
+    try:
+        # imported here, not by the module: the console script reaches the handler above sooner
+        from gateway.errors import ConfigError
+        from gateway.server import run
 
-    try:
-        config = _load(args.config)
-    except ConfigError as exc:
-        _print_problems(exc)
-        return 1
-    host = args.host or config.listen.host
-    port = config.listen.port if args.port is None else args.port
-    admin_port = config.admin.port if args.admin_port is None else args.admin_port
-    try:
-        return run(config, host=host, port=port, admin_host=config.admin.host, admin_port=admin_port)
-    except ConfigError as exc:  # found while building the gateway (a custom guard), before it listens
-        _print_problems(exc)
-        return 1
+        if startup.stopped():
+            return 0
+        try:
+            config = _load(args.config)
+        except ConfigError as exc:
+            _print_problems(exc)
+            return 1
+        if startup.stopped():
+            return 0
+        host = args.host or config.listen.host
+        port = config.listen.port if args.port is None else args.port
+        admin_port = config.admin.port if args.admin_port is None else args.admin_port
+        try:
+            return run(config, host=host, port=port, admin_host=config.admin.host, admin_port=admin_port)
+        except ConfigError as exc:  # found while building the gateway (a custom guard), before it listens
+            _print_problems(exc)
+            return 1
+    finally:
+        startup.close()
 
 
 def _print_problems(exc: ConfigError) -> None:
@@ -58,6 +111,7 @@ def _print_problems(exc: ConfigError) -> None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from gateway.config import load_config
+    from gateway.errors import ConfigError
 
     try:
         config = load_config(args.file)
@@ -85,20 +139,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    """Every run, newest activity first: `GET /admin/runs` page after page, following `next`."""
     import urllib.error  # the HTTP client is only for this command, not for `serve` and the rest
 
     url = args.admin.rstrip("/") + "/admin/runs"
     try:
-        runs = _admin_get(url)["runs"]
+        runs = _all_runs(url)
     except urllib.error.HTTPError as exc:
         exc.close()  # its body is never read: free the connection now
-        print(_http_error_line(url, exc), file=sys.stderr)
+        print(_http_error_line(exc.filename or url, exc), file=sys.stderr)  # filename: the page's URL
         return 1
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
         print(f"error: cannot read {url}: {exc}", file=sys.stderr)
         return 1
     print(format_runs(runs))
     return 0
+
+
+def _all_runs(url: str) -> list[dict[str, Any]]:
+    """The runs of every page. The pages run least recently updated first, so a run updated while they
+    are read comes again in a later page: its last view is kept. Raises TypeError or KeyError for a page
+    that is not a listing, ValueError for a `next` cursor given twice (it would never end)."""
+    from urllib.parse import quote
+
+    seen: dict[str, dict[str, Any]] = {}
+    cursors: set[str] = set()
+    page = _admin_get(url)
+    while True:
+        runs, cursor = page["runs"], page.get("next")
+        if not isinstance(runs, list) or not isinstance(cursor, str | None):
+            raise TypeError("not a listing of runs")
+        for run in runs:
+            seen.pop(str(run["run_id"]), None)  # re-inserted: the dict keeps the order of last views
+            seen[str(run["run_id"])] = run
+        if cursor is None:
+            break
+        if cursor in cursors:
+            raise ValueError("the admin API gave the same next cursor twice")
+        cursors.add(cursor)
+        page = _admin_get(f"{url}?cursor={quote(cursor, safe='')}")
+    return list(reversed(seen.values()))
 
 
 def _admin_get(url: str) -> Any:
@@ -155,16 +235,22 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
 
 
 def cmd_ledger_verify(args: argparse.Namespace) -> int:
+    """Exit 0 and print the row count and head hash when the chain verifies; exit 1 with `TAMPERED` and
+    the first bad row when it does not, or with `error:` when the file cannot be read (no row is bad
+    then). Without --db the file is `Config.ledger_file` of ./tollgate.yaml, found from the keys that
+    decide it alone (`ledger_file_of`): an auditor needs none of the environment variables of the rest."""
+    from gateway.config import Config, ledger_file_of
+    from gateway.errors import ConfigError
     from gateway.ledger import verify
 
     path = args.db
     if path is None:
         try:
-            config = _load(None)
+            found = Path("tollgate.yaml").exists()
+            path = str(ledger_file_of("tollgate.yaml") if found else Config().ledger_file)
         except ConfigError as exc:
             _print_problems(exc)
             return 1
-        path = str(config.ledger_file)
     if not Path(path).exists():
         print(f"error: no ledger at {path}", file=sys.stderr)
         return 1
@@ -172,6 +258,9 @@ def cmd_ledger_verify(args: argparse.Namespace) -> int:
     if result.ok:
         print(f"ok: {result.rows} ledger rows, chain intact; head hash {result.head}")
         return 0
+    if result.unreadable:
+        print(f"error: cannot read the ledger {path}: {result.reason}", file=sys.stderr)
+        return 1
     print(f"TAMPERED: first bad row id {result.first_bad_id}: {result.reason}", file=sys.stderr)
     return 1
 

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -46,6 +46,7 @@ Port = Annotated[int, Field(ge=0, le=65535), _Number]
 
 Dialect = Literal["openai", "vllm", "vllm-legacy", "llamacpp", "ollama", "sglang", "none"]
 Tier = Literal["read", "write", "dangerous"]
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class Frozen(BaseModel):
@@ -144,9 +145,12 @@ class Price(Frozen):
     file_search_per_k: NonNegFloat | None = None
 
 
-class State(Frozen):
+class StateFile(Frozen):  # the keys of `state` that name the state file (by default the ledger's too)
     backend: Literal["memory", "sqlite", "redis"] = "sqlite"
     path: str = "tollgate.db"
+
+
+class State(StateFile):
     url: str | None = None
     run_ttl_s: PosInt = 7 * 24 * 3600  # finished runs expire after this (redis)
     # redis: a reservation older than this is charged in full (the process that made it is presumed dead)
@@ -303,12 +307,21 @@ class Config(Frozen):
     @property
     def ledger_file(self) -> Path:
         """The ledger's file: `ledger.path`, else the SQLite state file, else `tollgate-ledger.db`."""
-        default = self.state.path if self.state.backend == "sqlite" else "tollgate-ledger.db"
-        return self.resolve(self.ledger.path or default)
+        return _LedgerWhere(ledger=self.ledger, state=self.state).file(self.base_dir)
 
     @property
     def keyed(self) -> bool:
         return any(agent.keys for agent in self.agents.values())
+
+
+class _LedgerWhere(Frozen):  # the keys of a config that decide its ledger's file
+    ledger: Ledger = Ledger()
+    state: StateFile = StateFile()
+
+    def file(self, base_dir: str) -> Path:
+        """`ledger.path`, else the SQLite state file, else `tollgate-ledger.db`, relative to `base_dir`."""
+        default = self.state.path if self.state.backend == "sqlite" else "tollgate-ledger.db"
+        return Path(base_dir) / (self.ledger.path or default)  # an absolute path stays itself
 
 
 class _Dangling(ValueError):
@@ -361,6 +374,11 @@ def substitute(value: Any, env: Mapping[str, str], path: str = "") -> Any:
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str = ".") -> Config:
     """Validate an already-parsed YAML tree. Raises ConfigError listing (key path, message) pairs."""
+    return _validated(Config, data, env, base_dir=base_dir)
+
+
+def _validated(model: type[_M], data: Any, env: Mapping[str, str] | None, base_dir: str | None = None) -> _M:
+    """`model` of a parsed YAML tree, `${VAR}`s substituted. Raises ConfigError of (key path, message)s."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -369,7 +387,7 @@ def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str 
         data = substitute(data, os.environ if env is None else env)
         if "base_dir" in data:  # set from where the file is, never by the file itself
             raise ConfigError([("base_dir", "unknown key")])
-        return Config.model_validate({**data, "base_dir": base_dir})
+        return model.model_validate(data if base_dir is None else {**data, "base_dir": base_dir})
     except RecursionError:
         raise ConfigError([("<root>", "the config nests too deeply")]) from None
     except ValidationError as exc:
@@ -392,6 +410,25 @@ def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
     """Read and validate a YAML config file."""
     p = Path(path)
+    return parse_config(_read_yaml(p), env, base_dir=str(p.resolve().parent))
+
+
+def ledger_file_of(path: str | Path, env: Mapping[str, str] | None = None) -> Path:
+    """`Config.ledger_file` of the config file `path`, from the only keys that decide it: `ledger.path`,
+    `state.backend` and `state.path` (their `${VAR}`s are substituted and need their variables). The rest
+    of the file is neither substituted nor validated (`load_config` does both), so a shell without the
+    provider keys a config references finds its ledger. Raises ConfigError naming the key path."""
+    p = Path(path)
+    data = _read_yaml(p)
+    if isinstance(data, dict):  # a section that is not a mapping is validated as given: its error names it
+        data = {section: {k: value[k] for k in keys if k in value} if isinstance(value, dict) else value
+                for section, keys in (("ledger", ("path",)), ("state", ("backend", "path")))
+                if (value := data.get(section)) is not None}
+    return _validated(_LedgerWhere, data, env).file(str(p.resolve().parent))
+
+
+def _read_yaml(p: Path) -> Any:
+    """The parsed YAML tree of the file `p`. Raises ConfigError, never quoting the file's text."""
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
@@ -401,7 +438,7 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     import yaml  # only reading a file needs the YAML parser (default_config, parse_config do not)
 
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([("<file>", f"invalid YAML: {_yaml_problem(exc)}")]) from None
     except RecursionError:
@@ -410,7 +447,6 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         # PyYAML converts an explicitly tagged scalar (`!!int x`) with int(), float() or a dict lookup,
         # whose own errors quote the scalar: the traceback would print a literal key
         raise ConfigError([("<file>", "invalid YAML: a value does not fit its tag (!!int, ...)")]) from None
-    return parse_config(data, env, base_dir=str(p.resolve().parent))
 
 
 _TAG_FAILURES = (ValueError, TypeError, KeyError, AttributeError)

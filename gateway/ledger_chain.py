@@ -28,10 +28,10 @@ GENESIS = "0" * 64
 COLUMNS = ("id", "ts", "agent", "run_id", "operation", "model", "input_hash", "decision", "reason",
            "detail", "prev_hash", "entry_hash")
 SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,"
-    " agent TEXT NOT NULL, run_id TEXT NOT NULL, operation TEXT NOT NULL, model TEXT NOT NULL,"
-    " input_hash TEXT NOT NULL, decision TEXT NOT NULL, reason TEXT, detail TEXT NOT NULL,"
-    " prev_hash TEXT NOT NULL, entry_hash TEXT NOT NULL)",
+    ("CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL,"
+     " agent TEXT NOT NULL, run_id TEXT NOT NULL, operation TEXT NOT NULL, model TEXT NOT NULL,"
+     " input_hash TEXT NOT NULL, decision TEXT NOT NULL, reason TEXT, detail TEXT NOT NULL,"
+     " prev_hash TEXT NOT NULL, entry_hash TEXT NOT NULL)"),
     "CREATE INDEX IF NOT EXISTS ledger_run_id ON ledger (run_id, id)",
     *(f"CREATE TRIGGER IF NOT EXISTS ledger_no_{op.lower()} BEFORE {op} ON ledger"
       " BEGIN SELECT RAISE(ABORT, 'ledger is append-only'); END" for op in ("UPDATE", "DELETE")),
@@ -45,13 +45,22 @@ class VerifyResult:
     """Outcome of `verify`. `rows`: rows that verified before the first bad one (all when ok). `head`:
     the entry_hash of the last of them (GENESIS when none): the chain proves the rows present unaltered
     and unbroken, and only a head recorded elsewhere shows rows gone from its end or the whole table
-    dropped (as the run store's file without a `ledger` table verifies as an empty chain)."""
+    dropped (as the run store's file without a `ledger` table verifies as an empty chain).
+
+    Not ok, either the chain is broken (`tampered`: `first_bad_id` names the first bad row, `reason` says
+    how), or the file could not be read (`unreadable`: missing, not a SQLite database, locked past the
+    busy timeout, an I/O error; `reason` says which, and no row is named: none was found bad)."""
 
     ok: bool
     rows: int
     first_bad_id: int | None
     reason: str | None
     head: str = GENESIS
+    unreadable: bool = False
+
+    @property
+    def tampered(self) -> bool:
+        return not self.ok and not self.unreadable
 
 
 def input_hash(data: bytes | str) -> str:
@@ -96,12 +105,13 @@ _encode_str = json.encoder.encode_basestring
 _int_repr, _float_repr = int.__repr__, float.__repr__
 
 
-def connect(path: str | Path, *, readonly: bool = False) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit: BEGIN IMMEDIATE) with a busy
-    timeout, usable from any one thread at a time; `readonly` opens with mode=ro and never creates."""
+def connect(path: str | Path, *, readonly: bool = False, busy_timeout_s: float = 10.0) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit: BEGIN IMMEDIATE) that waits up to
+    `busy_timeout_s` for a lock, usable from any one thread at a time; `readonly` opens with mode=ro and
+    never creates."""
     target, uri = (f"{Path(path).resolve().as_uri()}?mode=ro", True) if readonly else (str(path), False)
     conn = sqlite3.connect(target, uri=uri, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA busy_timeout = 10000")
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
     return conn
 
 
@@ -118,19 +128,26 @@ def enable_wal(conn: sqlite3.Connection, *, attempts: int = 100, pause_s: float 
             time.sleep(pause_s)  # startup only, never on the request path
 
 
-def verify(path: str | Path) -> VerifyResult:
-    """Re-hash the chain in `path` (opened read-only) and name the first bad row: a changed field
-    (hash mismatch), a broken link (prev_hash), a deleted row (id gap, reported at the next row) or
-    rows cut from the end (reported as the first missing id). No ledger table: an empty, good chain (a
-    file cannot tell a dropped table from a ledger kept in another file: `VerifyResult.head`)."""
+def verify(path: str | Path, *, busy_timeout_s: float = 10.0) -> VerifyResult:
+    """Re-hash the chain in `path` and name the first bad row: a changed field (hash mismatch), a broken
+    link (prev_hash), a deleted row (id gap, reported at the next row) or rows cut from the end (reported
+    as the first missing id). No ledger table: an empty, good chain (a file cannot tell a dropped table
+    from a ledger kept in another file: `VerifyResult.head`). A file that cannot be read is `unreadable`,
+    never a bad row.
+
+    Read-only and in one read transaction: the rows and the id sequence are one snapshot, so rows a
+    gateway appends meanwhile are neither judged nor missed, and a gateway writing the (WAL) file is never
+    blocked. A lock another program holds (a backup, a rollback-journal copy) is waited for up to
+    `busy_timeout_s`."""
     if not Path(path).is_file():
-        return VerifyResult(False, 0, None, f"no such file: {path}")
+        return VerifyResult(False, 0, None, f"no such file: {path}", unreadable=True)
     count, expected_id, prev = 0, 1, GENESIS
     try:
-        conn = connect(path, readonly=True)
+        conn = connect(path, readonly=True, busy_timeout_s=busy_timeout_s)
     except sqlite3.Error as exc:
-        return VerifyResult(False, 0, None, f"cannot open: {exc}")
+        return VerifyResult(False, 0, None, f"cannot open: {exc}", unreadable=True)
     try:
+        conn.execute("BEGIN")  # deferred: the first read takes the snapshot both reads below share
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone():
             return VerifyResult(True, 0, None, None)
         for values in conn.execute(f"{SELECT} ORDER BY id"):
@@ -144,8 +161,9 @@ def verify(path: str | Path) -> VerifyResult:
             missing = f"rows {expected_id}..{seq[0]} missing at the end"
             return VerifyResult(False, count, expected_id, missing, prev)
         return VerifyResult(True, count, None, None, prev)
-    except sqlite3.Error as exc:
-        return VerifyResult(False, count, None, f"database error: {exc}", prev)
+    except sqlite3.Error as exc:  # "file is not a database", "database is locked" (after the wait), I/O
+        locked = f" (waited {busy_timeout_s:g} s)" if "locked" in str(exc) else ""
+        return VerifyResult(False, count, None, f"{exc}{locked}", prev, unreadable=True)
     finally:
         conn.close()
 

@@ -161,9 +161,10 @@ class _Tour:
         self.say()
         if result.ok:
             self.say(f"decision ledger: {result.rows} rows, hash chain verified")
+        elif result.unreadable:
+            self.problems.append(f"decision ledger cannot be read: {result.reason}")
         else:
-            bad = f"row {result.first_bad_id}: {result.reason}"
-            self.problems.append(f"decision ledger does not verify: {bad}")
+            self.problems.append(f"decision ledger does not verify: row {result.first_bad_id}: {result.reason}")
 
     async def close(self) -> None:
         for runner in reversed(self.runners):

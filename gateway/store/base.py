@@ -98,6 +98,19 @@ class WriteClaim:
     result: bytes | None = None
 
 
+RunsCursor = tuple[float, str]
+"""A position in the listing order of runs: (`updated_at`, with 0 for a run that has none; `run_id`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunsPage:
+    """One page of `RunStore.runs_page`. `next`: the position of the page's last run when more runs
+    follow it (pass it as `after` for the next page), else None."""
+
+    runs: list[RunState]
+    next: RunsCursor | None
+
+
 @dataclass(slots=True)
 class RunState:
     run_id: str
@@ -175,6 +188,17 @@ class RunStore(Protocol):
     async def reset(self, run_id: str, now: float) -> RunState | None: ...
 
     async def list_runs(self, limit: int = 100) -> list[RunState]: ...
+
+    async def runs_page(self, after: RunsCursor | None, limit: int) -> RunsPage:
+        """Up to `limit` (>= 1) runs, each with its steps, in listing order: least recently updated first
+        (a run without `updated_at` counts as 0), then by run id (compared as UTF-8 bytes); the first
+        ones, or those after the position `after`. Paging is stable under concurrent updates: a run
+        updated while a client pages moves to the end of the order, so it comes in a later page (again,
+        if it was listed already, with its new state) and is never skipped; a run created meanwhile
+        comes in a later page. `next` is set exactly when a run followed the page when it was read (a run
+        that expired meanwhile may leave the next page empty). A store may read all the runs of the
+        cursor's `updated_at` to find where the page starts."""
+        ...
 
     # -- side-effecting tool calls (`write`/`dangerous` tiers): at most one execution per key ------------
     # Entries are per `(run_id, epoch, key)`: a reset run (new epoch) starts with nothing claimed or

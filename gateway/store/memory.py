@@ -7,7 +7,17 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from gateway.store import logic
-from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState, WriteClaim
+from gateway.store.base import (
+    Add,
+    Denial,
+    Push,
+    Reservation,
+    ReserveRequest,
+    RunsCursor,
+    RunsPage,
+    RunState,
+    WriteClaim,
+)
 from gateway.store.writes import WriteBook, field
 
 
@@ -71,6 +81,16 @@ class MemoryRunStore:
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         runs = sorted(self._runs.values(), key=lambda r: r.updated_at or 0.0, reverse=True)[:limit]
         return [logic.from_dict(logic.to_dict(r)) for r in runs]
+
+    async def runs_page(self, after: RunsCursor | None, limit: int) -> RunsPage:
+        """`RunStore.runs_page`, sorting every run per page (a process's runs, not a database's). str
+        order is code point order, which is UTF-8 byte order."""
+        order = sorted((r.updated_at or 0.0, r.run_id) for r in self._runs.values())
+        if after is not None:
+            order = [entry for entry in order if entry > after]
+        chunk = order[:limit]
+        runs = [logic.from_dict(logic.to_dict(self._runs[run_id])) for _, run_id in chunk]
+        return RunsPage(runs, chunk[-1] if len(order) > limit else None)
 
     async def runs_updated(
         self, after: float, before: float, page: int = 1000

@@ -51,7 +51,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import StateUnavailable
 from gateway.store import logic
-from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState, WriteClaim
+from gateway.store.base import (
+    Add,
+    Denial,
+    Push,
+    Reservation,
+    ReserveRequest,
+    RunsCursor,
+    RunsPage,
+    RunState,
+    WriteClaim,
+)
 from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, scripts
 from gateway.store.writes import field
 
@@ -348,6 +358,27 @@ class RedisRunStore:
             runs.extend(found)
             start += len(found)
         return runs[:limit]
+
+    async def runs_page(self, after: RunsCursor | None, limit: int) -> RunsPage:
+        """`RunStore.runs_page`, from the `updated_at` index, whose members of equal score Redis orders by
+        their bytes: the listing order itself. The members of the cursor's score are read whole (one
+        MULTI with the page's later scores, so the two reads are one snapshot of the index): the page goes
+        on after the cursor's run id among them, and nothing is skipped when the cursor's own run was
+        updated or expired since."""
+        if after is None:
+            entries = cast(list[tuple[bytes, float]], await self._guard(partial(
+                self._client.zrangebyscore, self._index, "-inf", "+inf", 0, limit + 1, withscores=True)))
+        else:
+            at, last = repr(float(after[0])), after[1].encode()
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zrangebyscore(self._index, at, at, withscores=True)
+            pipe.zrangebyscore(self._index, f"({at}", "+inf", start=0, num=limit + 1, withscores=True)
+            tied, later = await self._guard(pipe.execute)
+            entries = [e for e in tied if e[0] > last][:limit + 1] + later
+        listed = entries[:limit]
+        runs = await self._read_runs([run_id for run_id, _ in listed])
+        more = len(entries) > limit
+        return RunsPage(runs, (float(listed[-1][1]), listed[-1][0].decode()) if more else None)
 
     async def runs_updated(
         self, after: float, before: float, page: int = 1000

@@ -52,7 +52,17 @@ import orjson
 
 from gateway.errors import StateUnavailable
 from gateway.store import logic
-from gateway.store.base import Add, Denial, Push, Reservation, ReserveRequest, RunState, WriteClaim
+from gateway.store.base import (
+    Add,
+    Denial,
+    Push,
+    Reservation,
+    ReserveRequest,
+    RunsCursor,
+    RunsPage,
+    RunState,
+    WriteClaim,
+)
 from gateway.store.sqlite_checkpoint import Checkpointer, no_autocheckpoint
 from gateway.store.sqlite_lock import StateFileLock
 from gateway.store.sqlite_steps import SCHEMA as STEPS_SCHEMA
@@ -79,6 +89,12 @@ _WINDOW_FIRST = (
 _WINDOW_NEXT = (
     "SELECT run_id, state, updated_at FROM runs WHERE (updated_at > ? OR (updated_at = ? AND run_id > ?)) "
     "AND updated_at <= ? ORDER BY updated_at, run_id LIMIT ?"
+)
+# `runs_page`: the listing order, a run without updated_at counting as 0 (as in the other backends)
+_PAGE_FIRST = "SELECT run_id, state, updated_at FROM runs ORDER BY COALESCE(updated_at, 0), run_id LIMIT ?"
+_PAGE_NEXT = (
+    "SELECT run_id, state, updated_at FROM runs WHERE COALESCE(updated_at, 0) > ? OR "
+    "(COALESCE(updated_at, 0) = ? AND run_id > ?) ORDER BY COALESCE(updated_at, 0), run_id LIMIT ?"
 )
 # One statement for a new run and a known one (and for a row someone deleted from outside)
 _WRITE = (
@@ -346,20 +362,18 @@ class SqliteRunStore:
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         """Most recently updated first, with their steps (buffered steps are written first)."""
-        self._steps.flush()
-        try:
-            rows = self._conn.execute(
-                "SELECT state, updated_at FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,)
-            ).fetchall()
-            runs = []
-            for blob, updated in rows:
-                state = logic.from_dict(orjson.loads(blob))
-                state.updated_at = updated
-                state.steps = self._steps.read(state.run_id, state.epoch)
-                runs.append(state)
-        except sqlite3.Error as exc:
-            raise self._error(exc) from None
-        return runs
+        return self._read_runs("SELECT run_id, state, updated_at FROM runs ORDER BY updated_at DESC LIMIT ?",
+                               (limit,))
+
+    async def runs_page(self, after: RunsCursor | None, limit: int) -> RunsPage:
+        """`RunStore.runs_page`: one statement, so a page is one snapshot of the file. Like `runs_updated`,
+        a scan of `runs` (no index on `updated_at`) with a bounded sort, parsing only the page's runs."""
+        args = (limit + 1,) if after is None else (after[0], after[0], after[1], limit + 1)
+        runs = self._read_runs(_PAGE_FIRST if after is None else _PAGE_NEXT, args)
+        if len(runs) <= limit:
+            return RunsPage(runs, None)
+        last = runs[limit - 1]
+        return RunsPage(runs[:limit], (last.updated_at or 0.0, last.run_id))
 
     async def runs_updated(
         self, after: float, before: float, page: int = 1000
@@ -368,28 +382,31 @@ class SqliteRunStore:
         (an upsert took about twice as long with one, measured on 100,000 runs). So each page is one scan
         of the table that parses only the page's runs; a sweep's window is mostly one page."""
         cursor: tuple[str, float] | None = None
-        args: tuple[Any, ...]
         while True:
-            self._steps.flush()  # the file is then what memory holds, steps included
-            try:
-                if cursor is None:
-                    sql, args = _WINDOW_FIRST, (after, before, page)
-                else:
-                    sql, args = _WINDOW_NEXT, (cursor[1], cursor[1], cursor[0], before, page)
-                rows = self._conn.execute(sql, args).fetchall()
-                runs = []
-                for run_id, blob, updated in rows:
-                    state = logic.from_dict(orjson.loads(blob))
-                    state.updated_at = updated
-                    state.steps = self._steps.read(run_id, state.epoch)
-                    runs.append(state)
-            except sqlite3.Error as exc:
-                raise self._error(exc) from None
+            if cursor is None:
+                runs = self._read_runs(_WINDOW_FIRST, (after, before, page))
+            else:
+                runs = self._read_runs(_WINDOW_NEXT, (cursor[1], cursor[1], cursor[0], before, page))
             if runs:
                 yield runs
-            if len(rows) < page:
+            if len(runs) < page:
                 return
-            cursor = (rows[-1][0], rows[-1][2])
+            cursor = (runs[-1].run_id, runs[-1].updated_at or 0.0)
+
+    def _read_runs(self, sql: str, args: tuple[Any, ...]) -> list[RunState]:
+        """The runs of `sql` (selecting run_id, state, updated_at), each with its steps, read after the
+        buffered writes (the file is then what memory holds, steps included)."""
+        self._steps.flush()
+        try:
+            runs = []
+            for run_id, blob, updated in self._conn.execute(sql, args).fetchall():
+                state = logic.from_dict(orjson.loads(blob))
+                state.updated_at = updated
+                state.steps = self._steps.read(run_id, state.epoch)
+                runs.append(state)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+        return runs
 
     async def claim_write(
         self, run_id: str, agent: str, epoch: int, key: str, token: str, *, lease_s: float, keep: int, now: float

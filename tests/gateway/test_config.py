@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import Config, default_config, load_config, parse_config, substitute
+from gateway.config import Config, default_config, ledger_file_of, load_config, parse_config, substitute
 from gateway.errors import ConfigError
 
 OPENAI = {"type": "openai", "base_url": "http://127.0.0.1:1/v1"}
@@ -235,6 +235,65 @@ def test_load_config_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "missing.yaml")
     assert info.value.problems[0][0] == "<file>"
+
+
+# -- ledger_file_of: the ledger's file without the rest of the config ------------------------------------
+
+FULL = """
+providers:
+  openai: {type: openai, base_url: https://api.openai.com/v1, api_key: "${OPENAI_API_KEY}"}
+agents:
+  bot: {keys: ["${BOT_KEY}"]}
+"""
+
+
+@pytest.mark.parametrize(("sections", "env", "expected"), [
+    ("", {}, "tollgate.db"),
+    ("state: {backend: sqlite, path: data/run.db}", {}, "data/run.db"),
+    ("state: {backend: redis, url: '${REDIS_URL}'}", {}, "tollgate-ledger.db"),
+    ("state: {backend: memory, path: ignored.db}", {}, "tollgate-ledger.db"),
+    ("ledger: {path: '${LEDGER_DIR}/audit.db'}\nstate: {backend: memory}", {"LEDGER_DIR": "logs"}, "logs/audit.db"),
+    ("ledger: {path: /abs/audit.db}", {}, "/abs/audit.db"),
+    ("state: {path: '${STATE:-s.db}'}", {}, "s.db"),
+], ids=["defaults", "state file", "redis", "memory", "ledger path from env", "absolute", "env default"])
+def test_ledger_file_of_needs_only_the_keys_that_decide_it(
+    tmp_path: Path, sections: str, env: dict[str, str], expected: str
+) -> None:
+    """The provider and agent keys' variables are unset: the ledger's file is found all the same, and
+    it is the file `load_config(...).ledger_file` names once they are set."""
+    path = tmp_path / "tollgate.yaml"
+    path.write_text(FULL + sections + "\n")
+    found = ledger_file_of(path, env=env)
+    assert found == tmp_path.resolve() / expected
+    full_env = {"OPENAI_API_KEY": "sk-x", "BOT_KEY": "bot-key", "REDIS_URL": "redis://h:6379/0", **env}
+    assert load_config(path, env=full_env).ledger_file == found
+
+
+@pytest.mark.parametrize(("sections", "path", "fragment"), [
+    ("ledger: {path: '${LEDGER_FILE}'}", "ledger.path", "environment variable LEDGER_FILE is not set"),
+    ("state: {backend: '${BACKEND}'}", "state.backend", "environment variable BACKEND is not set"),
+    ("state: {backend: postgres}", "state.backend", "Input should be"),
+    ("state: {path: [a, b]}", "state.path", "string"),
+    ("ledger: [x.db]", "ledger", "valid dictionary"),
+], ids=["unset ledger.path variable", "unset backend variable", "bad backend", "bad path", "not a mapping"])
+def test_ledger_file_of_still_checks_the_keys_it_reads(tmp_path: Path, sections: str, path: str,
+                                                        fragment: str) -> None:
+    file = tmp_path / "tollgate.yaml"
+    file.write_text(FULL + sections + "\n")
+    with pytest.raises(ConfigError) as info:
+        ledger_file_of(file, env={})
+    [(where, message)] = info.value.problems
+    assert where == path and fragment in message, info.value.problems
+
+
+def test_ledger_file_of_an_unreadable_or_odd_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        ledger_file_of(tmp_path / "missing.yaml", env={})
+    assert info.value.problems[0][0] == "<file>"
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError) as info:
+        ledger_file_of(tmp_path / "list.yaml", env={})
+    assert info.value.problems == [("<root>", "the config must be a mapping")]
 
 
 # -- a config error never shows a secret ----------------------------------------------------------------

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from gateway.errors import StateUnavailable
-from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunStore
+from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunsCursor, RunStore
 from gateway.store.memory import MemoryRunStore
 from gateway.store.redis import RedisRunStore
 from gateway.store.sqlite import SqliteRunStore
@@ -222,6 +222,51 @@ async def test_runs_updated_pages_a_window_in_update_order(store: RunStore) -> N
         await store.record_step(f"t-{i}", "bot", {}, NOW + 7)
     pages = [[r.run_id for r in page] async for page in store.runs_updated(NOW + 6, NOW + 7, page=2)]
     assert [run for page in pages for run in page] == ["t-1", "t-2", "t-3", "t-4", "t-5"]
+
+
+async def all_pages(store: RunStore, limit: int, after: RunsCursor | None = None) -> list[list[str]]:
+    """Run ids of every page of `runs_page` from `after`, checking each `next` is its page's last run."""
+    pages = []
+    while True:
+        page = await store.runs_page(after, limit)
+        pages.append([r.run_id for r in page.runs])
+        if page.next is None:
+            return pages
+        last = page.runs[-1]
+        assert page.next == (last.updated_at, last.run_id) and len(page.runs) == limit
+        after = page.next
+
+
+async def test_runs_page_lists_every_run_once_in_update_order(store: RunStore) -> None:
+    """The admin API's listing: least recently updated first, by run id among equal times (a tie longer
+    than a page included), `next` exactly when runs follow, each run with its steps."""
+    for run_id, at in (("p-late", 5.0), ("p-d", 3.0), ("p-b", 3.0), ("p-c", 3.0), ("p-a", 2.0), ("p-early", 1.0)):
+        await store.record_step(run_id, "bot", {"run": run_id}, NOW + at)
+    assert await all_pages(store, 2) == [["p-early", "p-a"], ["p-b", "p-c"], ["p-d", "p-late"]]
+    assert await all_pages(store, 6) == [["p-early", "p-a", "p-b", "p-c", "p-d", "p-late"]]
+    assert await all_pages(store, 5) == [["p-early", "p-a", "p-b", "p-c", "p-d"], ["p-late"]]
+    whole = await store.runs_page(None, 1000)
+    assert (whole.next, whole.runs[0].steps, whole.runs[0].agent) == (None, [{"run": "p-early"}], "bot")
+    assert whole.runs[-1].updated_at == NOW + 5
+    for i in (3, 1, 5, 2, 4):  # more runs of one time than a page holds
+        await store.record_step(f"t-{i}", "bot", {}, NOW + 7)
+    assert await all_pages(store, 2, (NOW + 5, "p-late")) == [["t-1", "t-2"], ["t-3", "t-4"], ["t-5"]]
+    assert await all_pages(store, 2, (NOW + 7, "t-5")) == [[]]
+
+
+async def test_runs_page_never_skips_a_run_updated_while_a_client_pages(store: RunStore) -> None:
+    """A run updated between two pages moves to the end of the order, so it comes in a later page (again,
+    if it was listed), and a run created meanwhile comes too: nothing is skipped, even when the cursor's
+    own run is the one that moved."""
+    for i in range(6):
+        await store.record_step(f"u-{i}", "bot", {}, NOW + i)
+    first = await store.runs_page(None, 2)
+    assert [r.run_id for r in first.runs] == ["u-0", "u-1"] and first.next is not None
+    await store.record_step("u-1", "bot", {"again": True}, NOW + 10)  # the cursor's run, listed already
+    await store.record_step("u-3", "bot", {}, NOW + 11)  # not listed yet
+    await store.record_step("u-new", "other", {}, NOW + 12)
+    rest = [run for page in await all_pages(store, 2, first.next) for run in page]
+    assert rest == ["u-2", "u-4", "u-5", "u-1", "u-3", "u-new"]
 
 
 async def test_get_returns_a_snapshot(store: RunStore) -> None:
