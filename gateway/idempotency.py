@@ -53,10 +53,12 @@ def lease_for(timeouts: Timeouts) -> float:
 class WriteLease:
     """One caller's claim on a side-effecting call in the run store.
 
-    `claim` once; when it answers "claimed", the claim is renewed in the background until `finish`
-    (the call ran: its result is recorded) or `close`. `close` must be called at the end in any case:
-    it stops the renewals and, for a claim not finished, releases it (the call did not run) or marks
-    the call done without its result (it ran: a repeat is refused rather than run again)."""
+    `claim` once; when it answers "claimed", the claim is renewed in the background until the call's
+    outcome is in the store: `finish` (it ran: its result is recorded) or `close` (it did not run: the
+    claim is released; it may have run: it is marked done without a result, so a repeat is refused
+    rather than run again). `close` must be called at the end in any case. An outcome the store fails
+    to take is retried in the background, the claim renewed meanwhile, so a store blip never lets the
+    claim lapse over a call that ran."""
 
     def __init__(self, store: RunStore, agent: str, key: Key, lease_s: float) -> None:
         self._store = store
@@ -64,59 +66,83 @@ class WriteLease:
         self._run_id, self._epoch, self._key = key
         self._lease = lease_s
         self._token = uuid.uuid4().hex
-        self._renewer: asyncio.Task[None] | None = None
-        self._held = False  # claimed and neither finished nor released
+        self._keeper: asyncio.Task[None] | None = None
+        self._held = False  # claimed and its outcome not yet in the store
+        self._owed: tuple[bytes | None] | None = None  # an outcome to retry: (body,) of a call that ran
 
     async def claim(self) -> WriteClaim:
-        """Raises StateUnavailable (then nothing is held; a claim whose answer was lost lapses after
-        one lease)."""
-        found = await self._store.claim_write(self._run_id, self._agent, self._epoch, self._key, self._token,
-                                              lease_s=self._lease, keep=WRITES_KEEP, now=time.time())
+        """Raises StateUnavailable (then nothing is held)."""
+        try:
+            found = await self._store.claim_write(self._run_id, self._agent, self._epoch, self._key, self._token,
+                                                  lease_s=self._lease, keep=WRITES_KEEP, now=time.time())
+        except BaseException:
+            # cancelled or timed out, the claim may have been taken all the same: give it back (by this
+            # lease's token: nothing happens when it was not taken), or a retry waits out a whole lease
+            asyncio.get_running_loop().create_task(self._release_quietly())
+            raise
         if found.state == "claimed":
             self._held = True
-            self._renewer = asyncio.get_running_loop().create_task(self._renew())
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
         return found
 
     async def finish(self, outcome: Outcome) -> None:
         """Record the response the agent gets as the call's result (without its body when it is larger
-        than `MAX_RECORDED_BYTES`). Raises StateUnavailable (the claim is then still held: `close`
-        retries marking it done)."""
-        self._stop()
+        than `MAX_RECORDED_BYTES`). Raises StateUnavailable: the claim is still held, and `close(ran=True)`
+        hands the result to the background retries."""
         body = orjson.dumps(outcome)
-        await self._store.finish_write(self._run_id, self._agent, self._epoch, self._key, self._token,
-                                       body if len(body) <= MAX_RECORDED_BYTES else None,
-                                       keep=WRITES_KEEP, now=time.time())
-        self._held = False
+        self._owed = (body if len(body) <= MAX_RECORDED_BYTES else None,)
+        await self._finish(self._owed[0])
 
     async def close(self, *, ran: bool) -> None:
-        """The call is over. Never raises: a claim the store did not take back lapses after its lease."""
-        self._stop()
+        """The call is over. Never raises: an outcome the store does not take now is retried in the
+        background (the claim renewed meanwhile) until it does, or until the claim is gone."""
         if not self._held:
+            self._stop()
             return
-        self._held = False
-        with contextlib.suppress(StateUnavailable):
-            if ran:  # it ran but its result was not recorded (the store failed, or judging it did)
-                await self._store.finish_write(self._run_id, self._agent, self._epoch, self._key, self._token,
-                                               None, keep=WRITES_KEEP, now=time.time())
+        try:
+            if ran:  # it ran (or may have): its result when it was given, else done without one
+                await self._finish(self._owed[0] if self._owed is not None else None)
             else:
+                self._stop()
+                self._held = False
                 await self._store.release_write(self._run_id, self._epoch, self._key, self._token)
+        except StateUnavailable:
+            if ran and self._owed is None:
+                self._owed = (None,)
+            # a release not taken: the claim lapses after its lease (nothing ran, a retry then runs it)
+
+    async def _finish(self, body: bytes | None) -> None:
+        await self._store.finish_write(self._run_id, self._agent, self._epoch, self._key, self._token, body,
+                                       keep=WRITES_KEEP, now=time.time())
+        self._held, self._owed = False, None
+        self._stop()
+
+    async def _release_quietly(self) -> None:
+        with contextlib.suppress(StateUnavailable):
+            await self._store.release_write(self._run_id, self._epoch, self._key, self._token)
 
     def _stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            self._renewer = None
+        if self._keeper is not None and self._keeper is not asyncio.current_task():
+            self._keeper.cancel()
+        self._keeper = None
 
-    async def _renew(self) -> None:
-        while True:
+    async def _keep(self) -> None:
+        """Every third of the lease while the claim is held: the outcome owed to the store, else a renewal."""
+        while self._held:
             await asyncio.sleep(self._lease / RENEWALS_PER_LEASE)
+            if self._owed is not None:
+                with contextlib.suppress(StateUnavailable):
+                    await self._finish(self._owed[0])
+                    return
             try:
                 held = await self._store.renew_write(self._run_id, self._epoch, self._key, self._token,
                                                      until=time.time() + self._lease)
             except StateUnavailable:
-                continue  # the claim holds for a lease: a later renewal may get through
+                continue  # the claim holds for a lease: a later try may get through
             if not held:
                 log.warning("the claim on a running write tool call of run %s lapsed; another caller may have "
                             "run it too", self._run_id)
+                self._held = False
                 return
 
 

@@ -80,6 +80,7 @@ from guards.chain import GuardChain, Verdict
 from otel.spans import StepSpan
 
 PENDING = "pending_calls"
+LEGACY_WRITES = "tool_writes"  # the run's list of write calls that ran, kept by tollgate before the run store's claims
 CUT_STATUS = 499  # the step's status in the run view when nobody got an answer (nginx's "client closed")
 
 
@@ -106,6 +107,7 @@ class ToolStep:
     approval: Approval | None = None  # the call's approval, once parked
     sending: Sending | None = None  # set when the call is forwarded: whether it may have reached the server
     unknown: bool = False  # cut after it was sent and before its answer: it may have run
+    not_run: bool = False  # the server's answer says the tool did not run (a JSON-RPC error, a 4xx, input needed)
     carried: bool = False  # its count went to an identical retry (once, however the call ended)
 
     @property
@@ -253,28 +255,38 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
                                         "recorded), so it is not run again")
             step.outcome, step.record = orjson.loads(found.result), True
             return _replay(mcp, message, step.outcome)
+        if run is not None and key[2] in run.lists.get(LEGACY_WRITES, ()):
+            raise DuplicateToolCall(f"{step.qualified} already ran in this run with these arguments (recorded by an "
+                                    "earlier version of tollgate, without its result), so it is not run again")
         if found is not None and found.state == "running":
             raise WriteInProgress(f"{step.qualified} with these arguments is running in this run now (an "
                                   "earlier request, e.g. through another sidecar); it is not run twice: retry "
                                   "for its recorded result")
         step.lease = lease if found is not None else None
-        return await _execute(step)
+        response = await _execute(step)
+        if 400 <= response.status < 500 and not step.ran:
+            step.not_run = True  # the server refused the request itself (authorization, a bad request)
+        return response
     except GatewayError as exc:
         if not step.record:  # a result the tool answered stays what a repeat gets, whatever went wrong since
             step.outcome = gateway_error(message.id, exc)[1]
         raise
     finally:
+        # sent, and no answer says it did not run (a timeout, a broken answer, a 5xx, a cut): it may have
+        step.unknown = step.unknown or (step.sent and not step.ran and not step.not_run)
         if step.unknown and not step.record:
+            why = cause_of(step.flight) if step.flight.cut else "no answer said whether it ran"
             step.outcome = gateway_error(message.id, DuplicateToolCall(
-                f"{step.qualified} with these arguments was sent to the server and cut off before its answer "
-                f"({cause_of(step.flight)}); it may have run, so it is not run again"))[1]
-        # a call that may have run keeps its claim, marked done without a result: never run twice
-        await lease.close(ran=step.ran or step.unknown)
+                f"{step.qualified} with these arguments was sent to the server and got no final result "
+                f"({why}); it may have run, so it is not run again"))[1]
         outcome = step.outcome or error_message(
             message.id, UPSTREAM_FAILED, "upstream_failed: the identical call in flight got no result")
-        # a call that ran is never run again by this process, even when judging it failed (then the
+        # before any await: the duplicates waiting in this process are answered whatever happens next.
+        # A call that ran is never run again by this process, even when judging it failed (then the
         # error its agent got is what a repeat gets)
         cache.finish(key, outcome, record=step.record or step.ran or step.unknown)
+        # a call that may have run keeps its claim, marked done without a result: never run twice
+        await lease.close(ran=step.ran or step.unknown)
 
 
 async def _claim(step: ToolStep, lease: WriteLease) -> WriteClaim | None:
@@ -359,9 +371,11 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         step.outcome = step.response = response
         result = response.get("result")
         if isinstance(result, dict) and not is_final_result(result):
+            step.not_run = True
             await _carry(step)  # SEP-2322 input_required: nothing ran yet, the retry with input is this call
             return response
         if not isinstance(result, dict):
+            step.not_run = True
             return response  # a JSON-RPC error of the server: counted, as a retry is
         step.ran = True
         content, is_error = result_content(result)

@@ -18,7 +18,7 @@ from gateway.store.base import (
     RunState,
     WriteClaim,
 )
-from gateway.store.writes import WriteBook, field
+from gateway.store.writes import Bodies, WriteBook, field
 
 
 class MemoryRunStore:
@@ -27,6 +27,7 @@ class MemoryRunStore:
     def __init__(self) -> None:
         self._runs: dict[str, RunState] = {}
         self._writes: dict[str, WriteBook] = {}  # run id -> its side-effecting tool calls
+        self._bodies = Bodies()  # their recorded results, bounded across runs
         self._ids = itertools.count(1)
 
     def _run(self, run_id: str, agent: str) -> RunState:
@@ -119,7 +120,9 @@ class MemoryRunStore:
         now: float,
     ) -> None:
         self._run(run_id, agent)
-        self._writes.setdefault(run_id, WriteBook()).finish(field(epoch, key), token, result, keep)
+        recorded = self._writes.setdefault(run_id, WriteBook()).finish(field(epoch, key), token, result, keep)
+        if recorded is not None:
+            self._bodies.add(recorded)
 
     async def release_write(self, run_id: str, epoch: int, key: str, token: str) -> None:
         book = self._writes.get(run_id)

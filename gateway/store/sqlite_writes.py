@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from gateway.errors import StateUnavailable
 from gateway.store.base import WriteClaim
-from gateway.store.writes import CLAIMED, DONE, RUNNING
+from gateway.store.writes import CLAIMED, DONE, MAX_RESULT_BYTES, RUNNING
 
 # the primary key's index also serves the per-run count and age order (an index holds the rowid)
 SCHEMA = (
@@ -37,6 +37,9 @@ _COUNT = "SELECT COUNT(*) FROM tool_writes WHERE run_id = ?"
 _OLDEST = ("DELETE FROM tool_writes WHERE rowid IN "
            "(SELECT rowid FROM tool_writes WHERE run_id = ? ORDER BY rowid LIMIT ?)")
 _FORMER = "DELETE FROM tool_writes WHERE run_id = ? AND epoch < ?"
+_BODIES = "SELECT COALESCE(SUM(LENGTH(result)), 0) FROM tool_writes"
+_OLDEST_BODIES = "SELECT rowid, LENGTH(result) FROM tool_writes WHERE result IS NOT NULL ORDER BY rowid"
+_NO_BODY = "UPDATE tool_writes SET result = NULL WHERE rowid = ?"
 
 
 class SqliteWrites:
@@ -44,6 +47,7 @@ class SqliteWrites:
         """`conn` is the store's autocommit connection; `error` makes its StateUnavailable."""
         self._conn = conn
         self._error = error
+        self._bytes: int | None = None  # bodies on file, as counted (None: not counted yet)
 
     def claim(self, run_id: str, epoch: int, key: str, token: str, until: float, keep: int,
               now: float) -> WriteClaim:
@@ -80,8 +84,34 @@ class SqliteWrites:
                 self._insert((run_id, epoch, key, token, 0.0, 1, result), keep)
             elif not row[2]:  # the first result stands
                 self._conn.execute(_DONE, (token, result, run_id, epoch, key))
+            else:
+                return
+            if result is not None:
+                self._bound(len(result))
         except sqlite3.Error as exc:
             raise self._error(exc) from None
+
+    def _bound(self, added: int) -> None:
+        """Keep the bodies on file within MAX_RESULT_BYTES: past it, the oldest lose theirs (down to three
+        quarters of it, so the count is taken again only after that much more). Rows deleted meanwhile
+        (evicted, reset) are counted until then: the file holds less, never more."""
+        if self._bytes is None:
+            self._bytes = int(self._conn.execute(_BODIES).fetchone()[0])
+        else:
+            self._bytes += added
+        if self._bytes <= MAX_RESULT_BYTES:
+            return
+        held = int(self._conn.execute(_BODIES).fetchone()[0])
+        if held > MAX_RESULT_BYTES:
+            goal, dropped = held - MAX_RESULT_BYTES * 3 // 4, []
+            for rowid, size in self._conn.execute(_OLDEST_BODIES):
+                if goal <= 0:
+                    break
+                dropped.append((rowid,))
+                goal -= size
+                held -= size
+            self._conn.executemany(_NO_BODY, dropped)
+        self._bytes = held
 
     def release(self, run_id: str, epoch: int, key: str, token: str) -> None:
         """`RunStore.release_write`."""

@@ -206,3 +206,28 @@ async def test_redis_unreachable_fails_every_write_operation_with_state_unavaila
             await store.release_write("run-1", 1, "k", "a")
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_result_bodies_are_bounded_across_runs_the_oldest_losing_theirs_first(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs never leave these stores: past MAX_RESULT_BYTES of bodies, the oldest lose theirs but stay
+    done (a repeat is refused, never run again)."""
+    from gateway.store import sqlite_writes, writes
+
+    monkeypatch.setattr(writes, "MAX_RESULT_BYTES", 1000)
+    monkeypatch.setattr(sqlite_writes, "MAX_RESULT_BYTES", 1000)
+    monkeypatch.setattr(writes.Bodies.__init__, "__defaults__", (1000,))
+    s = open_backend(backend, request, tmp_path)
+    try:
+        for n in range(12):  # 12 x 100 bytes over two runs
+            run_id, key = f"run-{n % 2}", f"files/write_note:{n}"
+            assert await claim(s, "a", key=key, run_id=run_id) == CLAIMED
+            await finish(s, "a", bytes([65 + n]) * 100, key=key, run_id=run_id)
+        first = await claim(s, "b", key="files/write_note:0", run_id="run-0")
+        last = await claim(s, "b", key="files/write_note:11", run_id="run-1")
+        assert first == WriteClaim("done", None)  # done all the same: never run again
+        assert last == WriteClaim("done", bytes([65 + 11]) * 100)
+    finally:
+        await s.close()
