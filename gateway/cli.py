@@ -32,39 +32,44 @@ def _load(path: str | None) -> Config:
 
 
 class _StartupSignal:
-    """SIGTERM before the gateway listens. Until `server.serve` installs its own handler (which drains,
-    then exits 0), the signal's default would kill the process (exit 143, read as a crash by an
-    orchestrator stopping a pod that is still starting). This handler only remembers the stop: raising
-    from it, at whatever point of the start the signal lands, proved unsafe (inside a C extension's
-    initialisation orjson crashes the process; inside the event loop's own setup uvloop is left
-    running and cannot close). `cmd_serve` returns 0 at its next check (the imports are most of the
-    start); later, a thread sends the signal again as soon as the server's handler has replaced this
-    one, and the gateway stops as a running one does (it has nothing in flight yet)."""
+    """SIGTERM or SIGINT before the gateway listens. Until `server.serve` installs its own handlers (which
+    drain, then exit 0), the default would kill the process (SIGTERM: exit 143, read as a crash by an
+    orchestrator stopping a pod that is still starting) or raise KeyboardInterrupt wherever the start is
+    (SIGINT: a traceback). This handler only remembers the stop: raising from it, at whatever point of
+    the start the signal lands, proved unsafe (inside a C extension's initialisation orjson crashes the
+    process; inside the event loop's own setup uvloop is left running and cannot close). `cmd_serve`
+    returns 0 at its next check (the imports are most of the start); later, a thread sends the signal
+    again as soon as the server's handler has replaced this one, and the gateway stops as a running one
+    does (it has nothing in flight yet)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
-        self._requested = False  # a plain flag: the handler takes no lock the interrupted code may hold
+        self._received: int | None = None  # a plain field: the handler takes no lock the interrupted code may hold
         self._done = threading.Event()
-        signal.signal(signal.SIGTERM, self._handle)
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._handle)
         threading.Thread(target=self._pass_on, name="tollgate-startup-stop", daemon=True).start()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self._requested = True
+        self._received = signum
 
     def _pass_on(self) -> None:
-        """Until the server's handler replaces this one (then this thread ends): a 10 ms poll, during a
+        """Until the server's handlers replace this one (then this thread ends): a 10 ms poll, during a
         start that takes about a second."""
         while not self._done.wait(0.01):
-            current = signal.getsignal(signal.SIGTERM)
-            if current != self._handle:
-                if self._requested and callable(current):  # never to a default that would kill
-                    os.kill(os.getpid(), signal.SIGTERM)
+            if all(signal.getsignal(signum) != self._handle for signum in self.SIGNALS):
+                received = self._received
+                if received is not None and callable(signal.getsignal(received)):  # never to a default
+                    os.kill(os.getpid(), received)
                 return
 
     def stopped(self) -> bool:
         """Whether the start is to end here (said on stderr)."""
-        if self._requested:
-            print("tollgate: SIGTERM while starting: stopped", file=sys.stderr, flush=True)
-        return self._requested
+        if self._received is not None:
+            name = signal.Signals(self._received).name
+            print(f"tollgate: {name} while starting: stopped", file=sys.stderr, flush=True)
+        return self._received is not None
 
     def close(self) -> None:
         """The start ended (the gateway ran and stopped, or failed to start): nothing to pass on."""
@@ -169,10 +174,17 @@ def _all_runs(url: str) -> list[dict[str, Any]]:
         runs, cursor = page["runs"], page.get("next")
         if not isinstance(runs, list) or not isinstance(cursor, str | None):
             raise TypeError("not a listing of runs")
+        new = 0
         for run in runs:
-            seen.pop(str(run["run_id"]), None)  # re-inserted: the dict keeps the order of last views
-            seen[str(run["run_id"])] = run
+            new += seen.pop(str(run["run_id"]), None) is None
+            seen[str(run["run_id"])] = run  # re-inserted: the dict keeps the order of last views
         if cursor is None:
+            break
+        if runs and not new:
+            # a whole page of runs already listed: runs keep taking steps faster than they are read, and
+            # following them would never end; every run was listed once
+            print("tollgate: runs kept changing while listed; showing each one's latest view read",
+                  file=sys.stderr)
             break
         if cursor in cursors:
             raise ValueError("the admin API gave the same next cursor twice")

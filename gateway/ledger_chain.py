@@ -146,6 +146,9 @@ def verify(path: str | Path, *, busy_timeout_s: float = 10.0) -> VerifyResult:
         conn = connect(path, readonly=True, busy_timeout_s=busy_timeout_s)
     except sqlite3.Error as exc:
         return VerifyResult(False, 0, None, f"cannot open: {exc}", unreadable=True)
+    # text that is not UTF-8 (the gateway writes only UTF-8: an edit or damage) is read, not an error, so
+    # the row it is in fails its hash and is named
+    conn.text_factory = lambda raw: raw.decode("utf-8", "surrogateescape")
     try:
         conn.execute("BEGIN")  # deferred: the first read takes the snapshot both reads below share
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone():
