@@ -67,7 +67,7 @@ from gateway.jsonrpc import (
     replayed,
     result_content,
 )
-from gateway.mcp_flights import CLIENT_LEFT, Flight, cause_of, flights_of
+from gateway.mcp_flights import CLIENT_LEFT, Flight, cause_of, flights_of, uncut
 from gateway.mcp_transport import McpRequest, relay, state_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
@@ -142,9 +142,10 @@ async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Fligh
     try:
         if not mcp.policy.allowed(qualified):
             detail = refusal_detail(qualified)
-            if mcp.policy.on_violation == "reject":
-                await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
-            raise ToolNotAllowed(detail)
+            with uncut(flight):  # the stop is decided: its client leaving now must not make it a cut
+                if mcp.policy.on_violation == "reject":
+                    await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
+                raise ToolNotAllowed(detail)
         unguarded = False
         try:
             run = await mcp.gw.store.get(ident.run_id, steps=False, reservations=False)
@@ -272,6 +273,7 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
             step.outcome = gateway_error(message.id, exc)[1]
         raise
     finally:
+        step.flight.recording = True  # the outcome is decided: storing it is not cut (a cut claim would linger)
         # sent, and no answer says it did not run (a timeout, a broken answer, a 5xx, a cut): it may have
         step.unknown = step.unknown or (step.sent and not step.ran and not step.not_run)
         if step.unknown and not step.record:
@@ -332,10 +334,13 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
     assert step.call.tool_call is not None
     chain = step.mcp.gw.chain(ctx.agent, ctx.policy)
     await _apply(step, chain.before(ctx))
-    if not await _take_proposal(step, step.call.tool_call):
-        proposal = dataclasses.replace(ctx, extra={"counts_tool_call": True})
-        await _apply(step, chain.after(proposal, Answer()))
     try:
+        # counted in one section its client leaving cannot cut: a cut then comes once the count is written,
+        # and carries it (below), as for a call cut while parked
+        with uncut(step.flight):
+            if not await _take_proposal(step, step.call.tool_call):
+                proposal = dataclasses.replace(ctx, extra={"counts_tool_call": True})
+                await _apply(step, chain.after(proposal, Answer()))
         return await _forward(step, chain)
     except asyncio.CancelledError:  # cut (gateway.mcp_flights), now counted
         if not step.sent:
@@ -358,8 +363,9 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run.epoch if ctx.run else 1)
         step.sending = Sending()
         # from here a side-effecting call runs on to its answer if its client leaves: the answer is
-        # recorded for the identical retry, instead of the tool maybe running once unrecorded
-        step.flight.keep = step.writes
+        # recorded for the identical retry, instead of the tool maybe running once unrecorded; for one
+        # lease at most (a server that never answers must not hold the call and its claim forever)
+        step.flight.keep, step.flight.keep_for = step.writes, lease_for(mcp.server.timeouts)
         upstream = await mcp.open("POST", body, step.sending)
     except (ApprovalDenied, UpstreamError) as exc:
         if not isinstance(exc, UpstreamError) or not exc.request_sent:
@@ -423,8 +429,9 @@ async def _carry(step: ToolStep) -> None:
         return
     step.carried = True
     if not step.unguarded:
-        await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
-                                     PENDING_KEEP)
+        with uncut(step.flight):  # once begun, the count is carried whoever leaves meanwhile
+            await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
+                                         PENDING_KEEP)
 
 
 async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
@@ -450,11 +457,13 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
         if verdict.stop.action == "reject":  # this call refused as a bad request; the run goes on
             raise InvalidRequest(verdict.stop.detail)
         reason = verdict.stop.reason or "stopped"
-        await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
-        raise Stopped(reason, verdict.stop.detail)
-    denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects)
-    if denial is not None:
-        raise Stopped(denial.reason, denial.detail)
+        with uncut(step.flight):  # the stop is decided: recorded as the stop, whoever leaves meanwhile
+            await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
+            raise Stopped(reason, verdict.stop.detail)
+    with uncut(step.flight):
+        denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects)
+        if denial is not None:
+            raise Stopped(denial.reason, denial.detail)
 
 
 async def _approve(step: ToolStep) -> None:

@@ -23,8 +23,9 @@ runs (`shutting_down`) and waits for the recordings. This module imports nothing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -44,6 +45,7 @@ class Flight:
     """What the handler and the execution of one call tell each other."""
 
     keep: bool = False  # set by the execution: run on to the answer if the client leaves now
+    keep_for: float = 0.0  # with `keep`: how long at most after the client left (0: until the answer)
     recording: bool = False  # set by the execution: never cut from now on (not even at shutdown)
     client_left: bool = False  # set by the handler: nobody will read the answer
     cut: str | None = None  # why the execution was cancelled (`client_disconnected`, `shutting_down`)
@@ -52,8 +54,9 @@ class Flight:
 class Flights:
     """The executions of this process. Use it from the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, closing: Callable[[], bool] = lambda: False) -> None:
         self._running: dict[asyncio.Task[Any], Flight] = {}
+        self._closing = closing  # the gateway is shutting down: a cancelled caller is the shutdown's doing
 
     def __len__(self) -> int:
         return len(self._running)
@@ -73,9 +76,12 @@ class Flights:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            flight.client_left = True
+            shutdown = self._closing()
+            flight.client_left = not shutdown
             if not flight.keep:
-                self._cut(task, flight, CLIENT_LEFT)
+                self._cut(task, flight, SHUTDOWN if shutdown else CLIENT_LEFT)
+            elif flight.keep_for > 0:  # a server that never answers must not hold it (and its claim) forever
+                asyncio.get_running_loop().call_later(flight.keep_for, self._cut, task, flight, CLIENT_LEFT)
             raise
 
     async def drain(self, timeout_s: float = DRAIN_S) -> None:
@@ -101,6 +107,22 @@ class Flights:
             log.error("a tools/call whose client had left failed", exc_info=exc)
 
 
+@contextlib.contextmanager
+def uncut(flight: Flight) -> Iterator[None]:
+    """A section its client leaving cannot cut: a store write and the decision it carries (a count, a
+    stop). A section that raises (a stop) ends as it decided; one that ends normally after the client
+    left is cut then (CancelledError, `client_disconnected`), unless the execution is kept."""
+    was = flight.recording
+    flight.recording = True
+    try:
+        yield
+    finally:
+        flight.recording = was
+    if not was and flight.client_left and not flight.keep and flight.cut is None:
+        flight.cut = CLIENT_LEFT
+        raise asyncio.CancelledError
+
+
 def cause_of(flight: Flight) -> str:
     """Why an execution was cancelled: its cut, else the loop itself is ending (shutdown)."""
     return flight.cut or SHUTDOWN
@@ -111,7 +133,7 @@ def flights_of(gw: Gateway) -> Flights:
     """The process's executions, `gw.services["mcp_flights"]`, created on first use."""
     flights = gw.services.get(SERVICE)
     if not isinstance(flights, Flights):
-        flights = gw.services[SERVICE] = Flights()
+        flights = gw.services[SERVICE] = Flights(lambda: gw.shutting_down)
     return flights
 
 

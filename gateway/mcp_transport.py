@@ -5,6 +5,8 @@ sees it. Network I/O goes through `gateway.upstream` only.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ from gateway.tools import ToolPolicy, mcp_tool_name
 from gateway.upstream import UpstreamResponse, answer_headers, forwardable
 
 SERVICE = "mcp"
+DRAIN_AFTER_ANSWER_S = 0.2  # an SSE answer read on after its response (a server ends it at once), for its connection
 MAX_SCHEMAS = 4096
 Transform = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -178,8 +181,12 @@ async def _relay_events(
     if client:
         await _end(out)  # the request's stream has done its job: the client needs nothing after it
     if answered:
-        async for _ in upstream.chunks():
-            pass  # drain what the server still sends, so its connection returns to the pool
+        # drain what the server still sends, so its connection returns to the pool; a server holding the
+        # stream open after the response gets its connection closed instead (the call is answered)
+        with contextlib.suppress(TimeoutError, GatewayError):
+            async with asyncio.timeout(DRAIN_AFTER_ANSWER_S):
+                async for _ in upstream.chunks():
+                    pass
 
 
 async def _event(
