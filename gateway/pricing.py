@@ -98,21 +98,24 @@ class Pricer:
         self._overrides = overrides
         self._cache: dict[tuple[str, str], ModelPrice | None] = {}
 
-    def lookup(self, model: str, provider_type: str) -> ModelPrice | None:
-        key = (provider_type, model)
+    def lookup(self, model: str, provider_type: str, *, searches: bool = False) -> ModelPrice | None:
+        """`searches`: the request offers a search tool the provider bills apart, so its fees matter."""
+        key = (provider_type, model, searches)
         if key not in self._cache:
-            self._cache[key] = self._find(model, provider_type)
+            self._cache[key] = self._find(model, provider_type, searches)
         return self._cache[key]
 
-    def _find(self, model: str, provider_type: str) -> ModelPrice | None:
+    def _find(self, model: str, provider_type: str, searches: bool) -> ModelPrice | None:
         override = self._overrides.get(model)
         if override is None:
             override = next((p for g, p in self._overrides.items() if fnmatchcase(model, g)), None)
         if override is None:
             return _from_genai_prices(model, provider_type)
-        # an override of the token prices keeps the provider's search fees unless it sets its own
-        known = None if None not in (override.web_search_per_k, override.file_search_per_k) else (
-            _from_genai_prices(model, provider_type))
+        # an override of the token prices keeps the provider's search fees unless it sets its own; they
+        # are looked up only for a request that can search (genai-prices takes ~0.4 s and ~20 MB to load,
+        # which a gateway whose prices all come from its config otherwise never pays)
+        unset = None in (override.web_search_per_k, override.file_search_per_k)
+        known = _from_genai_prices(model, provider_type) if searches and unset else None
         return ModelPrice(
             Rate(override.input_per_mtok / _MTOK),
             Rate(override.output_per_mtok / _MTOK),

@@ -91,7 +91,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         if identity is not None and call is not None:  # a parsed call refused before its step is a step too
             refused_call(gw, identity, call, exc, request.headers)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
-    price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type)
+    price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
+                             searches=bool(call.search_limits))
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
                 tools=tool_policy)
     begin_step(gw, step, request.headers)

@@ -149,13 +149,13 @@ OVERRIDES = {
     ],
 )
 def test_config_prices_override_genai_prices(model: str, provider_type: str, price: ModelPrice) -> None:
-    assert Pricer(OVERRIDES).lookup(model, provider_type) == price
+    assert Pricer(OVERRIDES).lookup(model, provider_type, searches=True) == price
 
 
 def test_config_search_fees_replace_genai_prices_ones() -> None:
     pricer = Pricer({"gpt-4o": Price(input_per_mtok=1.0, output_per_mtok=2.0, web_search_per_k=25.0,
                                      file_search_per_k=0.0)})
-    price = pricer.lookup("gpt-4o", "openai")
+    price = pricer.lookup("gpt-4o", "openai", searches=True)
     assert price is not None and (price.web_search, price.file_search) == (0.025, 0.0)
     assert price.search_fee == 0.025
 
@@ -255,6 +255,8 @@ def test_lookups_are_cached_per_provider_type_and_model(monkeypatch: pytest.Monk
         assert pricer.lookup("gpt-4o", "openai") is PLAIN
         assert pricer.lookup("gpt-4o", "anthropic") is PLAIN
         assert pricer.lookup("unknown", "openai") is None  # a miss is cached too
-        # a config price asks genai-prices only for the search fees it does not set, once
-        assert pricer.lookup("cfg-x", "openai") is not None
-    assert calls == [("gpt-4o", "openai"), ("gpt-4o", "anthropic"), ("unknown", "openai"), ("cfg-x", "openai")]
+        assert pricer.lookup("cfg-x", "openai") is not None  # config prices do not ask genai-prices
+    assert calls == [("gpt-4o", "openai"), ("gpt-4o", "anthropic"), ("unknown", "openai")]
+    for _ in range(2):  # but for the search fees they do not set, when a request can search: once
+        assert pricer.lookup("cfg-x", "openai", searches=True) is not None
+    assert calls[3:] == [("cfg-x", "openai")]
