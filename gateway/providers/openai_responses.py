@@ -13,7 +13,6 @@ run upstream before any answer, so they are only ever offered when allowed, neve
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -31,11 +30,11 @@ from gateway.providers.common import (
     opt_number,
     require_model,
     required_count,
-    stop_text,
     token_count,
     usage_detail,
 )
 from gateway.providers.openai_chat import openai_error
+from gateway.providers.responses_stop import response_shell, stop_events, stop_item, stream_event
 from gateway.providers.sse import SseEvent, format_event
 
 # request fields whose input or cost tollgate cannot see, and why (each a 400 when set)
@@ -59,9 +58,6 @@ HOSTED_CALL_ITEMS = frozenset({"web_search_call", "file_search_call", "code_inte
 _OUTPUT_ITEMS = frozenset(f"{kind}_output" for kind in AGENT_CALLS)
 _SEARCH_TOOLS = ("web_search", "file_search")  # tool types (some dated) whose calls are billed apart
 _TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
-_ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-               "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-               "output_tokens_details": {"reasoning_tokens": 0}}
 _FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
@@ -188,47 +184,6 @@ def _message_text(item: Mapping[str, Any]) -> str:
     return "".join(str(text or "") for text in texts)
 
 
-def _now_id(prefix: str) -> str:
-    return f"{prefix}_tollgate_{int(time.time() * 1000)}"
-
-
-def _stop_item(reason: str, detail: str, *, status: str = "completed") -> dict[str, Any]:
-    return {"id": _now_id("msg"), "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": stop_text(reason, detail), "annotations": []}]}
-
-
-def _response(call: Call, output: list[Any], *, status: str = "completed") -> dict[str, Any]:
-    return {"id": _now_id("resp"), "object": "response", "created_at": int(time.time()), "status": status,
-            "model": call.model, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "usage": _ZERO_USAGE}
-
-
-def _event(kind: str, sequence: int, **fields: Any) -> bytes:
-    return format_event(orjson.dumps({"type": kind, "sequence_number": sequence, **fields}), kind)
-
-
-def stop_events(reason: str, detail: str, *, index: int, sequence: int, response: Mapping[str, Any]) -> bytes:
-    """Events that add a message saying why the run stopped at output `index`, then complete
-    `response` (the one the stream created: the SDK refuses another id) with its output so far
-    followed by that message."""
-    item = _stop_item(reason, detail)
-    text = item["content"][0]["text"]
-    empty = {**item, "status": "in_progress", "content": []}
-    part = {"type": "output_text", "text": "", "annotations": []}
-    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-    events = [
-        ("response.output_item.added", {"output_index": index, "item": empty}),
-        ("response.content_part.added", {**where, "part": part}),
-        ("response.output_text.delta", {**where, "delta": text, "logprobs": []}),
-        ("response.output_text.done", {**where, "text": text, "logprobs": []}),
-        ("response.content_part.done", {**where, "part": {**part, "text": text}}),
-        ("response.output_item.done", {"output_index": index, "item": item}),
-        ("response.completed", {"response": {**response, "status": "completed", "usage": _ZERO_USAGE,
-                                             "output": [*(response.get("output") or ()), item]}}),
-    ]
-    return b"".join(_event(kind, sequence + n, **fields) for n, (kind, fields) in enumerate(events))
-
-
 class OpenAIResponses:
     protocol = "openai_responses"
     operation = "chat"
@@ -279,18 +234,18 @@ class OpenAIResponses:
         return format_event(orjson.dumps(data), "error")
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
-        return orjson.dumps(_response(call, [_stop_item(reason, detail)]))
+        return orjson.dumps(response_shell(call, [stop_item(reason, detail)]))
 
     def stop_stream(self, call: Call, reason: str, detail: str) -> bytes:
-        created = _response(call, [], status="in_progress")
-        head = (_event("response.created", 0, response=created)
-                + _event("response.in_progress", 1, response=created))
+        created = response_shell(call, [], status="in_progress")
+        head = (stream_event("response.created", 0, response=created)
+                + stream_event("response.in_progress", 1, response=created))
         return head + stop_events(reason, detail, index=0, sequence=2, response=created)
 
     def stream_stop_tail(self, call: Call, reader: Any, reason: str, detail: str) -> bytes:
         """Stop events after part of the response was relayed: add a message saying why, complete it."""
         if isinstance(reader, ResponsesStreamReader) and reader.started:
-            created = {**(reader.created or _response(call, [])), "output": reader.shown_done}
+            created = {**(reader.created or response_shell(call, [])), "output": reader.shown_done}
             return stop_events(reason, detail, index=reader.shown_items, sequence=reader.next_sequence,
                                response=created)
         return self.stop_stream(call, reason, detail)

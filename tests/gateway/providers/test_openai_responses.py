@@ -21,7 +21,7 @@ from gateway import errors
 from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
 from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
-from gateway.providers import openai_responses
+from gateway.providers import responses_stop
 from gateway.providers.openai_responses import (
     OpenAIResponses,
     ResponsesStreamReader,
@@ -626,7 +626,7 @@ def test_error_event_is_a_response_error_event() -> None:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(openai_responses, "time", SimpleNamespace(time=lambda: 1_700_000_000.25))
+    monkeypatch.setattr(responses_stop, "time", SimpleNamespace(time=lambda: 1_700_000_000.25))
 
 
 @pytest.fixture
@@ -634,7 +634,7 @@ def moving_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Time goes on while the events are built (a millisecond boundary can pass at any point)."""
     ticks = itertools.count()
     now = SimpleNamespace(time=lambda: 1_700_000_000 + next(ticks) / 500)
-    monkeypatch.setattr(openai_responses, "time", now)
+    monkeypatch.setattr(responses_stop, "time", now)
 
 
 def sdk(payload: bytes, content_type: str = "text/event-stream") -> OpenAI:
