@@ -26,8 +26,11 @@ run: $(STAMP)
 deps:
 	@sh scripts/system-deps.sh
 
+# The suite on TEST_WORKERS processes (pytest-xdist; worksteal evens out the long tests); TEST_WORKERS=0
+# runs it in this process, for a debugger or `-x`.
+TEST_WORKERS ?= 2
 test: $(DEVSTAMP) deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 bench: $(DEVSTAMP)
 	$(BIN)/python -m bench $(ARGS)
