@@ -1,6 +1,7 @@
 """Paths other than the guarded model calls: `GET /v1/models` (every provider's list, merged), other
-`/v1/...` calls forwarded unguarded and traced (a spelling of a guarded path is that model call), and
-a JSON 404 for anything else."""
+`/v1/...` calls forwarded and traced (a spelling of a guarded path is that model call; a POST to a path
+the provider bills per token, `gateway.metered.METERS`, is reserved and settled against the run's
+budget), and a JSON 404 for anything else."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from gateway.errors import (
     both_formats,
 )
 from gateway.identity import Identity
+from gateway.metered import METERS
+from gateway.metered_forward import forward_metered
 from gateway.observe_forward import end_forward, refused_forward, start_forward
 from gateway.pipeline import (
     CREDENTIALS,
@@ -102,10 +105,15 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     """Any other `/v1/...` call: routed by the body's `model` (or to the first OpenAI provider), streamed
     back unchanged, unless the run is stopped. A POST to a spelling of a guarded path (doubled or
     trailing slashes, case, an encoded slash or space) is that model call, guards and all: an upstream
-    that normalises paths must not make it a way around them; other methods than GET there are refused."""
-    protocol = GUARDED_PATHS.get(canonical_path(request.path))
+    that normalises paths must not make it a way around them; other methods than GET there are refused.
+    A POST to a spelling of a metered path is metered the same way."""
+    path = canonical_path(request.path)
+    protocol = GUARDED_PATHS.get(path)
     if protocol is not None and request.method == "POST":
         return await handle_chat(request, protocol)
+    meter = METERS.get(path)
+    if meter is not None and request.method == "POST":  # billed per token: reserved and settled
+        return await forward_metered(request, meter)
     gw = request.app[GATEWAY]
     dialect = wire_of(request)
     adapter: Adapter = gw.adapters[dialect]

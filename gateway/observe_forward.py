@@ -1,5 +1,6 @@
 """Stage `record` for calls that have no pipeline step: the `/v1` paths tollgate forwards unguarded
-(embeddings, files, models, ...), and model calls refused before their step exists.
+(files, batches, models, ...: embeddings, legacy completions and compaction are metered steps, see
+`gateway.metered`), and model calls refused before their step exists.
 
 Each forwarded call gets one CLIENT span under the agent's trace context (else its run's root), whose
 context goes upstream in `traceparent`; it ends once the answer has streamed back, with the status or

@@ -44,7 +44,7 @@ from gateway.upstream import forwardable
 from guards.base import REASK, Add, Decision, StepContext
 from guards.bounds import MIN_OUTPUT_TOKENS, search_limit
 from guards.budget import USAGE_COUNTERS, settlement
-from guards.chain import Verdict
+from guards.chain import GuardChain, Verdict
 
 STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
@@ -134,18 +134,21 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     # a re-ask is tollgate's own request, not a step of the agent: `reask` tells the guards so
     extra = {REASK: True} if step.attempts else {}
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price, extra)
-    verdict = gw.chain(ident.agent, ident.policy).before(ctx)
+    verdict = _chain(gw, step).before(ctx)
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None:
         if verdict.stop.action == "reject":
             raise InvalidRequest(verdict.stop.detail)
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     call = step.call
-    max_units = min(call.max_tokens or output_limit(step), MAX_TOKEN_COUNT)  # no answer is longer
-    if step.price is not None and step.price.max_output_tokens:
-        max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
-    request = ReserveRequest(verdict.claims, min(MIN_OUTPUT_TOKENS, max_units), max_units,
-                             clamp_units=output_limit(step))
+    if step.output_bound is not None:  # a metered forwarded call: its path fixes the output it may bill
+        min_units, max_units = step.output_bound
+    else:
+        max_units = min(call.max_tokens or output_limit(step), MAX_TOKEN_COUNT)  # no answer is longer
+        if step.price is not None and step.price.max_output_tokens:
+            max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
+        min_units = min(MIN_OUTPUT_TOKENS, max_units)
+    request = ReserveRequest(verdict.claims, min_units, max_units, clamp_units=output_limit(step))
     try:
         grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
     except StateUnavailable as exc:
@@ -172,7 +175,9 @@ async def guard_before(gw: Gateway, step: Step) -> None:
             await gw.store.settle(grant, {}, time.time())  # released: nothing went upstream
         raise
     budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)
-    if grant.units != call.max_tokens and (budgeted or call.max_tokens is not None):
+    if step.output_bound is not None:
+        pass  # the bound is granted whole or refused: the body has no limit to lower
+    elif grant.units != call.max_tokens and (budgeted or call.max_tokens is not None):
         prefer = step.route.provider.dialect == "openai"
         step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=prefer)
         step.max_tokens_set = grant.units
@@ -219,7 +224,7 @@ async def _rejudge(gw: Gateway, step: Step, ctx: StepContext, verdict: Verdict) 
         step.stop_reason = fresh.stop_reason or "stopped"
         step.stop_detail = fresh.stop_detail or f"the run is stopped ({step.stop_reason})"
         raise Stopped(step.stop_reason, step.stop_detail)
-    again = gw.chain(ident.agent, ident.policy).before(dataclasses.replace(ctx, run=fresh))
+    again = _chain(gw, step).before(dataclasses.replace(ctx, run=fresh))
     if again.stop is None:
         return again
     step.decisions.append(again.stop)
@@ -235,6 +240,11 @@ async def _state_failed(step: Step, error: StateUnavailable) -> None:
         raise error
     step.extra["state_failed"] = True
     step.decisions.append(Decision("state", "allow", "state_unavailable", f"fail_open: {error.message}"))
+
+
+def _chain(gw: Gateway, step: Step) -> GuardChain:
+    """The guards that judge the step: its own (`Step.guards`, a metered forwarded call's), else its agent's."""
+    return step.guards if step.guards is not None else gw.chain(step.identity.agent, step.identity.policy)
 
 
 def output_limit(step: Step) -> int:
@@ -354,7 +364,7 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
             return  # the run was reset while this step was in flight: its answer counts in no run
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
                       step.extra)
-    verdict = gw.chain(ident.agent, ident.policy).after(ctx, answer)
+    verdict = _chain(gw, step).after(ctx, answer)
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None and verdict.stop.action == "reject":
         del step.extra[JUDGED]  # nothing of the answer was applied: what the provider ran is counted at the end

@@ -96,21 +96,25 @@ class Pricer:
 
     def __init__(self, overrides: dict[str, Price]) -> None:
         self._overrides = overrides
-        self._cache: dict[tuple[str, str], ModelPrice | None] = {}
+        self._cache: dict[tuple[str, str, bool, bool], ModelPrice | None] = {}
 
-    def lookup(self, model: str, provider_type: str, *, searches: bool = False) -> ModelPrice | None:
-        """`searches`: the request offers a search tool the provider bills apart, so its fees matter."""
-        key = (provider_type, model, searches)
+    def lookup(
+        self, model: str, provider_type: str, *, searches: bool = False, output_billed: bool = True
+    ) -> ModelPrice | None:
+        """`searches`: the request offers a search tool the provider bills apart, so its fees matter.
+        `output_billed=False`: the call bills input only (embeddings), so a model genai-prices lists with
+        an input price alone is priced, its output at 0; a call that generates needs both prices."""
+        key = (provider_type, model, searches, output_billed)
         if key not in self._cache:
-            self._cache[key] = self._find(model, provider_type, searches)
+            self._cache[key] = self._find(model, provider_type, searches, output_billed)
         return self._cache[key]
 
-    def _find(self, model: str, provider_type: str, searches: bool) -> ModelPrice | None:
+    def _find(self, model: str, provider_type: str, searches: bool, output_billed: bool) -> ModelPrice | None:
         override = self._overrides.get(model)
         if override is None:
             override = next((p for g, p in self._overrides.items() if fnmatchcase(model, g)), None)
         if override is None:
-            return _from_genai_prices(model, provider_type)
+            return _from_genai_prices(model, provider_type, output_billed)
         # an override of the token prices keeps the provider's search fees unless it sets its own; they
         # are looked up only for a request that can search (genai-prices takes ~0.4 s and ~20 MB to load,
         # which a gateway whose prices all come from its config otherwise never pays)
@@ -130,7 +134,7 @@ def _per_search(per_k: float | None, known: float) -> float:
     return known if per_k is None else per_k / 1000
 
 
-def _from_genai_prices(model: str, provider_type: str) -> ModelPrice | None:
+def _from_genai_prices(model: str, provider_type: str, output_billed: bool = True) -> ModelPrice | None:
     from genai_prices import Usage as GPUsage
     from genai_prices import calc_price
 
@@ -140,6 +144,8 @@ def _from_genai_prices(model: str, provider_type: str) -> ModelPrice | None:
         return None
     mp = calc.model_price
     input_rate, output_rate = _rate(mp.input_mtok), _rate(mp.output_mtok)
+    if output_rate is None and not output_billed:
+        output_rate = Rate(0.0)
     if input_rate is None or output_rate is None:
         return None
     return ModelPrice(input_rate, output_rate, _rate(mp.cache_read_mtok), _rate(mp.cache_write_mtok),

@@ -15,6 +15,7 @@ from gateway.routing import Route
 from gateway.store.base import Reservation
 from gateway.tools import ToolPolicy
 from guards.base import Decision
+from guards.chain import GuardChain
 
 
 @dataclass(slots=True)
@@ -51,6 +52,10 @@ class Step:
     reasks: int = 0
     violations: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # a metered forwarded call (`gateway.metered`): the guards that judge it instead of its agent's chain,
+    # and the (min, max) output units its reservation holds instead of the request's `max_tokens`
+    guards: GuardChain | None = None
+    output_bound: tuple[int, int] | None = None
 
     @property
     def run_id(self) -> str:

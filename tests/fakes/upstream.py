@@ -85,6 +85,54 @@ def openai_stream(parts: Sequence[str], *, model: str = "gpt-4o-mini", usage: tu
     return out
 
 
+def openai_embedding(count: int = 1, *, model: str = "text-embedding-3-small", prompt_tokens: int = 8,
+                     dims: int = 3) -> dict[str, Any]:
+    """A `POST /v1/embeddings` answer: `count` vectors; embeddings bill their input only."""
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": [0.125] * dims} for i in range(count)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def openai_text_completion(text: str = "Hello!", *, model: str = "gpt-3.5-turbo-instruct", prompt_tokens: int = 10,
+                           completion_tokens: int = 5) -> dict[str, Any]:
+    """A legacy `POST /v1/completions` answer."""
+    return {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def openai_text_stream(parts: Sequence[str], *, model: str = "gpt-3.5-turbo-instruct",
+                       usage: tuple[int, int] | None = (10, 5), done: bool = True) -> list[bytes]:
+    """A streamed legacy completion: text chunks, the usage chunk (`stream_options.include_usage`), [DONE]."""
+    def chunk(text: str, finish: str | None = None) -> bytes:
+        data = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    out = [chunk(p) for p in parts] + [chunk("", "stop")]
+    if usage is not None:
+        data = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": model,
+                "choices": [], "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                                         "total_tokens": sum(usage)}}
+        out.append(b"data: " + orjson.dumps(data) + b"\n\n")
+    if done:
+        out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def openai_compaction(*, input_tokens: int = 40, output_tokens: int = 12) -> dict[str, Any]:
+    """A `POST /v1/responses/compact` answer: the user messages, then one compaction item."""
+    return {"id": "cmp_fake", "object": "response.compaction", "created_at": 1700000000,
+            "output": [{"id": "msg_1", "type": "message", "role": "user", "status": "completed",
+                        "content": [{"type": "input_text", "text": "hi"}]},
+                       {"id": "cmp_1", "type": "compaction", "encrypted_content": "opaque"}],
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "total_tokens": input_tokens + output_tokens,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
 def anthropic_message(text: str = "Hello!", *, model: str = "claude-3-5-haiku-latest",
                       tool_uses: list[dict[str, Any]] | None = None, input_tokens: int = 10,
                       output_tokens: int = 5) -> dict[str, Any]:

@@ -245,7 +245,7 @@ def test_unknown_models_have_no_price(model: str, provider_type: str) -> None:
 def test_lookups_are_cached_per_provider_type_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
 
-    def fake(model: str, provider_type: str) -> ModelPrice | None:
+    def fake(model: str, provider_type: str, output_billed: bool = True) -> ModelPrice | None:
         calls.append((model, provider_type))
         return None if model == "unknown" else PLAIN
 
@@ -260,3 +260,11 @@ def test_lookups_are_cached_per_provider_type_and_model(monkeypatch: pytest.Monk
     for _ in range(2):  # but for the search fees they do not set, when a request can search: once
         assert pricer.lookup("cfg-x", "openai", searches=True) is not None
     assert calls[3:] == [("cfg-x", "openai")]
+
+
+def test_a_model_listed_with_an_input_price_alone_is_priced_only_for_calls_that_bill_no_output() -> None:
+    pricer = Pricer({})
+    assert pricer.lookup("text-embedding-3-small", "openai") is None  # a call that generates needs both
+    price = pricer.lookup("text-embedding-3-small", "openai", output_billed=False)
+    assert price is not None and price.output.base == 0.0
+    assert price.input.base == pytest.approx(0.02 / 1e6)
