@@ -41,8 +41,8 @@ def _native_in_body(call: Call, dialect: str) -> tuple[bool, bool]:
     mode; vLLM's only in the fields of the generation the dialect names (the other one's it ignores)."""
     raw = call.raw
     if call.protocol == "openai_responses":
-        fmt = raw.get("text") if isinstance(raw.get("text"), Mapping) else {}
-        fmt = fmt.get("format") if isinstance(fmt.get("format"), Mapping) else {}
+        text: Mapping[str, Any] = raw["text"] if isinstance(raw.get("text"), Mapping) else {}
+        fmt: Mapping[str, Any] = text["format"] if isinstance(text.get("format"), Mapping) else {}
         native = dialect == "openai" and fmt.get("type") in ("json_schema", "json_object")
         return native, native and fmt.get("strict") is True
     if dialect == "openai" and "response_format" in raw:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -53,7 +54,7 @@ from grammars.tool_args import check_tool_schemas
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
 
-def chat_handler(protocol: str) -> web.Handler:
+def chat_handler(protocol: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         return await handle_chat(request, protocol)
 

@@ -28,6 +28,7 @@ class StreamStep:
 class StreamReader(Protocol):
     holding: bool  # a tool call started: the relay holds events until the answer is judged
     complete: bool  # the upstream ended the answer properly
+    delta: str  # the answer text the last event added: what the output checkers are fed
 
     def feed(self, event: SseEvent) -> StreamStep: ...
 

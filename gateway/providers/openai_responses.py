@@ -262,7 +262,9 @@ class OpenAIResponses:
         when the request offers such a tool; with none left (`limit` <= 0) those tools are not offered.
         A `max_tool_calls` that is no count is left as it came, for the API to refuse."""
         tools = body.get("tools")
-        hosted = [t for t in tools if _openai_runs(t)] if isinstance(tools, list) else []
+        if not isinstance(tools, list):
+            return False
+        hosted = [t for t in tools if _openai_runs(t)]
         if not hosted:
             return False
         if limit <= 0:

@@ -44,7 +44,7 @@ def filter_offers(body: dict[str, Any], allowed: Callable[[str], bool]) -> bool:
         if any(new is not old for new, old in zip(shaped, items, strict=True)):
             body["input"], changed = shaped, True
     choice = body.get("tool_choice")
-    if item_type(choice) == "allowed_tools" and isinstance(choice.get("tools"), list):
+    if isinstance(choice, dict) and item_type(choice) == "allowed_tools" and isinstance(choice.get("tools"), list):
         kept = [t for t in choice["tools"] if allowed(tool_name(t))]
         if len(kept) != len(choice["tools"]):
             changed = True
