@@ -149,6 +149,7 @@ class Call:
     # one entry per limit on the searches the provider may run and bill apart (an Anthropic web search
     # tool's `max_uses`, a Responses request's `max_tool_calls` over its search tools); None: no limit sent
     search_limits: tuple[int | None, ...] = ()
+    search_preview: bool = False  # it offers OpenAI's `web_search_preview` tool (priced apart: gateway.pricing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ reservations use the highest tier so that the worst case is never under-reserved
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
@@ -17,6 +17,12 @@ from gateway.call import Usage
 from gateway.config import Price
 
 _MTOK = 1_000_000
+
+OPENAI_PREVIEW_SEARCH_FEE = 25.0 / 1000
+"""USD OpenAI bills per search of the Responses API's `web_search_preview` tool on a model that does not
+reason (gpt-4o, gpt-4.1, ...), and per call of a Chat Completions search model (`*-search-preview`), which
+searches on every call. OpenAI's price list; genai-prices gives every model the `web_search` tool's $10 per
+1,000 and the search models no fee at all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class ModelPrice:
     cache_write_1h: Rate | None = None  # a cache written for an hour (Anthropic), when priced apart
     web_search: float = 0.0  # USD per web search the provider ran
     file_search: float = 0.0  # USD per file search the provider ran (OpenAI's file_search tool)
+    per_call: float = 0.0  # USD every billed call pays whatever its usage (a search model's search)
 
     @property
     def search_fee(self) -> float:
@@ -76,7 +83,8 @@ class ModelPrice:
             total += (written - hour) * self.cache_write.at(n)
             if self.cache_write_1h is not None:
                 total += hour * self.cache_write_1h.at(n)
-        return total + usage.web_search_requests * self.web_search + usage.file_search_requests * self.file_search
+        searches = usage.web_search_requests * self.web_search + usage.file_search_requests * self.file_search
+        return total + searches + self.per_call
 
 
 def _rate(value: Any) -> Rate | None:
@@ -96,23 +104,41 @@ class Pricer:
 
     def __init__(self, overrides: dict[str, Price]) -> None:
         self._overrides = overrides
-        self._cache: dict[tuple[str, str, bool, bool], ModelPrice | None] = {}
+        self._cache: dict[tuple[str, str, bool, bool, bool], ModelPrice | None] = {}
 
     def lookup(
-        self, model: str, provider_type: str, *, searches: bool = False, output_billed: bool = True
+        self,
+        model: str,
+        provider_type: str,
+        *,
+        searches: bool = False,
+        output_billed: bool = True,
+        preview_search: bool = False,
     ) -> ModelPrice | None:
         """`searches`: the request offers a search tool the provider bills apart, so its fees matter.
         `output_billed=False`: the call bills input only (embeddings), so a model genai-prices lists with
-        an input price alone is priced, its output at 0; a call that generates needs both prices."""
-        key = (provider_type, model, searches, output_billed)
+        an input price alone is priced, its output at 0; a call that generates needs both prices.
+        `preview_search`: it offers OpenAI's `web_search_preview`, dearer on a model that does not reason."""
+        key = (provider_type, model, searches, output_billed, preview_search)
         if key not in self._cache:
-            self._cache[key] = self._find(model, provider_type, searches, output_billed)
+            price = self._find(model, provider_type, searches, output_billed)
+            if price is not None and provider_type == "openai":
+                price = _openai_search_fees(price, model, preview_search, self._search_per_k(model))
+            self._cache[key] = price
         return self._cache[key]
 
-    def _find(self, model: str, provider_type: str, searches: bool, output_billed: bool) -> ModelPrice | None:
+    def _override(self, model: str) -> Price | None:
         override = self._overrides.get(model)
         if override is None:
             override = next((p for g, p in self._overrides.items() if fnmatchcase(model, g)), None)
+        return override
+
+    def _search_per_k(self, model: str) -> float | None:
+        override = self._override(model)
+        return None if override is None else override.web_search_per_k
+
+    def _find(self, model: str, provider_type: str, searches: bool, output_billed: bool) -> ModelPrice | None:
+        override = self._override(model)
         if override is None:
             return _from_genai_prices(model, provider_type, output_billed)
         # an override of the token prices keeps the provider's search fees unless it sets its own; they
@@ -132,6 +158,30 @@ class Pricer:
 
 def _per_search(per_k: float | None, known: float) -> float:
     return known if per_k is None else per_k / 1000
+
+
+def reasons(model: str) -> bool:
+    """An OpenAI reasoning model (the o-series, gpt-5 but its chat variants), whose `web_search_preview`
+    searches cost what `web_search` ones do. Any other name counts as one that does not reason: the dearer
+    fee, so an unknown model is never under-reserved."""
+    name = model.rsplit("/", 1)[-1].lower()
+    return name.startswith(("o1", "o3", "o4", "gpt-5")) and "chat" not in name
+
+
+def searches_every_call(model: str) -> bool:
+    """A Chat Completions search model (`gpt-4o-search-preview`, `gpt-4o-mini-search-preview-2025-03-11`)."""
+    return "-search-preview" in model.rsplit("/", 1)[-1].lower()
+
+
+def _openai_search_fees(price: ModelPrice, model: str, preview: bool, per_k: float | None) -> ModelPrice:
+    """OpenAI's fees genai-prices lacks: a search model's search on every call, and `web_search_preview`'s
+    dearer fee on a model that does not reason. A `pricing:` entry's `web_search_per_k` sets both."""
+    fee = OPENAI_PREVIEW_SEARCH_FEE if per_k is None else per_k / 1000
+    if searches_every_call(model):
+        price = replace(price, per_call=fee)
+    if preview and not reasons(model) and per_k is None:
+        price = replace(price, web_search=max(price.web_search, fee))
+    return price
 
 
 def _from_genai_prices(model: str, provider_type: str, output_billed: bool = True) -> ModelPrice | None:

@@ -93,7 +93,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             refused_call(gw, identity, call, exc, request.headers)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
-                             searches=bool(call.search_limits))
+                             searches=bool(call.search_limits), preview_search=call.search_preview)
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
                 tools=tool_policy)
     begin_step(gw, step, request.headers)

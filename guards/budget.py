@@ -55,6 +55,7 @@ class BudgetGuard(BaseGuard):
                 )
         else:
             fixed = (bound + searches * SEARCH_INPUT_TOKENS) * price.worst_input + searches * price.search_fee
+            fixed += price.per_call
             claims.append(Claim("usd", fixed, choices * price.output.worst, budget.usd, "budget_exhausted"))
         return Decision.allow(self.name, claims=tuple(claims))
 

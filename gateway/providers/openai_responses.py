@@ -76,6 +76,12 @@ def tool_name(tool: Any) -> str:
     return _TOOL_ALIASES.get(kind, kind) if kind else ""
 
 
+def offers_preview_search(body: Mapping[str, Any]) -> bool:
+    """The request offers `web_search_preview` (or a dated version of it), which OpenAI bills apart."""
+    tools = body.get("tools")
+    return isinstance(tools, list) and any((item_type(t) or "").startswith("web_search_preview") for t in tools)
+
+
 def _openai_runs(tool: Any) -> bool:
     """An offered tool OpenAI runs itself (not a function, a custom tool or one the agent runs)."""
     kind = item_type(tool)
@@ -215,6 +221,7 @@ class OpenAIResponses:
             request_hash=digest(raw),
             raw=body,
             search_limits=self.search_limits(body),
+            search_preview=offers_preview_search(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:

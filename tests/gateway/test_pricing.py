@@ -268,3 +268,36 @@ def test_a_model_listed_with_an_input_price_alone_is_priced_only_for_calls_that_
     price = pricer.lookup("text-embedding-3-small", "openai", output_billed=False)
     assert price is not None and price.output.base == 0.0
     assert price.input.base == pytest.approx(0.02 / 1e6)
+
+
+@pytest.mark.parametrize(("model", "reasoning"), [
+    ("o3", True), ("o4-mini", True), ("gpt-5", True), ("gpt-5-mini-2025-08-07", True), ("openai/o1", True),
+    ("gpt-5-chat-latest", False), ("gpt-4o", False), ("gpt-4.1-mini", False), ("my-model", False),
+])
+def test_reasons(model: str, reasoning: bool) -> None:
+    assert pricing.reasons(model) is reasoning
+
+
+@pytest.mark.parametrize(("model", "preview", "per_k", "web_search", "per_call"), [
+    ("gpt-4o", True, None, 0.025, 0.0),  # preview, no reasoning: OpenAI's $25 per 1,000
+    ("gpt-4o", False, None, 0.01, 0.0),  # the web_search tool: genai-prices' $10
+    ("o3", True, None, 0.01, 0.0),  # preview on a reasoning model: $10
+    ("gpt-4o-mini-search-preview", False, None, 0.01, 0.025),  # a search model: a search every call
+    ("gpt-4o-mini-search-preview-2025-03-11", False, None, 0.01, 0.025),
+    ("gpt-4o", True, 30.0, 0.03, 0.0),  # a configured fee is the fee
+    ("gpt-4o-mini-search-preview", False, 30.0, 0.03, 0.03),
+])
+def test_openai_search_fees_genai_prices_lacks(
+    model: str, preview: bool, per_k: float | None, web_search: float, per_call: float
+) -> None:
+    overrides = {} if per_k is None else {model: Price(input_per_mtok=0.15, output_per_mtok=0.6, web_search_per_k=per_k)}
+    price = Pricer(overrides).lookup(model, "openai", searches=True, preview_search=preview)
+    assert price is not None
+    assert (price.web_search, price.per_call) == (pytest.approx(web_search), pytest.approx(per_call))
+
+
+def test_other_providers_keep_their_fees_and_a_per_call_fee_is_in_every_cost() -> None:
+    price = Pricer({}).lookup("claude-3-5-haiku-latest", "anthropic", searches=True, preview_search=True)
+    assert price is not None and (price.web_search, price.per_call) == (pytest.approx(0.01), 0.0)
+    fee = ModelPrice(Rate(1e-6), Rate(2e-6), per_call=0.025)
+    assert fee.cost(Usage(input_tokens=10, output_tokens=5)) == pytest.approx(10e-6 + 10e-6 + 0.025)

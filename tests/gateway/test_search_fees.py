@@ -14,7 +14,7 @@ import pytest
 from guards.bounds import SEARCH_INPUT_TOKENS
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import message_item, response_body
-from tests.fakes.upstream import Reply, anthropic_message
+from tests.fakes.upstream import Reply, anthropic_message, openai_completion
 
 CLAUDE = "claude-3-5-haiku-latest"  # genai-prices: $0.8 / $4 per Mtok, $10 per 1,000 web searches
 GPT = "gpt-4.1-mini"  # genai-prices: $10 per 1,000 web searches, $2.50 per 1,000 file searches
@@ -143,3 +143,47 @@ async def test_a_token_budget_limits_searches_by_the_tokens_their_results_add(ga
     h.fake.queue(Reply(body=searched(1)))
     await ask_claude(h, "ws-tokens", [WEB_SEARCH])
     assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 2}]
+
+
+async def test_web_search_preview_on_a_model_that_does_not_reason_is_charged_openai_s_dearer_fee(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """OpenAI bills `web_search_preview` $25 per 1,000 searches on gpt-4o, gpt-4.1, ... (genai-prices: $10)."""
+    h = await gateway_factory(agents=agents(5.0))
+    body = response_body("", model=GPT, usage=(100, 20))
+    body["output"] = [WEB_CALL, message_item("found")]
+    reserved, _ = await reserved_while_upstream(h, "rs-preview", Reply(body=body), ask_gpt(
+        h, "rs-preview", [{"type": "web_search_preview"}]))
+    assert reserved >= 10 * 0.025
+    view = await h.run("rs-preview")
+    assert view["spent_usd"] == pytest.approx(100 * 0.4e-6 + 20 * 1.6e-6 + 0.025)
+
+
+async def test_a_chat_completions_search_model_is_charged_its_search_on_every_call(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """`gpt-4o-mini-search-preview` searches on every call, at $25 per 1,000 (genai-prices: tokens only)."""
+    h = await gateway_factory(agents=agents(5.0))
+    model = "gpt-4o-mini-search-preview"
+    reply = Reply(body=openai_completion("found", model=model, prompt_tokens=100, completion_tokens=20))
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers=headers("chat-search")) as client:
+        reserved, completion = await reserved_while_upstream(h, "chat-search", reply, client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "news?"}], max_tokens=64))
+    assert completion.choices[0].message.content == "found"
+    assert reserved >= 0.025
+    view = await h.run("chat-search")
+    assert view["spent_usd"] == pytest.approx(100 * 0.15e-6 + 20 * 0.6e-6 + 0.025) and view["reserved_usd"] == 0
+
+
+async def test_a_budget_that_cannot_pay_a_search_model_s_search_stops_the_run_before_the_call(
+    gateway_factory: GatewayFactory,
+) -> None:
+    h = await gateway_factory(agents=agents(0.02))
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers=headers("chat-search-poor")) as client:
+        with pytest.raises(openai.PermissionDeniedError) as stopped:
+            await client.chat.completions.create(model="gpt-4o-mini-search-preview", max_tokens=64,
+                                                 messages=[{"role": "user", "content": "news?"}])
+    assert stopped.value.response.headers["x-tollgate-stop-reason"] == "budget_exhausted"
+    assert h.fake.seen == []
