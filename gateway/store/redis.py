@@ -160,10 +160,14 @@ class RedisRunStore:
                 f"run state store (redis at {self._where}) unavailable: {type(exc).__name__}: {exc}"
             ) from None
 
+    def _keys(self, run_id: str) -> list[str]:
+        """Every script's KEYS (`gateway.store.redis_scripts`): a run's writes expire with it."""
+        return [self._key(run_id), self._index, self._steps_key(run_id), f"{self._prefix}writes:{run_id}",
+                f"{self._prefix}writeorder:{run_id}"]
+
     async def _eval(self, name: str, run_id: str, agent: str, args: list[Any]) -> Any:
         script = self._scripts[name]
-        keys = [self._key(run_id), self._index, self._steps_key(run_id)]
-        return await script(keys=keys, args=[run_id, agent, self._ttl, self._idle, orjson.dumps(args)])
+        return await script(keys=self._keys(run_id), args=[run_id, agent, self._ttl, self._idle, orjson.dumps(args)])
 
     async def _call(self, name: str, run_id: str, agent: str, args: list[Any]) -> Any:
         """Run one operation's script, after replaying settles an outage left behind."""
@@ -180,8 +184,7 @@ class RedisRunStore:
     ) -> Any:
         """`_call` for the scripts of `redis_writes`: the run's keys plus its two keys of tool writes."""
         script = self._scripts[name]
-        keys = [self._key(run_id), self._index, self._steps_key(run_id), f"{self._prefix}writes:{run_id}",
-                f"{self._prefix}writeorder:{run_id}"]
+        keys = self._keys(run_id)
         argv: list[Any] = [run_id, agent, self._ttl, self._idle, orjson.dumps(args)]
         if body is not None:
             argv.append(body)

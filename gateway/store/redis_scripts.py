@@ -20,13 +20,15 @@ Numbers leave Lua as `%.17g` text, never through `cjson.encode`, because Redis' 
 significant digits: `0.1 + 0.2` would come back as `0.3` and budgets would drift from the memory and
 SQLite backends. `%.17g` and `tonumber` (like cjson.decode's strtod) round-trip a double exactly.
 
-Calling convention: KEYS = [run key, index key, steps key]; ARGV = [run_id, agent, ttl_s, idle_ttl_s,
+Calling convention: KEYS = [run key, index key, steps key, writes key, write order key] (the last two:
+`gateway.store.redis_writes`); ARGV = [run_id, agent, ttl_s, idle_ttl_s,
 payload], the payload one JSON array of the operation's arguments (`A` in the bodies, 1-based); a script
 answers with one JSON text (or an integer). One string each way instead of many: the pure-Python RESP
 parser costs more per element than the whole script costs in Redis.
 
 Writes end in `touch()`: a stopped run expires `ttl_s` after its last write, an active one
-`idle_ttl_s` after its last write (0: never); its steps list expires with it.
+`idle_ttl_s` after its last write (0: never); its steps list and its recorded tool writes expire with it
+(a write still replayed while the run lives is never run twice because its record expired first).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ end
 -- expiry and the listing index, after every write
 local function touch()
   local st = redis.call('HMGET', K, 'status', 'updated_at')
-  for _, key in ipairs({K, STEPS}) do
+  for _, key in ipairs({K, STEPS, KEYS[4], KEYS[5]}) do
     if st[1] == 'stopped' then
       redis.call('EXPIRE', key, TTL)
     elseif IDLE_TTL > 0 then

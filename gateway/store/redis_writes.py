@@ -14,9 +14,8 @@ Layout, apart from the run's hash (so that reading a run never reads recorded re
 The mark ties the entries to one life of the run: a claim puts a mark in the run's hash (field `w`)
 unless it has one, and entries under another mark (the run was reset, which rewrites its hash, or it
 expired and was created anew) are wiped before anything is read. The two keys take the run's time to
-live at every write of theirs (its hash was just written), so they expire with it; a run that stays in
-use long after its last tool write keeps its hash longer than these (its former entries then simply
-read as absent).
+live at every write of theirs (its hash was just written), and every other write of the run renews it
+(`touch()` in the prelude), so they expire with the run, never before it.
 """
 
 from __future__ import annotations

@@ -193,6 +193,25 @@ async def test_redis_keeps_results_apart_from_the_run_and_expiring_with_it(
         await store.close()
 
 
+async def test_redis_results_live_as_long_as_their_run_whatever_writes_it_next(
+    redis_server: RedisServer, raw: Redis  # noqa: F811
+) -> None:
+    """A run in use long after its last tool write keeps its recorded results: each write of the run
+    (a step here) renews their expiry with the run's, so a repeat is still a replay, never a second run."""
+    prefix = f"t-{uuid.uuid4().hex}:"
+    store = RedisRunStore.open(redis_server.url, prefix=prefix, ttl_s=50, idle_ttl_s=100)
+    try:
+        assert await claim(store, "a") == CLAIMED
+        await finish(store, "a", b'{"ok": true}')
+        for key in ("run", "writes", "writeorder"):
+            await raw.expire(f"{prefix}{key}:run-1", 5)  # as if the last tool write were long ago
+        await store.record_step("run-1", "bot", {"n": 1}, NOW)
+        for key in ("run", "writes", "writeorder"):
+            assert 90 <= await raw.ttl(f"{prefix}{key}:run-1") <= 100
+    finally:
+        await store.close()
+
+
 async def test_redis_unreachable_fails_every_write_operation_with_state_unavailable() -> None:
     store = RedisRunStore.open(f"redis://127.0.0.1:{free_port()}/0")
     try:
