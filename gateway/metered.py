@@ -34,13 +34,14 @@ from gateway.config import Limits
 from gateway.errors import InvalidRequest
 from gateway.providers.base import StreamStep
 from gateway.providers.common import opt_int, opt_number, require_model, required_count
-from gateway.providers.openai_chat import OpenAIChat, OpenAIStreamReader
+from gateway.providers.openai_chat import MAX_CHOICES, OpenAIChat, OpenAIStreamReader
 from gateway.providers.openai_chat import usage_from as completion_usage
 from gateway.providers.openai_responses import OpenAIResponses
 from gateway.providers.openai_responses import usage_from as responses_usage
 from gateway.providers.sse import SseEvent
 from gateway.store.base import Claim
 from guards.base import BaseGuard, Decision, StepContext, StopCondition
+from guards.bounds import MIN_OUTPUT_TOKENS
 from guards.budget import USAGE_COUNTERS, BudgetGuard
 from guards.caps import CapsGuard
 
@@ -49,6 +50,8 @@ __all__ = ["COMPLETION_DEFAULT_TOKENS", "METERS", "CompletionStreamReader", "Met
 
 COMPLETION_DEFAULT_TOKENS = 16
 """The output limit of a legacy completion that sends no `max_tokens` (OpenAI's default)."""
+MAX_BEST_OF = 20
+"""OpenAI's bound on a legacy completion's `best_of`."""
 
 Output = Literal["none", "max_tokens", "model_limit"]
 
@@ -104,8 +107,9 @@ def parse_completions(body: Mapping[str, Any], raw: bytes, limits: Limits) -> Ca
         raise InvalidRequest("'stream' must be a boolean", param="stream")
     prompts = prompt_count(body.get("prompt"))
     max_tokens = opt_int(body, "max_tokens")
-    n = opt_int(body, "n", minimum=1) or 1
-    best_of = opt_int(body, "best_of", minimum=1) or 1
+    # each choice is reserved: a wild count is a 400 (as upstream), not a budget stop
+    n = opt_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
+    best_of = opt_int(body, "best_of", minimum=1, maximum=MAX_BEST_OF) or 1
     params = RequestParams(temperature=opt_number(body, "temperature"), top_p=opt_number(body, "top_p"),
                            choice_count=prompts * max(n, best_of))
     return Call(protocol="openai", operation="text_completion", model=model, stream=bool(stream),
@@ -147,8 +151,8 @@ def output_bound(meter: Meter, call: Call, model_limit: int) -> tuple[int, int] 
     what the budget pays, as for a model call (`Step.output_bound`)."""
     if meter.output == "none" or (meter.output == "max_tokens" and call.max_tokens == 0):
         return (0, 0)
-    if meter.output == "model_limit":
-        return (model_limit, model_limit)
+    if meter.output == "model_limit":  # whole or refused (`pipeline.guard_before`); a stop only as for chat
+        return (min(MIN_OUTPUT_TOKENS, model_limit), model_limit)
     return None
 
 

@@ -121,6 +121,7 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
 async def _run(gw: Gateway, step: Step, request: web.Request, meter: Meter) -> web.StreamResponse:
     """guard.before -> shape -> forward -> settle; the response, prepared already when it streams."""
     await guard_before(gw, step)
+    _send_reserved_limit(step, meter)
     payload = shape(step)  # the original bytes, unless the model's prefix, `max_tokens` or usage changed
     url, headers = upstream_request(step, request.headers)
     if request.rel_url.raw_query_string:  # as other forwarded paths keep it (e.g. `api-version`)
@@ -149,6 +150,22 @@ async def _run(gw: Gateway, step: Step, request: web.Request, meter: Meter) -> w
     if step.call.stream:
         return await relay_stream(gw, step, request, upstream)
     return await _pass_through(gw, step, request, upstream, meter)
+
+
+def _send_reserved_limit(step: Step, meter: Meter) -> None:
+    """A budgeted completion sent without a `max_tokens` (or with null) was reserved the default 16 tokens
+    OpenAI uses; other OpenAI-wire servers default to more (llama.cpp: no limit; vLLM reads null as "up to
+    the context"), and settlement believes the usage they report: the upstream is told what was reserved."""
+    budget = step.identity.policy.budget
+    grant = step.reservation
+    if meter.output != "max_tokens" or grant is None or (budget.usd is None and budget.tokens is None):
+        return
+    sent = step.body.get("max_tokens")
+    if isinstance(sent, int) and not isinstance(sent, bool):
+        return  # the grant was written already where it is lower (`guard_before`)
+    step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=False)
+    step.max_tokens_set = grant.units
+    step.changed = True
 
 
 async def _refused(gw: Gateway, step: Step, upstream: UpstreamResponse) -> web.Response:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
 import orjson
@@ -31,6 +31,7 @@ from gateway.errors import (
     RequestTooLarge,
     StateUnavailable,
     Stopped,
+    TokenBudgetHeld,
     UndecodableBody,
     UpstreamUnavailable,
 )
@@ -39,7 +40,7 @@ from gateway.providers.base import Adapter
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.store.base import Denial, ReserveRequest
+from gateway.store.base import Claim, Denial, Reservation, ReserveRequest
 from gateway.upstream import forwardable
 from guards.base import REASK, Add, Decision, StepContext
 from guards.bounds import MIN_OUTPUT_TOKENS, search_limit
@@ -159,6 +160,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
             raise HELD.get(grant.reason, BudgetHeld)(grant.detail)
         step.stop_reason, step.stop_detail = grant.reason, grant.detail
         raise Stopped(grant.reason, grant.detail)
+    if step.output_bound is not None and grant.units < step.output_bound[1]:
+        await _refuse_partial(gw, step, grant, verdict.claims)
     step.reservation = grant
     # the guards' effects (counters, histories) only for a step that goes on: a refused one, even
     # refused by a held budget, must not count as a step (no_progress would stop an agent that retries)
@@ -240,6 +243,19 @@ async def _state_failed(step: Step, error: StateUnavailable) -> None:
         raise error
     step.extra["state_failed"] = True
     step.decisions.append(Decision("state", "allow", "state_unavailable", f"fail_open: {error.message}"))
+
+
+async def _refuse_partial(gw: Gateway, step: Step, grant: Reservation, claims: Sequence[Claim]) -> NoReturn:
+    """A metered call whose output bound is reserved whole (it takes no output limit to lower) got less:
+    the budget left pays a smaller step, so this one is refused and the run goes on (a stop is only for a
+    budget that cannot pay the smallest answer, as for model calls)."""
+    with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
+        await gw.store.settle(grant, {}, time.time())  # released: nothing went upstream
+    usd = any(c.counter == "usd" and c.limit is not None for c in claims)
+    error = BudgetHeld if usd else TokenBudgetHeld
+    assert step.output_bound is not None
+    raise error(f"this call reserves {step.output_bound[1]} output tokens whole (it takes no output limit) and "
+                f"the budget left pays {grant.units}; the run goes on")
 
 
 def _chain(gw: Gateway, step: Step) -> GuardChain:

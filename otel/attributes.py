@@ -83,6 +83,7 @@ TOLLGATE_GUARD_DETAIL: Final = "tollgate.guard.detail"
 CHAT_COMPLETIONS: Final = OpenAI.OpenaiApiTypeValues.CHAT_COMPLETIONS.value
 RESPONSES: Final = OpenAI.OpenaiApiTypeValues.RESPONSES.value
 _API_TYPES: Final[Mapping[str, str]] = {"openai": CHAT_COMPLETIONS, "openai_responses": RESPONSES}
+_CHAT: Final = GenAI.GenAiOperationNameValues.CHAT.value
 TOOLS_CALL: Final = Mcp.McpMethodNameValues.TOOLS_CALL.value
 EXECUTE_TOOL: Final = GenAI.GenAiOperationNameValues.EXECUTE_TOOL.value
 TOOL_ERROR: Final = "tool_error"  # error.type for `CallToolResult.isError` (mcp.md, v1.41)
@@ -178,12 +179,9 @@ def output_type(call: Call) -> str | None:
 
 def _openai_extras(call: Call) -> Attributes:
     tier = call.raw.get("service_tier")
-    return present(
-        (
-            (OpenAI.OPENAI_API_TYPE, _API_TYPES.get(call.protocol)),
-            (OpenAI.OPENAI_REQUEST_SERVICE_TIER, tier if isinstance(tier, str) and tier != "auto" else None),
-        )
-    )
+    api = _API_TYPES.get(call.protocol) if call.operation == _CHAT else None  # embeddings share the wire only
+    return present(((OpenAI.OPENAI_API_TYPE, api),
+                    (OpenAI.OPENAI_REQUEST_SERVICE_TIER, tier if isinstance(tier, str) and tier != "auto" else None)))
 
 
 def inference_start_attributes(

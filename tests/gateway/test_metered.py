@@ -28,6 +28,7 @@ from gateway.pricing import ModelPrice, Rate
 from gateway.providers.sse import SseParser
 from gateway.store import logic
 from gateway.store.base import Claim, Denial, Reservation, ReserveRequest
+from guards.bounds import MIN_OUTPUT_TOKENS
 from tests.fakes.upstream import (
     openai_compaction,
     openai_embedding,
@@ -88,6 +89,8 @@ def test_a_body_is_read_into_a_call_bounded_by_its_size(path: str, body: dict[st
     ("/v1/completions", {"model": "i", "prompt": []}, "prompt"),
     ("/v1/completions", {"model": "i", "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": "i", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "i", "prompt": "x", "n": 129}, "n"),  # every choice is reserved
+    ("/v1/completions", {"model": "i", "prompt": "x", "best_of": 21}, "best_of"),
     ("/v1/completions", {"model": "i", "prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/responses/compact", {"model": "g", "previous_response_id": "resp_1"}, "previous_response_id"),
     ("/v1/responses/compact", {"model": "g", "input": [{"type": "item_reference", "id": "x"}]}, "input"),
@@ -108,7 +111,9 @@ def test_each_prompt_gets_its_own_choices(prompt: Any, count: int) -> None:
     (EMBED, {"model": "e", "input": "x"}, (0, 0)),
     (COMPLETE, {"model": "i", "prompt": "x"}, None),  # the request's max_tokens, lowered like a model call's
     (COMPLETE, {"model": "i", "prompt": "x", "max_tokens": 0}, (0, 0)),
-    (COMPACT, {"model": "g", "input": "x"}, (4096, 4096)),  # no output limit to send: the model's, whole
+    # no output limit to send: the model's, whole (or the step is refused); only a budget that cannot pay
+    # the smallest answer stops the run, as for a model call
+    (COMPACT, {"model": "g", "input": "x"}, (MIN_OUTPUT_TOKENS, 4096)),
 ])
 def test_output_bounds(meter: Any, body: dict[str, Any], bound: tuple[int, int] | None) -> None:
     assert output_bound(meter, meter.parse(body, orjson.dumps(body), LIMITS), 4096) == bound
