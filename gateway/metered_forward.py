@@ -32,7 +32,7 @@ from gateway.errors import (
 from gateway.http1_wire import Sending
 from gateway.identity import Identity
 from gateway.metered import Meter, MeteredAdapter, answer_of, guards_for, output_bound
-from gateway.observe import begin_step, ledger_stop_now, start_span, step_span
+from gateway.observe import begin_step, start_span, step_span
 from gateway.observe_forward import refused_call
 from gateway.pipeline import (
     base_headers,
@@ -47,7 +47,7 @@ from gateway.pipeline import (
     shape,
     upstream_request,
 )
-from gateway.proxy import GATEWAY, record, send
+from gateway.proxy import GATEWAY, conclude, respond
 from gateway.relay import relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
@@ -100,22 +100,10 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
         step.error_type = step.error_type or "client_disconnected"
         raise
     finally:
-        if step.reservation is not None:
-            # a failure after the reservation: charge it if the upstream may have done the work
-            try:
-                await settle(gw, step, None, charged=bool(step.extra.get("sent")))
-            except GatewayError:
-                step.extra["settle_failed"] = True  # the store is down; the response is already decided
-        await record(gw, step)
+        await conclude(gw, step)
         if response is None:  # no answer to send: cancelled, or failed unexpectedly
             gw.notify(step)
-    if step.stop_reason:
-        await ledger_stop_now(gw, step)
-    try:
-        await send(response, request, step)
-    finally:
-        gw.notify(step)  # telemetry after the answer left: never on the agent's critical path
-    return response
+    return await respond(gw, step, request, response)
 
 
 async def _run(gw: Gateway, step: Step, request: web.Request, meter: Meter) -> web.StreamResponse:

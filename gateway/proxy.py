@@ -119,23 +119,35 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         step.error_type = step.error_type or "client_disconnected"
         raise
     finally:
-        if step.reservation is not None:
-            # a failure after the reservation: charge it if the upstream may have done the work
-            try:
-                await settle(gw, step, None, charged=bool(step.extra.get("sent")))
-            except GatewayError:
-                step.extra["settle_failed"] = True  # the store is down; the response is already decided
-        await count_unjudged_hosted(gw, step)
-        await record(gw, step)
+        await conclude(gw, step)
         if response is None:  # no answer to send: cancelled, or failed unexpectedly
             gw.notify(step)
     assert response is not None  # every path above assigned it or raised
+    return await respond(gw, step, request, response)
+
+
+async def conclude(gw: Gateway, step: Step) -> None:
+    """The end of every step that began, whatever happened to it (run in a `finally`): a reservation a
+    failure left is settled, charged if the upstream may have done the work; what the provider ran
+    unjudged is counted; the step is recorded."""
+    if step.reservation is not None:
+        try:
+            await settle(gw, step, None, charged=bool(step.extra.get("sent")))
+        except GatewayError:
+            step.extra["settle_failed"] = True  # the store is down; the response is already decided
+    await count_unjudged_hosted(gw, step)
+    await record(gw, step)
+
+
+async def respond(gw: Gateway, step: Step, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Send a concluded step's answer: a stop's ledger row first (durable before the agent hears of it),
+    the step's telemetry after the answer left (never on the agent's critical path)."""
     if step.stop_reason:
         await ledger_stop_now(gw, step)
     try:
         await send(response, request, step)
     finally:
-        gw.notify(step)  # telemetry after the answer left: never on the agent's critical path
+        gw.notify(step)
     return response
 
 
