@@ -439,10 +439,11 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
 
     A sweep reads only the runs that went idle since the previous sweep (`RunStore.runs_updated`), so
     however many runs the store holds, each is reached once it is idle, without loading all of them
-    each time. The first sweep of a process looks one more idle period back: runs that went idle while
-    a restart left nobody sweeping are ended too (one the previous process ended just before it stopped
-    gets its root span again, with the same ids). A run that became active again and went idle again is
-    seen again; ending is idempotent per run epoch. A sweep the store fails is retried whole."""
+    each time. The first sweep of a process starts where the sweeps of the processes before it stopped
+    (`RunStore.idle_swept`), however long the gateway was down (one idle period back for a store no sweep
+    has marked): runs that went idle while nobody was sweeping are ended too. A run that became active
+    again and went idle again is seen again; ending is idempotent per run epoch. A sweep the store fails
+    is retried whole."""
     telemetry: Telemetry | None = gw.services.get("telemetry")
     if telemetry is None or not telemetry.tracing:
         return 0
@@ -450,7 +451,10 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
     if not isinstance(swept, _Swept):
         swept = gw.services[_SWEPT_SERVICE] = _Swept()
     before = now - idle_s
-    after = swept.upto if swept.upto is not None else before - idle_s
+    after = swept.upto
+    if after is None:  # where the sweeps of the processes before this one stopped, however long ago
+        kept = await gw.store.idle_swept()
+        after = min(kept, before) if kept is not None else before - idle_s
     ended = 0
     async for page in gw.store.runs_updated(after, before):
         for state in page:
@@ -460,4 +464,5 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
                 ended += 1
         await asyncio.sleep(0)  # a backlog is many pages: let requests run between them
     swept.upto = max(after, before)
+    await gw.store.set_idle_swept(swept.upto)
     return ended

@@ -237,4 +237,15 @@ class RunStore(Protocol):
         the runs of the window (the idle-run sweep asks for those that went idle since its last sweep)."""
         ...
 
+    async def idle_swept(self) -> float | None:
+        """How far the idle-run sweeps of every process that used this store have looked (the largest
+        `set_idle_swept`), or None: where a restarted process's first sweep starts, however long it was
+        down."""
+        ...
+
+    async def set_idle_swept(self, upto: float) -> None:
+        """Every run last updated at or before `upto` was judged by an idle-run sweep. Only a larger value
+        than the one kept counts (replicas sweep the same runs, each at its own pace)."""
+        ...
+
     async def close(self) -> None: ...

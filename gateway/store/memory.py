@@ -29,6 +29,7 @@ class MemoryRunStore:
         self._writes: dict[str, WriteBook] = {}  # run id -> its side-effecting tool calls
         self._bodies = Bodies()  # their recorded results, bounded across runs
         self._ids = itertools.count(1)
+        self._idle_swept: float | None = None
 
     def _run(self, run_id: str, agent: str) -> RunState:
         state = self._runs.get(run_id)
@@ -128,6 +129,12 @@ class MemoryRunStore:
         book = self._writes.get(run_id)
         if book is not None:
             book.release(field(epoch, key), token)
+
+    async def idle_swept(self) -> float | None:
+        return self._idle_swept
+
+    async def set_idle_swept(self, upto: float) -> None:
+        self._idle_swept = upto if self._idle_swept is None else max(self._idle_swept, upto)
 
     async def close(self) -> None:
         return None

@@ -8,7 +8,7 @@ Contracts:
 * Layout: a hash per run, `<prefix>run:<run_id>` (fields in `redis_scripts`), its steps in a list
   `<prefix>steps:<run_id>` (so the hot path's `get(steps=False)` reads one small hash); a sorted set
   `<prefix>runs` of run ids by `updated_at` for `list_runs` and `runs_updated`, pruned lazily of expired
-  runs.
+  runs; `<prefix>idle_swept`, how far the idle-run sweeps of every process have looked.
 * Expiry: a stopped run expires `ttl_s` after its last write (stop, a later step record, ...); an active
   run expires `idle_ttl_s` after its last write (default: 30 days, never less than `ttl_s`; 0 = never).
   Every call writes, so a run in use never expires; an abandoned one does not stay forever.
@@ -69,6 +69,12 @@ T = TypeVar("T")
 MAX_UNSETTLED = 10_000  # settles kept for replay while Redis is away; beyond, the oldest stay reserved
 REPLAY_BATCH = 64
 _IDLE_DEFAULT_S = 30 * 24 * 3600
+# `set_idle_swept`: the idle-run sweeps' mark only moves forward (replicas sweep at their own pace)
+_RAISE_MARK = """
+local kept = tonumber(redis.call('GET', KEYS[1]))
+if kept == nil or tonumber(ARGV[1]) > kept then redis.call('SET', KEYS[1], ARGV[1]) end
+return 0
+"""
 # errors of a Redis that cannot write for now (a replica after failover, too few replicas, a full disk,
 # busy with a script or loading): what failed then succeeds later
 _PASSING_CODES = ("NOREPLICAS", "MISCONF", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
@@ -96,6 +102,7 @@ class RedisRunStore:
         self._index = f"{prefix}runs"
         self._where = where
         self._scripts: dict[str, AsyncScript] = {n: client.register_script(s) for n, s in scripts().items()}
+        self._mark = client.register_script(_RAISE_MARK)
         self._owner = uuid.uuid4().hex[:12]  # reservation ids never collide across processes
         self._seq = 0
         # reservation id -> (run_id, settle arguments): settles to replay once Redis answers again
@@ -421,6 +428,13 @@ class RedisRunStore:
         if gone:
             await self._guard(partial(self._client.zrem, self._index, *gone))
         return [decode_hash(fields, items) for fields, items in rows if fields]
+
+    async def idle_swept(self) -> float | None:
+        value = await self._guard(partial(self._client.get, f"{self._prefix}idle_swept"))
+        return None if value is None else float(value)
+
+    async def set_idle_swept(self, upto: float) -> None:
+        await self._guard(partial(self._mark, keys=[f"{self._prefix}idle_swept"], args=[repr(float(upto))]))
 
     async def close(self) -> None:
         left = await self.replay_unsettled()

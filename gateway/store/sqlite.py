@@ -81,6 +81,10 @@ _RUNS = (
     "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, agent TEXT NOT NULL, updated_at REAL, "
     "state BLOB NOT NULL)"
 )
+# what the store keeps beside the runs (the idle-run sweeps' mark)
+_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value REAL NOT NULL)"
+_MARK = ("INSERT INTO meta (key, value) VALUES ('idle_swept', ?) "
+         "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)")
 # the runs last updated in a window, in (updated_at, run_id) order from the start or after a cursor
 _WINDOW_FIRST = (
     "SELECT run_id, state, updated_at FROM runs WHERE updated_at > ? AND updated_at <= ? "
@@ -142,7 +146,7 @@ class SqliteRunStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute("PRAGMA busy_timeout=5000")  # the ledger's connections write the same file
                 no_autocheckpoint(conn)  # commits run on the event loop; checkpoints on their own thread
-                for statement in (_RUNS, *STEPS_SCHEMA, *WRITES_SCHEMA):
+                for statement in (_RUNS, _META, *STEPS_SCHEMA, *WRITES_SCHEMA):
                     conn.execute(statement)
                 store = cls(conn, lock, path, cache_size=max(cache_size, 1), flush_after_s=flush_after_s)
                 store._recover()
@@ -424,6 +428,19 @@ class SqliteRunStore:
 
     async def release_write(self, run_id: str, epoch: int, key: str, token: str) -> None:
         self._writes.release(run_id, epoch, key, token)
+
+    async def idle_swept(self) -> float | None:
+        try:
+            row = self._conn.execute("SELECT value FROM meta WHERE key = 'idle_swept'").fetchone()
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
+        return None if row is None else float(row[0])
+
+    async def set_idle_swept(self, upto: float) -> None:
+        try:
+            self._conn.execute(_MARK, (upto,))
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
 
     async def close(self) -> None:
         """Write buffered steps, close the file, release the lock. Idempotent. Raises StateUnavailable

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,11 +18,19 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as Ge
 from gateway.config import Agent, Limits, Provider
 from gateway.errors import StateUnavailable
 from gateway.identity import Identity
-from gateway.observe import end_idle_runs, forwarded_call, ledger_decision, ledger_stop_now, on_step
+from gateway.observe import (
+    _SWEPT_SERVICE,
+    end_idle_runs,
+    forwarded_call,
+    ledger_decision,
+    ledger_stop_now,
+    on_step,
+)
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.routing import Route
 from gateway.step import Step
 from gateway.store.base import RunState
+from gateway.store.sqlite import SqliteRunStore
 from otel.attributes import inference_start_attributes
 from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory
@@ -187,6 +196,34 @@ async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_sinc
     roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
     ended = sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots)
     assert ended == sorted(f"r-{i}" for i in range(2500))  # each once, and not the run idle before any sweep
+    telemetry.shutdown()
+
+
+async def test_a_restart_longer_than_the_idle_period_ends_the_runs_that_went_idle_meanwhile(
+    gateway_factory: GatewayFactory, tmp_path: Path,
+) -> None:
+    """The first sweep of a restarted process starts where the last sweep of the one before it stopped
+    (kept in the state file), not one idle period back: a gateway down longer than that still ends the
+    runs whose steps it saw last."""
+    path = tmp_path / "state.db"
+    h = await gateway_factory(state={"backend": "sqlite", "path": str(path)})
+    gw = h.gateway
+    exporter = InMemorySpanExporter()
+    gw.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+    t = 1_000_000.0
+    await gw.store.record_step("swept", "default", {}, t)
+    assert await end_idle_runs(gw, 60, t + 100) == 1
+    await gw.store.record_step("cut", "default", {}, t + 130)  # the process stops before it is idle
+    await gw.store.close()
+    gw.store = SqliteRunStore.open(path)  # a new process on the same file, an hour later
+    del gw.services[_SWEPT_SERVICE]
+    try:
+        assert await end_idle_runs(gw, 60, t + 3600) == 1
+    finally:
+        await gw.store.close()
+    assert telemetry.force_flush()
+    roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    assert sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots) == ["cut", "swept"]
     telemetry.shutdown()
 
 

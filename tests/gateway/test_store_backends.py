@@ -269,6 +269,13 @@ async def test_runs_page_never_skips_a_run_updated_while_a_client_pages(store: R
     assert rest == ["u-2", "u-4", "u-5", "u-1", "u-3", "u-new"]
 
 
+async def test_the_idle_sweeps_mark_only_moves_forward(store: RunStore) -> None:
+    assert await store.idle_swept() is None  # no sweep marked this store yet
+    for upto, kept in ((NOW, NOW), (NOW - 5, NOW), (NOW + 0.1, NOW + 0.1)):  # replicas sweep at their pace
+        await store.set_idle_swept(upto)
+        assert await store.idle_swept() == kept
+
+
 async def test_get_returns_a_snapshot(store: RunStore) -> None:
     await grant(store)
     await store.push("run-1", "bot", "calls", ["a"], 6)
