@@ -20,9 +20,13 @@ _MTOK = 1_000_000
 
 OPENAI_PREVIEW_SEARCH_FEE = 25.0 / 1000
 """USD OpenAI bills per search of the Responses API's `web_search_preview` tool on a model that does not
-reason (gpt-4o, gpt-4.1, ...), and per call of a Chat Completions search model (`*-search-preview`), which
-searches on every call. OpenAI's price list; genai-prices gives every model the `web_search` tool's $10 per
-1,000 and the search models no fee at all."""
+reason (gpt-4o, gpt-4.1, ...), and per call of a Chat Completions search model that does not reason
+(`*-search-preview`), which searches on every call. OpenAI's price list; genai-prices gives every model the
+`web_search` tool's $10 per 1,000 and the search models no fee at all."""
+OPENAI_WEB_SEARCH_FEE = 10.0 / 1000
+"""USD OpenAI bills per search of its `web_search` tool on any model, of `web_search_preview` on a reasoning
+model, and per call of a reasoning search model (`gpt-5-search-api`): the floor of a fee genai-prices gives
+as 0 (o1, o3-mini, gpt-4.1-nano, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class Pricer:
     def __init__(self, overrides: dict[str, Price]) -> None:
         self._overrides = overrides
         self._cache: dict[tuple[str, str, bool, bool, bool], ModelPrice | None] = {}
+        self._genai_cache: dict[tuple[str, str, bool], ModelPrice | None] = {}  # genai-prices' answers
 
     def lookup(
         self,
@@ -122,8 +127,10 @@ class Pricer:
         key = (provider_type, model, searches, output_billed, preview_search)
         if key not in self._cache:
             price = self._find(model, provider_type, searches, output_billed)
-            if price is not None and provider_type == "openai":
-                price = _openai_search_fees(price, model, preview_search, self._search_per_k(model))
+            if price is not None and provider_type == "openai" and self._openai_model(model, price, searches,
+                                                                                      preview_search):
+                price = _openai_search_fees(price, model, searches=searches, preview=preview_search,
+                                            per_k=self._search_per_k(model))
             self._cache[key] = price
         return self._cache[key]
 
@@ -133,6 +140,19 @@ class Pricer:
             override = next((p for g, p in self._overrides.items() if fnmatchcase(model, g)), None)
         return override
 
+    def _openai_model(self, model: str, price: ModelPrice, searches: bool, preview: bool) -> bool:
+        """OpenAI's own model, whose search fees apply (not a local model a config prices on an OpenAI-wire
+        provider). genai-prices is asked only for a request whose fees depend on it."""
+        if not (searches or preview or searches_every_call(model)):
+            return False
+        return price.source == "genai-prices" or self._genai(model, "openai") is not None
+
+    def _genai(self, model: str, provider_type: str, output_billed: bool = True) -> ModelPrice | None:
+        key = (model, provider_type, output_billed)
+        if key not in self._genai_cache:
+            self._genai_cache[key] = _from_genai_prices(model, provider_type, output_billed)
+        return self._genai_cache[key]
+
     def _search_per_k(self, model: str) -> float | None:
         override = self._override(model)
         return None if override is None else override.web_search_per_k
@@ -140,12 +160,12 @@ class Pricer:
     def _find(self, model: str, provider_type: str, searches: bool, output_billed: bool) -> ModelPrice | None:
         override = self._override(model)
         if override is None:
-            return _from_genai_prices(model, provider_type, output_billed)
+            return self._genai(model, provider_type, output_billed)
         # an override of the token prices keeps the provider's search fees unless it sets its own; they
         # are looked up only for a request that can search (genai-prices takes ~0.4 s and ~20 MB to load,
         # which a gateway whose prices all come from its config otherwise never pays)
         unset = None in (override.web_search_per_k, override.file_search_per_k)
-        known = _from_genai_prices(model, provider_type) if searches and unset else None
+        known = self._genai(model, provider_type) if searches and unset else None
         return ModelPrice(
             Rate(override.input_per_mtok / _MTOK),
             Rate(override.output_per_mtok / _MTOK),
@@ -169,18 +189,28 @@ def reasons(model: str) -> bool:
 
 
 def searches_every_call(model: str) -> bool:
-    """A Chat Completions search model (`gpt-4o-search-preview`, `gpt-4o-mini-search-preview-2025-03-11`)."""
-    return "-search-preview" in model.rsplit("/", 1)[-1].lower()
+    """A Chat Completions search model (`gpt-4o-search-preview`, `gpt-4o-mini-search-preview-2025-03-11`,
+    `gpt-5-search-api`)."""
+    name = model.rsplit("/", 1)[-1].lower()
+    return "-search-preview" in name or "-search-api" in name
 
 
-def _openai_search_fees(price: ModelPrice, model: str, preview: bool, per_k: float | None) -> ModelPrice:
-    """OpenAI's fees genai-prices lacks: a search model's search on every call, and `web_search_preview`'s
-    dearer fee on a model that does not reason. A `pricing:` entry's `web_search_per_k` sets both."""
-    fee = OPENAI_PREVIEW_SEARCH_FEE if per_k is None else per_k / 1000
+def _openai_search_fees(
+    price: ModelPrice, model: str, *, searches: bool, preview: bool, per_k: float | None
+) -> ModelPrice:
+    """OpenAI's fees genai-prices lacks or gives as 0: a search model's search on every call (one: its
+    answer does not say how many it ran), `web_search_preview`'s dearer fee on a model that does not
+    reason, and the `web_search` fee as a floor wherever the request offers a search tool. A `pricing:`
+    entry's `web_search_per_k` sets them all."""
+    if per_k is not None:  # the configured fee is the fee (`_find` set `web_search` from it)
+        return replace(price, per_call=per_k / 1000) if searches_every_call(model) else price
+    fee = OPENAI_WEB_SEARCH_FEE if reasons(model) else OPENAI_PREVIEW_SEARCH_FEE
     if searches_every_call(model):
         price = replace(price, per_call=fee)
-    if preview and not reasons(model) and per_k is None:
+    if preview:
         price = replace(price, web_search=max(price.web_search, fee))
+    elif searches:
+        price = replace(price, web_search=max(price.web_search, OPENAI_WEB_SEARCH_FEE))
     return price
 
 

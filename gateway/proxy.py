@@ -43,6 +43,7 @@ from gateway.pipeline import (
     stop_run,
     upstream_request,
 )
+from gateway.providers.openai_responses import offers_preview_search
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
@@ -103,7 +104,10 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             step.changed = True
             step.original = dict(step.body)  # re-asks never offer what the agent may not use
             if call.search_limits:  # a search tool the agent may not use holds nothing
-                step.call = replace(call, search_limits=adapter.search_limits(step.body))
+                preview = call.search_preview and offers_preview_search(step.body)
+                step.call = replace(call, search_limits=adapter.search_limits(step.body), search_preview=preview)
+                step.price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
+                                              searches=bool(step.call.search_limits), preview_search=preview)
         if plan is not None:  # after `original`: a re-ask adds the native fields (and their bound) again
             step.changed = add_native(step, plan) or step.changed
         response = await run_step(gw, step, request)

@@ -241,7 +241,7 @@ return 1
 _RESET = """
 if redis.call('EXISTS', K) == 0 then return false end
 local st = redis.call('HMGET', K, 'run_id', 'agent', 'epoch')
-redis.call('DEL', K, STEPS)
+redis.call('DEL', K, STEPS, KEYS[4], KEYS[5])  -- the former life's tool writes can never be read again
 redis.call('HSET', K, 'run_id', st[1], 'agent', st[2], 'epoch', num(tonumber(st[3]) + 1), 'status', 'active',
            'updated_at', num(A[1]))
 touch()

@@ -284,6 +284,8 @@ def test_reasons(model: str, reasoning: bool) -> None:
     ("o3", True, None, 0.01, 0.0),  # preview on a reasoning model: $10
     ("gpt-4o-mini-search-preview", False, None, 0.01, 0.025),  # a search model: a search every call
     ("gpt-4o-mini-search-preview-2025-03-11", False, None, 0.01, 0.025),
+    ("gpt-5-search-api", False, None, 0.01, 0.01),  # a reasoning search model: the web_search fee
+    ("o1", True, None, 0.01, 0.0),  # genai-prices gives o1 no search fee: OpenAI's $10 is the floor
     ("gpt-4o", True, 30.0, 0.03, 0.0),  # a configured fee is the fee
     ("gpt-4o-mini-search-preview", False, 30.0, 0.03, 0.03),
 ])
@@ -301,3 +303,9 @@ def test_other_providers_keep_their_fees_and_a_per_call_fee_is_in_every_cost() -
     assert price is not None and (price.web_search, price.per_call) == (pytest.approx(0.01), 0.0)
     fee = ModelPrice(Rate(1e-6), Rate(2e-6), per_call=0.025)
     assert fee.cost(Usage(input_tokens=10, output_tokens=5)) == pytest.approx(10e-6 + 10e-6 + 0.025)
+
+
+def test_a_local_model_a_config_prices_on_an_openai_wire_provider_gets_no_openai_fees() -> None:
+    price = Pricer({"my-local-*": Price(input_per_mtok=0.0, output_per_mtok=0.0)}).lookup(
+        "my-local-search-preview", "openai", searches=True, preview_search=True)
+    assert price is not None and (price.web_search, price.per_call) == (0.0, 0.0)
