@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -85,11 +86,10 @@ class MemoryRunStore:
         return [logic.from_dict(logic.to_dict(r)) for r in runs]
 
     async def runs_page(self, after: RunsCursor | None, limit: int) -> RunsPage:
-        """`RunStore.runs_page`, sorting every run per page (a process's runs, not a database's). str
-        order is code point order, which is UTF-8 byte order."""
-        order = sorted((r.updated_at or 0.0, r.run_id) for r in self._runs.values())
-        if after is not None:
-            order = [entry for entry in order if entry > after]
+        """`RunStore.runs_page`: the page's runs picked from every run without sorting them all (a
+        process's runs, not a database's). str order is code point order, which is UTF-8 byte order."""
+        entries = ((r.updated_at or 0.0, r.run_id) for r in self._runs.values())
+        order = heapq.nsmallest(limit + 1, entries if after is None else (e for e in entries if e > after))
         chunk = order[:limit]
         runs = [logic.from_dict(logic.to_dict(self._runs[run_id])) for _, run_id in chunk]
         return RunsPage(runs, chunk[-1] if len(order) > limit else None)
