@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import orjson
 from aiohttp import web
 
+from gateway.batches import BATCH_CREATE, batch_refusal, rewrites_urls, with_gateway_urls
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -141,6 +142,10 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             epoch = state.epoch
             if state.stopped:  # a stopped run is stopped on every upstream path
                 raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+        if request.method == "POST" and path in BATCH_CREATE:
+            refusal = batch_refusal(identity.policy)
+            if refusal is not None:
+                raise refusal
         route = None
         model = None
         if raw and request.content_type == JSON:
@@ -176,12 +181,19 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     out = web.StreamResponse(status=upstream.status, headers=headers_out)
     failure: str | None = None
     try:
-        if upstream.status >= 400:  # an error may echo the key tollgate sent: read whole, scrubbed
-            try:  # bounded by `limits.max_answer_bytes` (2xx bodies stream through, a chunk at a time)
-                body = scrub(await upstream.read(), secret_bytes(secret))
+        # read whole: an error may echo the key tollgate sent (scrubbed); a batch object's provider URLs
+        # are moved to the gateway (`gateway.batches`). Other 2xx bodies stream through, a chunk at a time
+        batch = rewrites_urls(path) and upstream.headers.get("Content-Type", "").startswith(JSON)
+        if upstream.status >= 400 or batch:
+            try:  # bounded by `limits.max_answer_bytes`
+                body = await upstream.read()
             except GatewayError as exc:  # nothing was sent yet: the error in the caller's wire format
                 failure = exc.code
                 return error_response(adapter, exc, base_headers(identity))
+            if upstream.status >= 400:
+                body = scrub(body, secret_bytes(secret))
+            else:
+                body = with_gateway_urls(body, provider.base_url, str(request.url.origin()))
             out.content_length = len(body)
             await out.prepare(request)
             await out.write(body)

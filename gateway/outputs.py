@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from gateway.call import Answer, Call
 from gateway.errors import InvalidGrammar
@@ -203,13 +203,24 @@ def judge_tool_arguments(call: Call, answer: Answer) -> OutputVerdict | None:
     return None
 
 
+PAUSED: Final = frozenset({"pause_turn"})
+"""Finish reasons of a turn the provider paused (Anthropic: a long server-tool turn the agent sends back
+as it is for the model to go on): its text is a fragment, and the text constraints hold for the turn's
+final answer."""
+
+
+def unfinished(answer: Answer) -> bool:
+    return any(reason in PAUSED for reason in answer.finish_reasons)
+
+
 def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
     """The first violation of the answer: tool arguments against their declared schemas, then text
-    against every constraint. An answer that only calls tools is not held to the text constraints."""
+    against every constraint. An answer that only calls tools, or a paused turn (`unfinished`), is not
+    held to the text constraints."""
     verdict = judge_tool_arguments(call, answer)
     if verdict is not None:
         return verdict
-    if plan is None:
+    if plan is None or unfinished(answer):
         return None
     # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
     # only calls tools (no text, with calls in the answer) is not held to the text constraints

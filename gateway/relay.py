@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
 from gateway.observe import ledger_stop_now, step_span
-from gateway.outputs import judge_tool_arguments
+from gateway.outputs import judge_tool_arguments, unfinished
 from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
@@ -105,7 +105,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         return out
     if failure is None and not reader.complete:
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
-    if failure is None and checkers and not (answer.tool_calls and not answer.text):
+    if failure is None and checkers and not (answer.tool_calls and not answer.text) and not unfinished(answer):
         problems = [v for v in (c.finish() for c in checkers) if v is not None]
         if problems:
             failure = OutputNonconforming(f"the streamed answer breaks its constraint: {problems[0].message}")

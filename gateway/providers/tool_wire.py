@@ -125,7 +125,9 @@ def _drop_anthropic(body: dict[str, Any], names: frozenset[str]) -> bool:
     body["content"] = kept
     if not any(b.get("type") == "tool_use" for b in kept) and body.get("stop_reason") == "tool_use":
         body["stop_reason"] = "end_turn"
-    return any(b.get("type") != "text" or b.get("text") for b in kept)
+    # what the agent can act on: text or a call of its own; thinking and the records of the tools the
+    # provider ran are no answer on their own (as for the Responses API's reasoning items)
+    return any(b.get("type") == "tool_use" or (b.get("type") == "text" and b.get("text")) for b in kept)
 
 
 DROP_IN_BODY: dict[str, Callable[[dict[str, Any], frozenset[str]], bool]] = {

@@ -124,7 +124,7 @@ THINK = {"type": "thinking", "thinking": "hm", "signature": "s"}
         (message(use("a")), {"a"}, False, message(stop="end_turn")),
         (message(text(""), use("a")), {"a"}, False, message(text(""), stop="end_turn")),
         (message(text("ok"), use("a")), {"a"}, True, message(text("ok"), stop="end_turn")),
-        (message(THINK, use("a")), {"a"}, True, message(THINK, stop="end_turn")),  # a non-text block is left
+        (message(THINK, use("a")), {"a"}, False, message(THINK, stop="end_turn")),  # thinking alone: no answer
         (message(use("a"), stop="max_tokens"), {"a"}, False, message(stop="max_tokens")),
         (message(use("a"), use("b")), {"x"}, True, message(use("a"), use("b"))),
         (message(text("hi"), stop="end_turn"), {"a"}, True, message(text("hi"), stop="end_turn")),
