@@ -162,6 +162,12 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         raise Stopped(grant.reason, grant.detail)
     if step.output_bound is not None and grant.units < step.output_bound[1]:
         await _refuse_partial(gw, step, grant, verdict.claims)
+    budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)
+    # the bound of a metered call is granted whole or refused: its body has no limit to lower
+    clamped = step.output_bound is None and grant.units != call.max_tokens
+    clamped = clamped and (budgeted or call.max_tokens is not None)
+    if clamped:  # written before the effects: a limit the request cannot take refuses the step uncounted
+        await _write_max_tokens(gw, step, grant, verdict.claims)
     step.reservation = grant
     # the guards' effects (counters, histories) only for a step that goes on: a refused one, even
     # refused by a held budget, must not count as a step (no_progress would stop an agent that retries)
@@ -177,15 +183,10 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
             await gw.store.settle(grant, {}, time.time())  # released: nothing went upstream
         raise
-    budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)
-    if step.output_bound is not None:
-        pass  # the bound is granted whole or refused: the body has no limit to lower
-    elif grant.units != call.max_tokens and (budgeted or call.max_tokens is not None):
-        prefer = step.route.provider.dialect == "openai"
-        step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=prefer)
+    if clamped:
         step.max_tokens_set = grant.units
         step.changed = True
-    elif step.max_tokens_set is not None and grant.units == call.max_tokens:
+    elif step.output_bound is None and step.max_tokens_set is not None and grant.units == call.max_tokens:
         # a re-ask sends the agent's own limit again (its body is rebuilt from the original): a clamp of
         # an earlier attempt no longer describes what the upstream is given
         step.max_tokens_set = grant.units
@@ -249,13 +250,28 @@ async def _refuse_partial(gw: Gateway, step: Step, grant: Reservation, claims: S
     """A metered call whose output bound is reserved whole (it takes no output limit to lower) got less:
     the budget left pays a smaller step, so this one is refused and the run goes on (a stop is only for a
     budget that cannot pay the smallest answer, as for model calls)."""
-    with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
-        await gw.store.settle(grant, {}, time.time())  # released: nothing went upstream
-    usd = any(c.counter == "usd" and c.limit is not None for c in claims)
-    error = BudgetHeld if usd else TokenBudgetHeld
     assert step.output_bound is not None
-    raise error(f"this call reserves {step.output_bound[1]} output tokens whole (it takes no output limit) and "
-                f"the budget left pays {grant.units}; the run goes on")
+    await _refuse_held(gw, grant, claims, f"this call reserves {step.output_bound[1]} output tokens whole (it "
+                       f"takes no output limit) and the budget left pays {grant.units}; the run goes on")
+
+
+async def _write_max_tokens(gw: Gateway, step: Step, grant: Reservation, claims: Sequence[Claim]) -> None:
+    """Write the granted output limit into the request. An adapter refuses a limit its request cannot be
+    sent with (BudgetHeld: Anthropic's extended thinking needs more than 1,024 tokens): this step alone
+    is refused and the run goes on, as in `_refuse_partial` (it may pay smaller steps)."""
+    prefer = step.route.provider.dialect == "openai"
+    try:
+        step.adapter.set_max_tokens(step.body, grant.units, prefer_completion_field=prefer)
+    except BudgetHeld as exc:
+        await _refuse_held(gw, grant, claims, exc.message)
+
+
+async def _refuse_held(gw: Gateway, grant: Reservation, claims: Sequence[Claim], detail: str) -> NoReturn:
+    """Release `grant` (nothing went upstream) and refuse this step alone, in the currency it claims."""
+    with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
+        await gw.store.settle(grant, {}, time.time())
+    usd = any(c.counter == "usd" and c.limit is not None for c in claims)
+    raise (BudgetHeld if usd else TokenBudgetHeld)(detail)
 
 
 def _chain(gw: Gateway, step: Step) -> GuardChain:

@@ -10,6 +10,11 @@ budget by the excess, the one estimate in the reservation). A request limits its
 with a budget, tollgate sends a lower limit where the request sends none (`SEARCHES_WHEN_UNSET`) or more
 than the budget left pays for, after the input bound and the smallest answer of every choice, like an
 unpayable `max_tokens`. A limit of 0 means the tools the provider runs are not offered.
+
+Anthropic's web fetch has no fee, but the content it fetches is billed as input: the adapter reports a
+fetch tool as one search limit for each `SEARCH_INPUT_TOKENS` its `max_content_tokens` lets one fetch add
+(a fetch sent without a content limit is given `SEARCH_INPUT_TOKENS` when limited), so the same limit and
+reservation hold it whole, fee included (a fetch is held like a search: conservative by that fee).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ _UNLIMITED = 2**31
 
 
 def input_bound(call: Call) -> int:
-    """Most input tokens the request itself can be billed: its UTF-8 size plus `IMAGE_TOKENS` per image."""
+    """Most input tokens the request itself can be billed: its UTF-8 size plus `IMAGE_TOKENS` per image
+    (a page of a base64 PDF counts as `gateway.providers.common.PDF_PAGE_IMAGES` images)."""
     return call.input_bytes + call.input_images * IMAGE_TOKENS
 
 

@@ -3,11 +3,14 @@
 Worst case of a step = input upper bound + output limit for each choice asked for (OpenAI's `n`). The
 input bound is the UTF-8 size of the request body: byte-level BPE tokenizers emit at most one token per
 byte, and the JSON framing around each message outweighs the few template tokens a chat format adds;
-plus `IMAGE_TOKENS` for each image part, whose tokens follow its pixels, not its bytes.
+plus `IMAGE_TOKENS` for each image part, whose tokens follow its pixels, not its bytes (a page of a PDF
+sent as base64 counts as `PDF_PAGE_IMAGES` images: the adapter counts its pages; one it cannot count is
+refused like a document named by URL).
 The output limit is the request's `max_tokens` or, when absent, what the remaining budget can pay for
 (clamped by the model's limit); the pipeline writes the granted value back into the request. Every
 choice may use all of it, and the provider bills them all, so a unit of it is reserved `n` times.
-Searches the provider runs and bills apart are held too (`guards.bounds`).
+Searches the provider runs and bills apart are held too, and Anthropic's web fetches, whose content it
+bills as input (`guards.bounds`).
 An MCP tool execution (`execute_tool`) spends no tokens: it claims nothing from either budget.
 """
 
@@ -36,8 +39,9 @@ class BudgetGuard(BaseGuard):
             return Decision.reject(
                 self.name,
                 "input_unbounded",
-                f"the request names {documents} document(s) by file id or URL, whose size tollgate cannot "
-                "bound, so the budget could be overspent; send their content instead",
+                f"the request names {documents} document(s) by file id or URL, or sends PDFs whose pages "
+                "cannot be counted (encrypted, not a PDF), whose size tollgate cannot bound, so the budget "
+                "could be overspent; send their content instead",
             )
         bound = input_bound(ctx.call)
         choices = float(ctx.call.params.choice_count or 1)

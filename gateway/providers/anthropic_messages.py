@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
 from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
 from gateway.config import Limits
-from gateway.errors import GatewayError, InvalidRequest, error_code
+from gateway.errors import BudgetHeld, GatewayError, InvalidRequest, error_code
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
+    PDF_PAGE_IMAGES,
     content_text,
     count_images,
     count_referenced_documents,
     opt_int,
     opt_number,
     opt_strings,
+    pdf_documents,
     request_basics,
     required_count,
     stop_text,
     token_count,
 )
 from gateway.providers.sse import SseEvent, format_event
+from guards.bounds import SEARCH_INPUT_TOKENS
 
 
 def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
@@ -106,13 +109,42 @@ def _type_starts(tool: Any, prefixes: tuple[str, ...]) -> bool:
 
 
 def _with_max_uses(tool: Any, limit: int) -> Any:
-    """`max_uses` held to `limit`; one that is no count is left as it came, for the API to refuse."""
+    """`max_uses` held to `limit`; one that is no count is left as it came, for the API to refuse. A web
+    fetch tool without `max_content_tokens` is given `FETCH_CONTENT_TOKENS` (what `search_limits` held)."""
     if not _type_starts(tool, _MAX_USES_TOOLS):
         return tool
+    if _type_starts(tool, ("web_fetch_",)) and tool.get("max_content_tokens") is None:
+        tool = {**tool, "max_content_tokens": FETCH_CONTENT_TOKENS}
     uses = tool.get("max_uses")
     if uses is not None and not (isinstance(uses, int) and not isinstance(uses, bool) and uses > limit):
         return tool
     return {**tool, "max_uses": limit}
+
+
+FETCH_CONTENT_TOKENS = SEARCH_INPUT_TOKENS
+"""The `max_content_tokens` a web fetch tool sent without one is given when tollgate limits the tools
+Anthropic runs (a budget, or the tool-call cap): a fetch then adds at most what a search's results are held
+at, room for a typical page (~2,500 tokens by Anthropic's docs); an agent wanting more sends its own."""
+THINKING_MIN_TOKENS = 1024
+"""The smallest `thinking.budget_tokens` Anthropic takes; `max_tokens` must be larger."""
+_CONTEXT_TOKENS = 1_000_000  # the largest Claude context: no fetch adds more input than it holds
+
+
+def _fetch_uses(tool: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """A web fetch tool's `max_uses`, once for each `SEARCH_INPUT_TOKENS` its `max_content_tokens` lets a
+    fetch add (each entry is held as one search's results); None once when it sends no content limit, so
+    that under a budget it is always limited, and so given `FETCH_CONTENT_TOKENS`."""
+    content = _count(tool.get("max_content_tokens"))
+    if not content:
+        return (None,)
+    return (_count(tool.get("max_uses")),) * -(-min(content, _CONTEXT_TOKENS) // SEARCH_INPUT_TOKENS)
+
+
+# server tools whose results Anthropic bills as input, by type prefix: the held uses each one allows
+_HELD_USES: dict[str, Callable[[Mapping[str, Any]], tuple[int | None, ...]]] = {
+    "web_search_": lambda tool: (_count(tool.get("max_uses")),),
+    "web_fetch_": _fetch_uses,
+}
 
 
 class AnthropicMessages:
@@ -124,6 +156,7 @@ class AnthropicMessages:
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
         stop = body.get("stop_sequences")  # a list in Anthropic's API (a bare string is not one)
+        pdf_pages, uncounted_pdfs = pdf_documents(body, raw)  # billed per page: bounded like images
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
@@ -137,8 +170,8 @@ class AnthropicMessages:
             stream=stream,
             max_tokens=opt_int(body, "max_tokens", minimum=1),
             input_bytes=len(raw),
-            input_images=count_images(body, raw),
-            referenced_documents=count_referenced_documents(body, raw),
+            input_images=count_images(body, raw) + PDF_PAGE_IMAGES * pdf_pages,
+            referenced_documents=count_referenced_documents(body, raw) + uncounted_pdfs,
             tools=_tools(raw_tools),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(messages),
@@ -246,11 +279,24 @@ class AnthropicMessages:
         return "max_tokens" if body.get("max_tokens") is not None else None
 
     def set_max_tokens(self, body: dict[str, Any], value: int, *, prefer_completion_field: bool) -> None:
+        """`max_tokens` set to `value`. Extended thinking must stay below it (Anthropic refuses
+        `budget_tokens` >= `max_tokens`): a thinking budget it reaches is lowered to `value` - 1. Raises
+        BudgetHeld, changing nothing, when that leaves less than the smallest thinking budget Anthropic
+        takes (`THINKING_MIN_TOKENS`): the call cannot be sent as asked for what the budget pays."""
+        thinking = body.get("thinking")
+        if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
+            wanted = _count(thinking.get("budget_tokens"))  # not a count: the API refuses it, not the clamp
+            if wanted is not None and wanted >= value:
+                if value <= THINKING_MIN_TOKENS:
+                    raise BudgetHeld(f"the budget left pays {value} output tokens, too few for extended "
+                                     f"thinking (max_tokens must exceed a thinking budget of at least "
+                                     f"{THINKING_MIN_TOKENS}); the run goes on: send this step without thinking")
+                body["thinking"] = {**thinking, "budget_tokens": value - 1}  # a copy: the agent's body shares it
         body["max_tokens"] = value
 
     def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
-        """Each server tool that takes a `max_uses` (web search, web fetch, advisor) uses at most `limit`;
-        with none left (`limit` <= 0) no tool Anthropic runs is offered, nor its MCP connector. Lists are
+        """Each server tool that takes a `max_uses` (web search, web fetch, advisor) uses at most `limit`,
+        and a web fetch without a content limit is given `FETCH_CONTENT_TOKENS`; with none left (`limit` <= 0) no tool Anthropic runs is offered, nor its MCP connector. Lists are
         replaced, not edited: the agent's original body shares them."""
         tools = body.get("tools")
         if limit <= 0:
@@ -276,12 +322,14 @@ class AnthropicMessages:
         return True
 
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
-        """The `max_uses` of each web search tool offered (searches are billed apart); None where it sends
-        no count."""
+        """The uses allowed of each server tool whose results are billed as input, each entry held as one
+        search (`guards.bounds`): a web search tool's `max_uses` (None where it sends no count), a web
+        fetch tool's as `_fetch_uses` counts them (its content may be many searches' worth)."""
         tools = body.get("tools")
         if not isinstance(tools, list):
             return ()
-        return tuple(_count(tool.get("max_uses")) for tool in tools if _type_starts(tool, ("web_search_",)))
+        return tuple(limit for tool in tools for prefix, uses in _HELD_USES.items()
+                     if _type_starts(tool, (prefix,)) for limit in uses(tool))
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # Anthropic streams always carry usage (message_start and message_delta)

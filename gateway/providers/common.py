@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -26,6 +30,16 @@ def json_depth_ok(value: Any, limit: int) -> bool:
 
 
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})  # chat, Responses, Anthropic content parts
+# JSON may spell any character of a string as \uXXXX: the byte searches miss an ASCII word spelled so
+# (an escape of a non-ASCII character, which clients send for every accented letter, spells none of them)
+_ASCII_ESCAPE = re.compile(rb"\\u00[0-7][0-9A-Fa-f]")
+
+
+def _may_contain(raw: bytes, *words: bytes) -> bool:
+    """False only when no JSON string of `raw` can be any of `words` (ASCII): none is in the bytes, and no
+    `\\u` escape of an ASCII character could spell one. A cheap test that lets most requests skip a walk
+    of their body."""
+    return any(word in raw for word in words) or (b"\\u" in raw and _ASCII_ESCAPE.search(raw) is not None)
 
 
 def _objects(value: Any) -> Iterator[dict[str, Any]]:
@@ -50,7 +64,7 @@ def _referenced_document(node: Mapping[str, Any]) -> bool:
 def count_referenced_documents(body: Mapping[str, Any], raw: bytes) -> int:
     """Documents a request names instead of sending (Chat Completions `file` parts by `file_id`,
     Anthropic `document` blocks whose source is a URL or a file): their tokens are unknown here."""
-    if b"file" not in raw and b"document" not in raw:
+    if not _may_contain(raw, b"file", b"document"):
         return 0
     return sum(1 for node in _objects(body) if _referenced_document(node))
 
@@ -59,10 +73,85 @@ def count_images(body: Mapping[str, Any], raw: bytes) -> int:
     """Image parts anywhere in a request (messages, tool results): an image's tokens follow its pixels,
     not its bytes (a URL is a few bytes; a flat PNG compresses far below its token count), so the
     budget bounds each one apart (`guards.budget`). The byte search skips the walk for most requests."""
-    if b"image" not in raw:
+    if not _may_contain(raw, b"image"):
         return 0
     kinds = (node.get("type") for node in _objects(body))
     return sum(1 for kind in kinds if isinstance(kind, str) and kind in IMAGE_PARTS)
+
+
+PDF_PAGE_IMAGES = 2
+"""Image bounds (`guards.bounds.IMAGE_TOKENS`, 8,192 tokens each) one page of a PDF sent as base64 counts
+as: Anthropic bills each page as an image of it plus its extracted text (1,500-3,000 tokens a page by its
+PDF support docs), so a page is bounded at one image for its picture and one image's worth for its text."""
+_PDF_PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z0-9#.+_-])")  # a page object, not the `/Pages` tree
+_PDF_COUNT = re.compile(rb"/Count\s+(\d{1,9})")  # page tree sizes (and outline item counts: only higher)
+_PDF_OBJSTM = re.compile(rb"/Type\s*/ObjStm\b")  # a compressed stream of objects, pages may hide in it
+_PDF_STREAM = re.compile(rb"stream\r?\n")
+_PDF_ESCAPED_NAME = re.compile(rb"/[^\s/<>\[\]()%{}]*#[0-9A-Fa-f]{2}[^\s/<>\[\]()%{}]*")
+_PDF_HEX = re.compile(rb"#([0-9A-Fa-f]{2})")
+_PDF_INFLATED_MAX = 64 << 20  # object streams inflated past this are a bomb, not a document: uncounted
+
+
+def pdf_documents(body: Mapping[str, Any], raw: bytes) -> tuple[int, int]:
+    """(pages, uncounted) of the PDF `document` blocks a request sends as base64 (Anthropic): their
+    tokens follow their pages, not their bytes. `uncounted` are those whose pages cannot be counted
+    (not base64, not a PDF, encrypted, no page found): no bound is known, as for a document by URL.
+    Decodes only when the body has a document block (the byte search skips the walk otherwise)."""
+    if not _may_contain(raw, b"document"):
+        return 0, 0
+    pages = uncounted = 0
+    for node in _objects(body):
+        source = node.get("source")
+        if node.get("type") != "document" or not isinstance(source, Mapping) or source.get("type") != "base64":
+            continue
+        data = source.get("data")
+        counted = pdf_pages(data) if isinstance(data, str) and source.get("media_type") == "application/pdf" else None
+        if counted is None:
+            uncounted += 1
+        else:
+            pages += counted
+    return pages, uncounted
+
+
+def pdf_pages(data: str) -> int | None:
+    """Pages of the base64 PDF `data`, counted without parsing it: its page objects (`/Type /Page`, in
+    the file and in its compressed object streams, names with `#xx` escapes decoded), or the largest
+    `/Count` it gives, whichever is more (both only ever overcount: replaced objects of incremental
+    updates, outline counts). None when it cannot be counted: not base64, not a PDF, encrypted (its
+    object streams cannot be read), an object stream that does not inflate, or no page found."""
+    try:
+        pdf = base64.b64decode(data)
+    except (binascii.Error, ValueError):
+        return None
+    if b"%PDF-" not in pdf[:1024] or b"/Encrypt" in pdf:
+        return None
+    texts = [pdf]
+    inflated = 0
+    for match in _PDF_OBJSTM.finditer(pdf):
+        start = _PDF_STREAM.search(pdf, match.end())
+        end = pdf.find(b"endstream", start.end()) if start is not None else -1
+        if start is None or end < 0:
+            return None
+        head, stream = pdf[max(0, pdf.rfind(b"obj", 0, match.start())):start.start()], pdf[start.end():end]
+        if b"/Filter" in head:  # compressed: only Flate is read here (what PDF writers use for objects)
+            if b"/FlateDecode" not in head:
+                return None
+            try:
+                inflater = zlib.decompressobj()
+                stream = inflater.decompress(stream, _PDF_INFLATED_MAX - inflated)
+            except zlib.error:
+                return None
+            if inflater.unconsumed_tail:
+                return None
+        inflated += len(stream)
+        texts.append(stream)
+    objects, counts = 0, 0
+    for text in texts:
+        if b"#" in text:  # `/Ty#70e /P#61ge` is `/Type /Page` to a PDF reader
+            text = _PDF_ESCAPED_NAME.sub(lambda m: _PDF_HEX.sub(lambda h: bytes([int(h[1], 16)]), m[0]), text)
+        objects += len(_PDF_PAGE.findall(text))
+        counts = max([counts, *(int(n) for n in _PDF_COUNT.findall(text))])
+    return max(objects, counts) or None
 
 
 def require_list(body: Mapping[str, Any], key: str, *, required: bool) -> list[Any]:

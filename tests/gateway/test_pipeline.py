@@ -12,7 +12,7 @@ import pytest
 from multidict import CIMultiDict
 
 from gateway.config import Agent, Limits, Provider
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, TokenBudgetHeld
 from gateway.identity import Identity
 from gateway.pipeline import (
     add_credentials,
@@ -322,3 +322,32 @@ async def test_a_reask_that_sends_the_agents_own_limit_reports_that_limit(
     step.attempts = 1
     await guard_before(gw, step)
     assert step.max_tokens_set == 300 == step.call.max_tokens
+
+
+async def test_a_grant_too_small_to_think_refuses_the_step_not_the_run(gateway_factory: GatewayFactory) -> None:
+    """A budget that pays a small answer but not extended thinking (Anthropic needs max_tokens above a
+    thinking budget of at least 1,024): the step is refused before anything is counted or sent, its
+    reservation released, and the run goes on (a call without thinking passes, clamped)."""
+    h = await gateway_factory(pricing={"claude-*": {"input_per_mtok": 1.0, "output_per_mtok": 1.0}},
+                              agents={"default": {"budget": {"tokens": 1000}}})
+    gw = h.gateway
+    adapter = gw.adapters["anthropic"]
+    identity = gw.identifier.identify({"x-tollgate-run-id": "think"})
+
+    def step_of(body: dict[str, Any]) -> Step:
+        raw = orjson.dumps(body)
+        call = adapter.parse_request(body, raw, gw.config.limits)
+        return Step(adapter, identity, call, gw.router.route(call.model), dict(body), raw,
+                    price=gw.pricer.lookup(call.model, "anthropic"))
+
+    plain = {"model": "claude-3-5-haiku-latest", "max_tokens": 4000, "messages": MSG}
+    thinking = step_of({**plain, "thinking": {"type": "enabled", "budget_tokens": 2000}})
+    with pytest.raises(TokenBudgetHeld, match="extended thinking") as info:
+        await guard_before(gw, thinking)
+    assert type(info.value) is TokenBudgetHeld and info.value.stop_reason is None  # not a stop
+    assert thinking.reservation is None and thinking.body["thinking"]["budget_tokens"] == 2000
+    state = await gw.store.get("think", steps=False, reservations=False)
+    assert state is None or (not state.stopped and not state.reserved.get("tokens"))
+    step = step_of(plain)
+    await guard_before(gw, step)
+    assert step.max_tokens_set is not None and 16 <= step.max_tokens_set < 1000

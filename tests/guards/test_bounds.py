@@ -81,3 +81,14 @@ def test_searches_allowed(limits: tuple[int | None, ...], budget: dict[str, floa
 def test_a_model_without_search_fees_still_holds_the_results_tokens() -> None:
     budget = Budget(usd=FIXED + 2.5 * SEARCH_INPUT_TOKENS * PRICE.worst_input)
     assert search_limit(call(input_bytes=1000, search_limits=(None,)), PRICE, budget, None) == 2
+
+
+def test_a_fetch_is_held_whole_as_the_searches_its_content_is_worth() -> None:
+    """Anthropic's adapter reports a web fetch of up to 5 uses of 20,000 tokens as three entries (5, 5, 5),
+    one per SEARCH_INPUT_TOKENS a fetch may add: the limit shares the budget between them, so the fetches
+    allowed are held whole (here 1 fetch of 20,000 tokens, held as 3 x 8,000)."""
+    the_call = call(input_bytes=1000, search_limits=(5, 5, 5))
+    budget = Budget(tokens=1000 + MIN_OUTPUT_TOKENS + int(4.5 * SEARCH_INPUT_TOKENS))
+    assert search_limit(the_call, SEARCHING, budget, None) == 1
+    assert searches_allowed(the_call, SEARCHING, budget, None) * SEARCH_INPUT_TOKENS >= 1 * 20000
+    assert search_limit(the_call, SEARCHING, Budget(tokens=10**6), None) is None  # paid for: kept as sent

@@ -308,6 +308,7 @@ def test_documents_named_not_sent_are_refused_under_a_budget(budget: dict[str, A
     assert (decision.action == "reject") is refused
     if refused:
         assert decision.reason == "input_unbounded" and "2 document(s)" in decision.detail
+        assert "PDFs whose pages cannot be counted" in decision.detail  # a base64 PDF the adapter could not count
 
 
 SEARCHING = ModelPrice(Rate(1e-6), Rate(4e-6), web_search=0.01, file_search=0.0025)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +16,10 @@ from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers import anthropic_messages
 from gateway.providers.anthropic_messages import AnthropicMessages, usage_from
+from gateway.providers.common import PDF_PAGE_IMAGES
 from gateway.providers.sse import SseParser
+from guards.bounds import SEARCH_INPUT_TOKENS
+from tests.gateway.providers.test_common import pdf_of
 
 ADAPTER = AnthropicMessages()
 MSG = [{"role": "user", "content": "hi"}]
@@ -353,7 +357,14 @@ def test_with_no_calls_left_a_tool_choice_naming_a_removed_tool_goes(choice: dic
     [
         ([], ()),
         ([{"name": "mine", "input_schema": {}}], ()),
-        ([{"type": "web_fetch_20250910", "name": "web_fetch"}], ()),  # fetches are billed as tokens only
+        # a fetch's content is billed as input: held as searches' results are, one entry per 8,000 tokens
+        ([{"type": "web_fetch_20250910", "name": "web_fetch"}], (None,)),  # no content limit: it gets one
+        ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5}], (None,)),
+        ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5, "max_content_tokens": 20000}], (5, 5, 5)),
+        ([{"type": "web_fetch_20250910", "name": "f", "max_content_tokens": 8000}], (None,)),
+        ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 2, "max_content_tokens": "x"}], (None,)),
+        ([{"type": "web_search_20250305", "name": "w", "max_uses": 3},
+          {"type": "web_fetch_20250910", "name": "f", "max_uses": 1, "max_content_tokens": 9000}], (3, 1, 1)),
         ([{"type": "web_search_20250305", "name": "web_search"}], (None,)),
         ([{"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
           {"type": "web_search_20250305", "name": "w2", "max_uses": "x"}], (3, None)),
@@ -364,3 +375,84 @@ def test_search_limits_are_each_web_search_tools_max_uses(tools: list[Any], limi
                             "messages": [{"role": "user", "content": "hi"}]}
     assert parse({**body, "tools": tools} if tools else body).search_limits == limits
     assert ADAPTER.search_limits({"tools": tools}) == limits
+
+
+def test_a_fetch_content_limit_past_any_context_is_held_at_the_largest_context() -> None:
+    tool = {"type": "web_fetch_20250910", "name": "f", "max_uses": 1, "max_content_tokens": 10**12}
+    assert ADAPTER.search_limits({"tools": [tool]}) == (1,) * 125  # 1,000,000 tokens / 8,000 a search
+
+
+def test_limiting_hosted_calls_gives_a_fetch_its_content_limit() -> None:
+    """The content a fetch adds is what the reservation held (`search_limits`): one sent without a limit
+    gets FETCH_CONTENT_TOKENS; one the agent set is kept (held whole), and one that is no count is left
+    for the API to refuse."""
+    tools = [{"type": "web_fetch_20250910", "name": "f"},
+             {"type": "web_fetch_20250910", "name": "g", "max_uses": 1, "max_content_tokens": 20000},
+             {"type": "web_fetch_20250910", "name": "h", "max_uses": 1, "max_content_tokens": "many"}]
+    body: dict[str, Any] = {"tools": tools}
+    assert ADAPTER.limit_hosted_calls(body, 2) is True
+    assert [(t.get("max_uses"), t.get("max_content_tokens")) for t in body["tools"]] == [
+        (2, anthropic_messages.FETCH_CONTENT_TOKENS), (1, 20000), (1, "many")]
+    assert tools[0] == {"type": "web_fetch_20250910", "name": "f"}  # the agent's own tool is not edited
+    assert ADAPTER.limit_hosted_calls(body, 2) is False
+
+
+def test_fetch_held_uses_cover_the_content_they_allow() -> None:
+    """Each entry `search_limits` reports is held at SEARCH_INPUT_TOKENS: whatever limit tollgate sends,
+    the fetches it allows add no more input than their entries hold."""
+    for content in (1, 7999, 8000, 8001, 20000, 100000):
+        tool = {"type": "web_fetch_20250910", "name": "f", "max_uses": 7, "max_content_tokens": content}
+        for limit in (1, 3, 7):
+            body: dict[str, Any] = {"tools": [tool]}
+            ADAPTER.limit_hosted_calls(body, limit)
+            sent = body["tools"][0]
+            held = sum(min(n or 10, limit) for n in ADAPTER.search_limits({"tools": [tool]})) * SEARCH_INPUT_TOKENS
+            assert sent["max_uses"] * sent["max_content_tokens"] <= held
+
+
+THINK = {"type": "enabled", "budget_tokens": 8000}
+
+
+@pytest.mark.parametrize(
+    ("thinking", "value", "sent"),
+    [
+        (THINK, 5851, {"type": "enabled", "budget_tokens": 5850}),  # below the new limit, as Anthropic requires
+        (THINK, 8000, {"type": "enabled", "budget_tokens": 7999}),
+        (THINK, 8001, THINK),  # already below it
+        ({"type": "enabled", "budget_tokens": 1024}, 1025, {"type": "enabled", "budget_tokens": 1024}),
+        ({"type": "enabled", "budget_tokens": "x"}, 500, {"type": "enabled", "budget_tokens": "x"}),  # the API's
+        ({"type": "disabled"}, 500, {"type": "disabled"}),
+        ({"type": "adaptive"}, 500, {"type": "adaptive"}),  # no budget to keep below the limit
+    ],
+)
+def test_a_clamped_max_tokens_keeps_the_thinking_budget_below_it(
+    thinking: dict[str, Any], value: int, sent: dict[str, Any]
+) -> None:
+    original = dict(thinking)
+    body = body_of(max_tokens=16000, thinking=thinking)
+    ADAPTER.set_max_tokens(body, value, prefer_completion_field=False)
+    assert (body["max_tokens"], body["thinking"]) == (value, sent)
+    assert thinking == original  # the agent's body (shared by re-asks) keeps its own budget
+
+
+@pytest.mark.parametrize("value", [1024, 16, 1])
+def test_a_limit_that_leaves_no_room_to_think_is_refused_for_this_step(value: int) -> None:
+    """Anthropic takes no thinking budget under 1,024 tokens: a grant that small cannot be sent with
+    thinking, so the step is refused (held, the run goes on) and the body is left as it came."""
+    body = body_of(max_tokens=16000, thinking=THINK)
+    with pytest.raises(errors.BudgetHeld, match="extended thinking") as info:
+        ADAPTER.set_max_tokens(body, value, prefer_completion_field=False)
+    assert type(info.value) is errors.BudgetHeld and info.value.stop_reason is None
+    assert (body["max_tokens"], body["thinking"]) == (16000, THINK)
+
+
+def test_base64_pdf_pages_are_bounded_like_images() -> None:
+    """A base64 PDF is billed per page (its text and an image of it): each page counts PDF_PAGE_IMAGES
+    images; one whose pages cannot be counted is unbounded, like a document named by URL."""
+    def doc(data: str) -> dict[str, Any]:
+        return {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": data}}
+
+    pdf = base64.b64encode(pdf_of(3)).decode()
+    content = [doc(pdf), {"type": "image", "source": {"type": "url", "url": "u"}}, doc("bm90IGEgcGRm"), text("x")]
+    call = parse(body_of(messages=[{"role": "user", "content": content}]))
+    assert (call.input_images, call.referenced_documents) == (1 + 3 * PDF_PAGE_IMAGES, 1)

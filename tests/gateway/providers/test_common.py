@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,8 @@ from gateway.providers.common import (
     opt_int,
     opt_number,
     opt_strings,
+    pdf_documents,
+    pdf_pages,
     request_basics,
     require_list,
     require_model,
@@ -339,3 +343,113 @@ def test_count_images(body: dict[str, Any], count: int) -> None:
 )
 def test_count_referenced_documents(body: dict[str, Any], count: int) -> None:
     assert count_referenced_documents(body, orjson.dumps(body)) == count
+
+
+
+ESCAPED = [  # the same JSON strings, one character spelled as a `\\u` escape: what Anthropic parses alike
+    (b'"image"', b'"\\u0069mage"'),
+    (b'"document"', b'"\\u0064ocument"'),
+    (b'"file"', b'"\\u0066ile"'),
+    (b'"file_id"', b'"\\u0066ile_id"'),
+]
+
+
+def escaped(body: dict[str, Any]) -> bytes:
+    raw = orjson.dumps(body)
+    for plain, spelled in ESCAPED:
+        raw = raw.replace(plain, spelled)
+    assert orjson.loads(raw) == body
+    return raw
+
+
+def test_an_escaped_spelling_does_not_skip_the_walk() -> None:
+    image = {"type": "image", "source": {"type": "url", "url": "u"}}
+    document = {"type": "document", "source": {"type": "url", "url": "u"}}
+    file = {"type": "file", "file": {"file_id": "f"}}
+    body = {"messages": [{"role": "user", "content": [image, image, document, file]}]}
+    raw = escaped(body)
+    assert b"image" not in raw and b"document" not in raw and b"file" not in raw
+    assert (count_images(body, raw), count_referenced_documents(body, raw)) == (2, 2)
+
+
+def test_a_body_without_the_word_or_an_escape_is_not_walked() -> None:
+    """The fast path: bytes that cannot hold the type are trusted (the body is never walked)."""
+    body = {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}
+    assert count_images(body, b'{"messages":[]}') == 0
+    assert count_images(body, b'{"x":"\\u0041"}') == 1  # any escape: walked
+
+
+def pdf_of(pages: int, *, packed: int = 0, escape: bool = False, count: int | None = None) -> bytes:
+    """A PDF of `pages` page objects, `packed` of them more inside a Flate object stream (as PDF 1.5
+    writers store them), names spelled with `#xx` escapes if `escape`, a page tree `/Count` if given."""
+    page = b"/Ty#70e /P#61ge" if escape else b"/Type /Page"
+    out = b"%PDF-1.5\n1 0 obj\n<< /Type /Catalog /Pages 2 0 R >>\nendobj\n"
+    if count is not None:
+        out += b"2 0 obj\n<< /Type /Pages /Count " + str(count).encode() + b" >>\nendobj\n"
+    out += b"".join(b"%d 0 obj\n<< " % (3 + i) + page + b" /Parent 2 0 R >>\nendobj\n" for i in range(pages))
+    if packed:
+        stream = zlib.compress(b" ".join(b"<< " + page + b" /Parent 2 0 R >>" for _ in range(packed)))
+        out += (b"99 0 obj\n<< /Type /ObjStm /N %d /First 0 /Filter /FlateDecode /Length %d >>\nstream\n"
+                % (packed, len(stream)) + stream + b"\nendstream\nendobj\n")
+    return out + b"trailer\n<< /Root 1 0 R >>\n%%EOF\n"
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    ("pdf", "pages"),
+    [
+        (pdf_of(1), 1),
+        (pdf_of(40, count=40), 40),  # the `/Pages` tree is not a page
+        (pdf_of(2, packed=3), 5),  # pages inside a compressed object stream count too
+        (pdf_of(0, packed=4, escape=True), 4),  # `/Ty#70e /P#61ge` is `/Type /Page`
+        (pdf_of(2, count=9), 9),  # a tree that says more than the objects found: the larger
+        (b"junk before\n" + pdf_of(1), 1),  # readers look for the header in the first 1,024 bytes
+    ],
+)
+def test_pdf_pages(pdf: bytes, pages: int) -> None:
+    assert pdf_pages(b64(pdf)) == pages
+
+
+BOMB = b"%PDF-1.5\n1 0 obj\n<< /Type /ObjStm /Filter /FlateDecode >>\nstream\n"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        "not base64 at all!",  # decodes to no PDF
+        "QUJD=",  # bad padding
+        "ünïcode",
+        b64(b"GIF89a..."),  # not a PDF
+        b64(pdf_of(0)),  # no page found
+        b64(pdf_of(2).replace(b"trailer\n<<", b"trailer\n<< /Encrypt 5 0 R")),  # encrypted
+        b64(BOMB + zlib.compress(b" " * (65 << 20)) + b"\nendstream\n"),  # inflates past any object stream
+        b64(BOMB + b"not deflated\nendstream\n"),
+        b64(BOMB.replace(b"/FlateDecode", b"/LZWDecode") + b"x\nendstream\n"),  # a filter not read here
+        b64(BOMB + b"no end"),
+    ],
+)
+def test_pdf_pages_none_when_they_cannot_be_counted(data: str) -> None:
+    assert pdf_pages(data) is None
+
+
+def pdf_block(data: Any, media_type: str = "application/pdf") -> dict[str, Any]:
+    return {"type": "document", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
+def test_pdf_documents_counts_pages_and_what_cannot_be_counted() -> None:
+    content = [pdf_block(b64(pdf_of(3))), pdf_block(b64(pdf_of(2))), pdf_block("!!"), pdf_block(7),
+               pdf_block(b64(pdf_of(1)), "image/png"),
+               {"type": "document", "source": {"type": "url", "url": "u"}},  # counted as referenced
+               {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hi"}},
+               {"type": "tool_result", "tool_use_id": "t", "content": [pdf_block(b64(pdf_of(4)))]}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert pdf_documents(body, orjson.dumps(body)) == (3 + 2 + 4, 3)
+    assert pdf_documents(body, escaped(body)) == (9, 3)
+
+
+def test_pdf_documents_decodes_nothing_without_a_document() -> None:
+    body = {"messages": [{"role": "user", "content": [pdf_block("!!")]}]}
+    assert pdf_documents(body, b'{"messages":[]}') == (0, 0)  # the bytes say no document: no walk
