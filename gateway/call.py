@@ -150,6 +150,9 @@ class Call:
     # tool's `max_uses`, a Responses request's `max_tool_calls` over its search tools); None: no limit sent
     search_limits: tuple[int | None, ...] = ()
     search_preview: bool = False  # it offers OpenAI's `web_search_preview` tool (priced apart: gateway.pricing)
+    # it offers tools the provider runs between parts of the answer's text (Anthropic's server tools): text
+    # before one is a preamble, so a stream's text is judged once it is known to be the answer's
+    provider_tools: bool = False
 
 
 @dataclass(frozen=True, slots=True)

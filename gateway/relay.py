@@ -48,6 +48,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     limit = gw.config.limits.max_answer_bytes  # what is kept (the answer's text, held events) stays under it
     kept = 0  # bytes of held events
+    broken: GatewayError | None = None  # the checkers refused the text (cut at once unless provider tools run)
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         async for chunk in upstream.chunks():
@@ -56,11 +57,16 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     continue  # the SDK stops at the final event: nothing after it may count
                 emitted = reader.feed(event)
                 ended = emitted.done
+                if checkers and reader.restart:  # what streamed so far was a preamble to a provider's tool
+                    checkers = step.outputs.checkers() if step.outputs is not None else []
+                    broken = None
                 if reader.output_chars + kept > limit:
                     raise _too_long(limit)
-                if checkers and reader.delta and not all(c.feed(reader.delta) for c in checkers):
-                    failure = _nonconforming(checkers)
-                    break
+                if checkers and broken is None and reader.delta and not all(c.feed(reader.delta) for c in checkers):
+                    broken = _nonconforming(checkers)
+                    if not step.call.provider_tools:  # else it may be a preamble: judged at a restart or the end
+                        failure = broken
+                        break
                 if not emitted.out:
                     continue
                 data = scrub(emitted.out, secret)  # an error event may echo the provider key
@@ -105,6 +111,8 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         return out
     if failure is None and not reader.complete:
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
+    if failure is None and broken is not None and not unfinished(answer):
+        failure = broken  # the answer's text, not a preamble, broke its constraint
     if failure is None and checkers and not (answer.tool_calls and not answer.text) and not unfinished(answer):
         problems = [v for v in (c.finish() for c in checkers) if v is not None]
         if problems:

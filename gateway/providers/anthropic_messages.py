@@ -95,6 +95,12 @@ def usage_from(usage: Any) -> Usage | None:
 # content blocks of tools Anthropic runs itself (web search, code execution, its MCP connector):
 # counted for `caps.tool_calls`, never judged (they ran before the answer came back)
 HOSTED_BLOCKS = frozenset({"server_tool_use", "mcp_tool_use"})
+
+
+def provider_ran(kind: Any) -> bool:
+    """A block of a tool Anthropic runs (its call or its result): text before it was a preamble, and the
+    answer the output constraints hold is the text after the last one."""
+    return kind in HOSTED_BLOCKS or (isinstance(kind, str) and kind.endswith("_tool_result"))
 _MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")  # server tool types (dated) with `max_uses`
 _SERVER_TOOLS = (*_MAX_USES_TOOLS, "code_execution_", "mcp_toolset")  # tool types Anthropic runs itself
 
@@ -180,6 +186,7 @@ class AnthropicMessages:
             raw=body,
             prefill=_prefill(messages),
             search_limits=self.search_limits(body),
+            provider_tools=bool(body.get("mcp_servers")) or any(_type_starts(t, _SERVER_TOOLS) for t in raw_tools),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -192,8 +199,9 @@ class AnthropicMessages:
             elif block.get("type") == "tool_use":
                 args = orjson.dumps(block.get("input") or {}).decode()
                 calls.append(ToolCall(str(block.get("id", "")), str(block.get("name", "")), args))
-            elif block.get("type") in HOSTED_BLOCKS:
-                hosted += 1
+            elif provider_ran(block.get("type")):
+                hosted += block.get("type") in HOSTED_BLOCKS
+                texts.clear()
         reason = body.get("stop_reason")
         return Answer(
             response_id=body.get("id"),
@@ -380,6 +388,7 @@ class AnthropicStreamReader:
         self.holding = False  # a tool_use block started: hold events until the answer is judged
         self.complete = False
         self.delta = ""  # answer text carried by the last event fed
+        self.restart = False  # the last event began a tool Anthropic runs after answer text (`StreamReader`)
 
     @property
     def output_chars(self) -> int:
@@ -387,6 +396,7 @@ class AnthropicStreamReader:
 
     def feed(self, event: SseEvent) -> StreamStep:
         self.delta = ""
+        self.restart = False
         try:
             data = orjson.loads(event.data) if event.data else None
         except orjson.JSONDecodeError:
@@ -413,8 +423,10 @@ class AnthropicStreamReader:
                 self._chars += len(text)
                 self._text.append(text)
                 self.delta += text
-            elif block.get("type") in HOSTED_BLOCKS:
-                self._hosted += 1
+            elif provider_ran(block.get("type")):
+                self._hosted += block.get("type") in HOSTED_BLOCKS
+                self.restart = bool(self._text)
+                self._text.clear()
             if not self.holding:  # relayed now; held blocks may never reach the agent (a stop)
                 self.next_index = max(self.next_index, index + 1)
         elif kind == "content_block_delta":

@@ -29,6 +29,9 @@ class StreamReader(Protocol):
     holding: bool  # a tool call started: the relay holds events until the answer is judged
     complete: bool  # the upstream ended the answer properly
     delta: str  # the answer text the last event added: what the output checkers are fed
+    # the provider ran a tool after answer text (Anthropic's server tools): that text was a preamble, and
+    # the text the output constraints hold starts again (the relay starts its checkers afresh)
+    restart: bool
 
     def feed(self, event: SseEvent) -> StreamStep: ...
 

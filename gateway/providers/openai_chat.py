@@ -273,6 +273,7 @@ class OpenAIStreamReader:
         self.holding = False  # a tool call started: hold events until the answer is judged
         self.complete = False
         self.delta = ""  # answer text carried by the last event fed
+        self.restart = False  # the provider runs no tool between parts of the answer's text here
 
     @property
     def output_chars(self) -> int:

@@ -387,6 +387,7 @@ class ResponsesStreamReader:
         self._chars = 0
         self._hosted = 0
         self.holding = False
+        self.restart = False  # one message item holds the answer's text
         self.complete = False
         self.delta = ""
         self.started = False  # an event reached the agent: a stop now completes what it has seen

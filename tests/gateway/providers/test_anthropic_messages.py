@@ -17,7 +17,7 @@ from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers import anthropic_messages
 from gateway.providers.anthropic_messages import AnthropicMessages, usage_from
 from gateway.providers.common import PDF_PAGE_IMAGES
-from gateway.providers.sse import SseParser
+from gateway.providers.sse import SseEvent, SseParser
 from guards.bounds import SEARCH_INPUT_TOKENS
 from tests.gateway.providers.test_common import pdf_of
 
@@ -456,3 +456,45 @@ def test_base64_pdf_pages_are_bounded_like_images() -> None:
     content = [doc(pdf), {"type": "image", "source": {"type": "url", "url": "u"}}, doc("bm90IGEgcGRm"), text("x")]
     call = parse(body_of(messages=[{"role": "user", "content": content}]))
     assert (call.input_images, call.referenced_documents) == (1 + 3 * PDF_PAGE_IMAGES, 1)
+
+
+def sse(data: dict[str, Any]) -> SseEvent:
+    text = orjson.dumps(data).decode()
+    return SseEvent(f"event: {data['type']}\ndata: {text}\n\n".encode(), str(data["type"]), text)
+
+
+SEARCHED = [{"type": "text", "text": "Let me search."},
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "q"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+            {"type": "text", "text": "Found "}, {"type": "text", "text": "it."}]
+
+
+def test_the_answer_text_is_what_follows_the_last_tool_the_provider_ran() -> None:
+    answer = ADAPTER.parse_answer({"id": "m", "model": "c", "content": SEARCHED, "stop_reason": "end_turn"})
+    assert (answer.text, answer.hosted_calls) == ("Found it.", 1)
+
+
+def test_a_stream_restarts_its_answer_text_at_a_tool_the_provider_runs() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    restarts = []
+    for index, block in enumerate(SEARCHED):
+        start = {**block, "text": ""} if block["type"] == "text" else block
+        reader.feed(sse({"type": "content_block_start", "index": index, "content_block": start}))
+        restarts.append(reader.restart)
+        if block["type"] == "text":
+            reader.feed(sse({"type": "content_block_delta", "index": index,
+                             "delta": {"type": "text_delta", "text": block["text"]}}))
+    assert restarts == [False, True, False, False, False]  # once, after text: a preamble ended
+    assert reader.answer().text == "Found it."
+
+
+@pytest.mark.parametrize(("body", "provider_tools"), [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, True),
+    ({"tools": [{"type": "code_execution_20250522", "name": "code_execution"}]}, True),
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "x"}]}, True),
+    ({"tools": [{"name": "lookup", "input_schema": {"type": "object"}}]}, False),
+    ({}, False),
+])
+def test_a_request_offering_tools_the_provider_runs_says_so(body: dict[str, Any], provider_tools: bool) -> None:
+    full = {"model": "claude-x", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **body}
+    assert ADAPTER.parse_request(full, orjson.dumps(full), Limits()).provider_tools is provider_tools
