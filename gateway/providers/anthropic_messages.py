@@ -13,14 +13,11 @@ from gateway.config import Limits
 from gateway.errors import BudgetHeld, GatewayError, InvalidRequest, error_code
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
-    PDF_PAGE_IMAGES,
     content_text,
-    count_images,
-    count_referenced_documents,
+    input_parts,
     opt_int,
     opt_number,
     opt_strings,
-    pdf_documents,
     request_basics,
     required_count,
     stop_text,
@@ -162,7 +159,7 @@ class AnthropicMessages:
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
         stop = body.get("stop_sequences")  # a list in Anthropic's API (a bare string is not one)
-        pdf_pages, uncounted_pdfs = pdf_documents(body, raw)  # billed per page: bounded like images
+        images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
@@ -176,8 +173,8 @@ class AnthropicMessages:
             stream=stream,
             max_tokens=opt_int(body, "max_tokens", minimum=1),
             input_bytes=len(raw),
-            input_images=count_images(body, raw) + PDF_PAGE_IMAGES * pdf_pages,
-            referenced_documents=count_referenced_documents(body, raw) + uncounted_pdfs,
+            input_images=images,
+            referenced_documents=unbounded,
             tools=_tools(raw_tools),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(messages),

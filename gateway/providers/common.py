@@ -92,25 +92,54 @@ _PDF_HEX = re.compile(rb"#([0-9A-Fa-f]{2})")
 _PDF_INFLATED_MAX = 64 << 20  # object streams inflated past this are a bomb, not a document: uncounted
 
 
+_PDF_DATA_URL = "data:application/pdf;base64,"
+
+
+def _inline_pdf(node: Mapping[str, Any]) -> str | None:
+    """The base64 data of a PDF a content part sends inline, `""` for an Anthropic base64 document that is
+    no PDF (nothing else is sent so), None for any other part. Anthropic: a `document` whose source is
+    base64; Chat Completions: a `file` part's `file_data`; Responses: an `input_file`'s `file_data` (both
+    data URLs; OpenAI reads PDFs there)."""
+    kind = node.get("type")
+    if kind == "document":
+        source = node.get("source")
+        if not isinstance(source, Mapping) or source.get("type") != "base64":
+            return None
+        data = source.get("data")
+        return data if isinstance(data, str) and source.get("media_type") == "application/pdf" else ""
+    part = node.get("file") if kind == "file" else node if kind == "input_file" else None
+    url = part.get("file_data") if isinstance(part, Mapping) else None
+    if isinstance(url, str) and url[:len(_PDF_DATA_URL)].lower() == _PDF_DATA_URL:
+        return url[len(_PDF_DATA_URL):]
+    return None
+
+
 def pdf_documents(body: Mapping[str, Any], raw: bytes) -> tuple[int, int]:
-    """(pages, uncounted) of the PDF `document` blocks a request sends as base64 (Anthropic): their
-    tokens follow their pages, not their bytes. `uncounted` are those whose pages cannot be counted
-    (not base64, not a PDF, encrypted, no page found): no bound is known, as for a document by URL.
-    Decodes only when the body has a document block (the byte search skips the walk otherwise)."""
-    if not _may_contain(raw, b"document"):
+    """(pages, uncounted) of the PDFs a request sends inline as base64 (`_inline_pdf`): their tokens
+    follow their pages, not their bytes. `uncounted` are those whose pages cannot be counted (not base64,
+    not a PDF, encrypted, no page found): no bound is known, as for a document by URL. Decodes only when
+    the body has such a part (the byte search skips the walk otherwise)."""
+    if not _may_contain(raw, b"document", b"file_data"):
         return 0, 0
     pages = uncounted = 0
     for node in _objects(body):
-        source = node.get("source")
-        if node.get("type") != "document" or not isinstance(source, Mapping) or source.get("type") != "base64":
+        data = _inline_pdf(node)
+        if data is None:
             continue
-        data = source.get("data")
-        counted = pdf_pages(data) if isinstance(data, str) and source.get("media_type") == "application/pdf" else None
+        counted = pdf_pages(data) if data else None
         if counted is None:
             uncounted += 1
         else:
             pages += counted
     return pages, uncounted
+
+
+def input_parts(body: Mapping[str, Any], raw: bytes) -> tuple[int, int]:
+    """(images, unbounded) of a request, for `Call.input_images` and `Call.referenced_documents`: its image
+    parts plus `PDF_PAGE_IMAGES` for each page of the PDFs it sends inline; the documents it names instead
+    of sending plus the inline PDFs whose pages cannot be counted."""
+    pages, uncounted = pdf_documents(body, raw)
+    return count_images(body, raw) + PDF_PAGE_IMAGES * pages, count_referenced_documents(body, raw) + uncounted
 
 
 def pdf_pages(data: str) -> int | None:

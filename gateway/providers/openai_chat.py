@@ -14,8 +14,7 @@ from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
-    count_images,
-    count_referenced_documents,
+    input_parts,
     opt_int,
     opt_number,
     opt_strings,
@@ -104,6 +103,7 @@ class OpenAIChat:
             seed=opt_int(body, "seed", minimum=-(2**63)),
             choice_count=opt_int(body, "n", minimum=1, maximum=MAX_CHOICES),
         )
+        images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
         return Call(
             protocol="openai",
             operation="chat",
@@ -111,8 +111,8 @@ class OpenAIChat:
             stream=stream,
             max_tokens=max_tokens,
             input_bytes=len(raw),
-            input_images=count_images(body, raw),
-            referenced_documents=count_referenced_documents(body, raw),
+            input_images=images,
+            referenced_documents=unbounded,
             tools=_tools(raw_tools) + legacy,
             tool_choice=_forced(body),
             tool_results=_latest_results(messages),

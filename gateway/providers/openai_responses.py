@@ -25,7 +25,7 @@ from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
-    count_images,
+    input_parts,
     opt_int,
     opt_number,
     require_model,
@@ -205,6 +205,7 @@ class OpenAIResponses:
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean", param="stream")
+        images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
         return Call(
             protocol="openai_responses",
             operation="chat",
@@ -212,7 +213,8 @@ class OpenAIResponses:
             stream=bool(stream),
             max_tokens=opt_int(body, "max_output_tokens", minimum=1),
             input_bytes=len(raw),
-            input_images=count_images(body, raw),
+            input_images=images,
+            referenced_documents=unbounded,
             tools=_tools(body.get("tools"), limits),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(items),

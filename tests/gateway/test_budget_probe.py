@@ -8,6 +8,7 @@ wire format of the API that was called. Fakes on loopback only.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import Callable
@@ -801,3 +802,25 @@ async def test_a_failed_responses_stream_is_relayed_and_billed_from_its_usage(ga
     view = await h.run("failed")
     assert (view["input_tokens"], view["output_tokens"], view["reserved_usd"]) == (11, 40, 0)
     assert view["spent_usd"] == pytest.approx((11 * 1.0 + 40 * 2.0) / 1e6)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_a_pdf_openai_reads_inline_is_bounded_by_its_pages(gateway_factory: GatewayFactory, api: str) -> None:
+    """OpenAI bills a PDF sent as a data URL per page (its text and an image of each page), not by its
+    bytes: 100 pages in a few KB cannot pass a 50,000-token budget."""
+    from tests.gateway.providers.test_common import pdf_of
+
+    h = await gateway_factory(agents={"default": {"budget": {"tokens": 50_000}}})
+    url = "data:application/pdf;base64," + base64.b64encode(pdf_of(100)).decode()
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                                  default_headers={"x-tollgate-run-id": f"pdf-{api}"}) as client:
+        with pytest.raises(openai.PermissionDeniedError) as stopped:
+            if api == "chat":
+                await client.chat.completions.create(model="gpt-4o-mini", max_tokens=16, messages=[
+                    {"role": "user", "content": [{"type": "file", "file": {"filename": "a.pdf", "file_data": url}},
+                                                 {"type": "text", "text": "summarise"}]}])
+            else:
+                await client.responses.create(model="gpt-4o-mini", max_output_tokens=16, input=[
+                    {"role": "user", "content": [{"type": "input_file", "filename": "a.pdf", "file_data": url},
+                                                 {"type": "input_text", "text": "summarise"}]}])
+    assert stopped.value.code == "token_budget_exhausted" and h.fake.seen == []

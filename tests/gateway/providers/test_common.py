@@ -12,11 +12,14 @@ import pytest
 
 from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge, error_code
+from gateway.providers import common
 from gateway.providers.common import (
+    PDF_PAGE_IMAGES,
     check_counts,
     content_text,
     count_images,
     count_referenced_documents,
+    input_parts,
     json_depth_ok,
     opt_int,
     opt_number,
@@ -453,3 +456,27 @@ def test_pdf_documents_counts_pages_and_what_cannot_be_counted() -> None:
 def test_pdf_documents_decodes_nothing_without_a_document() -> None:
     body = {"messages": [{"role": "user", "content": [pdf_block("!!")]}]}
     assert pdf_documents(body, b'{"messages":[]}') == (0, 0)  # the bytes say no document: no walk
+
+
+def test_pdfs_openai_reads_inline_are_counted_too() -> None:
+    """Chat Completions `file` parts and Responses `input_file` parts carry a PDF as a data URL."""
+    url = "data:application/pdf;base64," + b64(pdf_of(5))
+    content = [{"type": "file", "file": {"filename": "a.pdf", "file_data": url}},
+               {"type": "input_file", "filename": "b.pdf", "file_data": url},
+               {"type": "input_file", "filename": "c.pdf", "file_data": "data:application/pdf;base64,!!"},
+               {"type": "input_file", "filename": "d.txt", "file_data": "data:text/plain;base64,aGk="},
+               {"type": "file", "file": {"file_id": "file-1"}}]  # named, not sent: counted as referenced
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert pdf_documents(body, orjson.dumps(body)) == (10, 1)
+    assert input_parts(body, orjson.dumps(body)) == (10 * PDF_PAGE_IMAGES, 2)
+
+
+@pytest.mark.parametrize(("raw", "walks"), [
+    (b'{"content": "caf\\u00e9 \\u4e2d"}', False),  # escapes of non-ASCII letters spell no type name
+    (b'{"type": "\\u0069mage"}', True),  # "image" spelled with an escape
+    (b'{"type": "\\u0049MAGE"}', True),  # any escaped ASCII letter: walked, the walk decides
+    (b'{"type": "image_url"}', True),
+    (b'{"content": "plain"}', False),
+])
+def test_the_byte_pre_filter_walks_a_body_only_when_a_type_name_may_hide_in_it(raw: bytes, walks: bool) -> None:
+    assert common._may_contain(raw, b"image") is walks
