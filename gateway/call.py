@@ -153,6 +153,9 @@ class Call:
     # it offers tools the provider runs between parts of the answer's text (Anthropic's server tools): text
     # before one is a preamble, so a stream's text is judged once it is known to be the answer's
     provider_tools: bool = False
+    # tools the provider runs and bills apart at a cost tollgate cannot bound (the Responses API's Code
+    # Interpreter containers, image generation): a USD budget refuses the request (`guards.budget`)
+    unpriced_tools: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from gateway.pipeline import (
     stop_run,
     upstream_request,
 )
-from gateway.providers.openai_responses import offers_preview_search
+from gateway.providers.openai_responses import offers_preview_search, unpriced_tools
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.runtime import Gateway
@@ -103,9 +103,11 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         if step.tools is not None and shape_tools(step.tools, call, step.body):
             step.changed = True
             step.original = dict(step.body)  # re-asks never offer what the agent may not use
+            if call.unpriced_tools:  # a tool the allow-list removed is not sent: nothing to refuse for it
+                step.call = replace(step.call, unpriced_tools=unpriced_tools(step.body))
             if call.search_limits:  # a search tool the agent may not use holds nothing
                 preview = call.search_preview and offers_preview_search(step.body)
-                step.call = replace(call, search_limits=adapter.search_limits(step.body), search_preview=preview)
+                step.call = replace(step.call, search_limits=adapter.search_limits(step.body), search_preview=preview)
                 step.price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
                                               searches=bool(step.call.search_limits), preview_search=preview)
         if plan is not None:  # after `original`: a re-ask adds the native fields (and their bound) again

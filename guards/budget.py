@@ -43,6 +43,14 @@ class BudgetGuard(BaseGuard):
                 "cannot be counted (encrypted, not a PDF), whose size tollgate cannot bound, so the budget "
                 "could be overspent; send their content instead",
             )
+        if ctx.call.unpriced_tools and budget.usd is not None:
+            return Decision.reject(
+                self.name,
+                "input_unbounded",
+                f"the request offers {', '.join(ctx.call.unpriced_tools)}, which the provider bills apart at a "
+                "cost tollgate cannot bound (a container, an image), so a USD budget could be overspent; "
+                "remove the tool or run this agent without a USD budget",
+            )
         bound = input_bound(ctx.call)
         choices = float(ctx.call.params.choice_count or 1)
         searches = searches_allowed(ctx.call, ctx.price, budget, ctx.run) if ctx.call.search_limits else 0

@@ -57,6 +57,9 @@ HOSTED_CALL_ITEMS = frozenset({"web_search_call", "file_search_call", "code_inte
                                "image_generation_call", "mcp_call", "tool_search_call"})
 _OUTPUT_ITEMS = frozenset(f"{kind}_output" for kind in AGENT_CALLS)
 _SEARCH_TOOLS = ("web_search", "file_search")  # tool types (some dated) whose calls are billed apart
+# tools OpenAI bills apart at a cost tollgate does not price: a container per Code Interpreter session, an
+# image model's output per generated image (neither is in `usage`)
+UNPRICED_TOOLS = ("code_interpreter", "image_generation")
 _TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
 _FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
@@ -74,6 +77,13 @@ def tool_name(tool: Any) -> str:
     if kind in ("function", "custom"):
         return str(tool.get("name", ""))
     return _TOOL_ALIASES.get(kind, kind) if kind else ""
+
+
+def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The offered tools OpenAI bills apart whose cost tollgate cannot bound (`UNPRICED_TOOLS`)."""
+    tools = body.get("tools")
+    kinds = (item_type(t) or "" for t in tools) if isinstance(tools, list) else ()
+    return tuple(sorted({k for k in kinds if k.startswith(UNPRICED_TOOLS)}))
 
 
 def offers_preview_search(body: Mapping[str, Any]) -> bool:
@@ -224,6 +234,7 @@ class OpenAIResponses:
             raw=body,
             search_limits=self.search_limits(body),
             search_preview=offers_preview_search(body),
+            unpriced_tools=unpriced_tools(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:

@@ -187,3 +187,21 @@ async def test_a_budget_that_cannot_pay_a_search_model_s_search_stops_the_run_be
                                                  messages=[{"role": "user", "content": "news?"}])
     assert stopped.value.response.headers["x-tollgate-stop-reason"] == "budget_exhausted"
     assert h.fake.seen == []
+
+
+async def test_tools_openai_bills_apart_at_a_cost_tollgate_cannot_bound_are_refused_under_a_usd_budget(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A Code Interpreter container and a generated image are billed apart and absent from `usage`."""
+    h = await gateway_factory(agents={"bot": {"budget": {"usd": 1.0}},
+                                      "limited": {"budget": {"usd": 1.0}, "tools": {"allow": ["lookup"]}}})
+    code = {"type": "code_interpreter", "container": {"type": "auto"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await ask_gpt(h, "unpriced", [code])
+    assert "code_interpreter" in refused.value.message and h.fake.seen == []
+    h.fake.queue(Reply(body=response_body("ok", model=GPT)))
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0, default_headers={
+            "x-tollgate-run-id": "unpriced-removed", "x-tollgate-agent": "limited"}) as client:
+        await client.responses.create(model=GPT, input="news?", tools=[  # type: ignore[list-item]
+            code, {"type": "function", "name": "lookup", "parameters": {"type": "object"}}])
+    assert [t["type"] for t in h.fake.seen[-1].json["tools"]] == ["function"]  # the allow-list removed it
