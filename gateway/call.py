@@ -98,6 +98,8 @@ class Usage:
     cache_write_1h_tokens: int = 0  # of `cache_creation_tokens`, those written for an hour (Anthropic's dearer rate)
     web_search_requests: int = 0  # web searches the provider ran and bills apart (per search, not per token)
     file_search_requests: int = 0  # file (vector store) searches the provider ran and bills apart
+    input_audio_tokens: int = 0  # of `input_tokens`, those of audio (OpenAI bills them at an audio rate)
+    output_audio_tokens: int = 0  # of `output_tokens`, those of audio (spoken answers)
 
     @property
     def total(self) -> int:
@@ -156,6 +158,8 @@ class Call:
     # tools the provider runs and bills apart at a cost tollgate cannot bound (the Responses API's Code
     # Interpreter containers, image generation): a USD budget refuses the request (`guards.budget`)
     unpriced_tools: tuple[str, ...] = ()
+    service_tier: str | None = None  # the OpenAI service tier asked for (`auto`, `priority`, ...), as sent
+    audio_output: bool = False  # the answer may be spoken (Chat Completions `modalities` lists audio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,3 +176,4 @@ class Answer:
     hosted_calls: int = 0  # tool calls the provider ran itself (web search, its MCP client): counted only
     tool_result: ToolResult | None = None  # MCP: the result the server returned
     other_texts: tuple[str, ...] = ()  # the text of every choice after the first (OpenAI's `n` > 1)
+    service_tier: str | None = None  # the OpenAI service tier the answer says it was billed at

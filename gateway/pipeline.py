@@ -363,9 +363,9 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         return
     step.reservation = None
     if charged:
-        usage = answer.usage if answer else None
+        usage, tier = (answer.usage, answer.service_tier) if answer else (None, None)
         choices = step.call.params.choice_count or 1
-        actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices))
+        actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices, tier))
     else:
         actual = {k: v for k, v in reservation.amounts.items() if k not in USAGE_COUNTERS}  # the step counts
     step.cost_usd = actual.get("usd", 0.0)

@@ -4,11 +4,16 @@ Lookups go through genai-prices once per (provider, model) and are cached; costs
 here from the cached per-token rates, because a full genai-prices calculation costs ~250 µs, too much
 for every step. Tiered prices (long-context surcharges) pick the tier by the step's input tokens;
 reservations use the highest tier so that the worst case is never under-reserved.
+
+OpenAI's service tiers (`priority`, `flex`) bill other token rates. A price from genai-prices carries the
+rates of every tier it lists (`ModelPrice.service_tiers`, read once with the model); a reservation is
+priced at the tier the request asks for (`reserved_tier`), a settlement at the tier the answer reports
+(`ModelPrice.at_tier`). A `pricing:` entry has one rate, kept for every tier and for audio tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
@@ -27,6 +32,24 @@ OPENAI_WEB_SEARCH_FEE = 10.0 / 1000
 """USD OpenAI bills per search of its `web_search` tool on any model, of `web_search_preview` on a reasoning
 model, and per call of a reasoning search model (`gpt-5-search-api`): the floor of a fee genai-prices gives
 as 0 (o1, o3-mini, gpt-4.1-nano, ...)."""
+
+STANDARD_TIER = "default"
+"""The service tier an answer reports when it was billed at the standard rates."""
+_REQUESTED_TIERS = frozenset({"priority", "flex"})
+"""Tiers a request may ask for that a reservation is priced at. `auto`, `default`, an absent field or any
+other value is reserved at the standard rates: `auto` bills the project's default tier, which tollgate
+cannot see, and reserving every such call at the dearest tier (priority, ~1.7x) would halve what a budget
+lets most agents do. A project whose default tier is priority must send `service_tier: "priority"` (or
+configure prices): its answers are settled at the priority rate they report, above what was reserved.
+A `flex` request is reserved at the flex rate: OpenAI serves it at flex or refuses it (429), and a
+settlement follows the tier the answer reports in any case."""
+_TOKEN_RATES = ("input", "output", "cache_read", "cache_write", "cache_write_1h", "input_audio", "output_audio")
+"""The `ModelPrice` fields a service tier sets (the search fees and the per-call fee do not change)."""
+
+
+def reserved_tier(requested: str | None) -> str:
+    """The service tier a request asking for `requested` is reserved at (`_REQUESTED_TIERS`)."""
+    return requested if requested in _REQUESTED_TIERS else STANDARD_TIER
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +83,14 @@ class ModelPrice:
     web_search: float = 0.0  # USD per web search the provider ran
     file_search: float = 0.0  # USD per file search the provider ran (OpenAI's file_search tool)
     per_call: float = 0.0  # USD every billed call pays whatever its usage (a search model's search)
+    # audio tokens (part of the input and output counts), when priced apart (OpenAI's audio models); else
+    # they cost what text tokens do, as genai-prices prices them
+    input_audio: Rate | None = None
+    output_audio: Rate | None = None
+    service_tier: str = STANDARD_TIER  # the tier whose token rates these are
+    # token rates of every service tier genai-prices lists, `STANDARD_TIER` included (each a price without
+    # fees, only `_TOKEN_RATES` of it count); empty: one rate for every tier (a `pricing:` entry)
+    service_tiers: tuple[tuple[str, ModelPrice], ...] = field(default=(), repr=False)
 
     @property
     def search_fee(self) -> float:
@@ -68,18 +99,49 @@ class ModelPrice:
 
     @property
     def worst_input(self) -> float:
-        """Highest price one input token can cost (a cache write can cost more than plain input)."""
-        candidates = [self.input.worst]
-        candidates.extend(r.worst for r in (self.cache_write, self.cache_write_1h) if r is not None)
-        return max(candidates)
+        """Highest price one input token can cost (a cache write can cost more than plain input, an audio
+        token more than a text one). Audio input is always assumed possible: it arrives as `input_audio`
+        parts, but also as an earlier spoken answer the request names by id, so the request does not tell
+        reliably; and on an audio model most input that matters is audio."""
+        rates = (self.cache_write, self.cache_write_1h, self.input_audio)
+        return max([self.input.worst, *(r.worst for r in rates if r is not None)])
+
+    def worst_output(self, audio: bool) -> float:
+        """Highest price one output token can cost; `audio`: the request lets the model speak (Chat
+        Completions' `modalities` lists audio). A model speaks only when asked to, so a text-only request
+        to an audio model is not reserved at the audio rate (~6x on gpt-audio)."""
+        if audio and self.output_audio is not None:
+            return max(self.output.worst, self.output_audio.worst)
+        return self.output.worst
+
+    def at_tier(self, tier: str | None) -> ModelPrice:
+        """These prices at the service tier `tier` an answer reports. A tier genai-prices does not list
+        (`scale`, a new name) is billed at the standard rates, as genai-prices prices it. None (the answer
+        does not say) or prices without tiers (a `pricing:` entry, a model without tiers): unchanged."""
+        if tier is None or not self.service_tiers or tier == self.service_tier:
+            return self
+        tiers = dict(self.service_tiers)
+        name = tier if tier in tiers else STANDARD_TIER
+        rates = tiers.get(name)
+        if rates is None or name == self.service_tier:
+            return self
+        return replace(self, service_tier=name, **{f: getattr(rates, f) for f in _TOKEN_RATES})
 
     def cost(self, usage: Usage) -> float:
-        """USD for `usage` (input tokens include cached ones, as in semconv)."""
+        """USD for `usage` (input tokens include cached ones, as in semconv; input and output tokens include
+        audio ones, priced at the audio rates when the model has them)."""
         n = usage.input_tokens
         cached = usage.cache_read_tokens if self.cache_read is not None else 0
         written = usage.cache_creation_tokens if self.cache_write is not None else 0
         plain = max(n - cached - written, 0)
-        total = plain * self.input.at(n) + usage.output_tokens * self.output.at(n)
+        heard = min(usage.input_audio_tokens, plain) if self.input_audio is not None else 0
+        out = usage.output_tokens
+        spoken = min(usage.output_audio_tokens, out) if self.output_audio is not None else 0
+        total = (plain - heard) * self.input.at(n) + (out - spoken) * self.output.at(n)
+        if self.input_audio is not None:
+            total += heard * self.input_audio.at(n)
+        if self.output_audio is not None:
+            total += spoken * self.output_audio.at(n)
         if self.cache_read is not None:
             total += cached * self.cache_read.at(n)
         if self.cache_write is not None:
@@ -108,7 +170,7 @@ class Pricer:
 
     def __init__(self, overrides: dict[str, Price]) -> None:
         self._overrides = overrides
-        self._cache: dict[tuple[str, str, bool, bool, bool], ModelPrice | None] = {}
+        self._cache: dict[tuple[str, str, bool, bool, bool, str], ModelPrice | None] = {}
         self._genai_cache: dict[tuple[str, str, bool], ModelPrice | None] = {}  # genai-prices' answers
 
     def lookup(
@@ -119,19 +181,23 @@ class Pricer:
         searches: bool = False,
         output_billed: bool = True,
         preview_search: bool = False,
+        service_tier: str | None = None,
     ) -> ModelPrice | None:
         """`searches`: the request offers a search tool the provider bills apart, so its fees matter.
         `output_billed=False`: the call bills input only (embeddings), so a model genai-prices lists with
         an input price alone is priced, its output at 0; a call that generates needs both prices.
-        `preview_search`: it offers OpenAI's `web_search_preview`, dearer on a model that does not reason."""
-        key = (provider_type, model, searches, output_billed, preview_search)
+        `preview_search`: it offers OpenAI's `web_search_preview`, dearer on a model that does not reason.
+        `service_tier`: the tier the request asks for; the price is at `reserved_tier(service_tier)`, and
+        `ModelPrice.at_tier` turns it into the price of the tier its answer reports."""
+        tier = reserved_tier(service_tier)
+        key = (provider_type, model, searches, output_billed, preview_search, tier)
         if key not in self._cache:
             price = self._find(model, provider_type, searches, output_billed)
             if price is not None and provider_type == "openai" and self._openai_model(model, price, searches,
                                                                                       preview_search):
                 price = _openai_search_fees(price, model, searches=searches, preview=preview_search,
                                             per_k=self._search_per_k(model))
-            self._cache[key] = price
+            self._cache[key] = price.at_tier(tier) if price is not None else None
         return self._cache[key]
 
     def _override(self, model: str) -> Price | None:
@@ -223,6 +289,29 @@ def _from_genai_prices(model: str, provider_type: str, output_billed: bool = Tru
     except LookupError:
         return None
     mp = calc.model_price
+    price = _token_prices(mp, output_billed)
+    if price is None:
+        return None
+    # the tiers are read with the model, once: `calc_price` per tier here, never per step
+    tiers = {STANDARD_TIER: price}
+    for name in _listed_tiers(calc.model):
+        tiered = calc_price(GPUsage(input_tokens=1, output_tokens=1), model_ref=model, provider_id=provider_type,
+                            price_context={"service_tier": name})
+        tiers[name] = _token_prices(tiered.model_price, output_billed) or price
+    return replace(price, web_search=float(getattr(mp, "web_searches_kcount", None) or 0) / 1000,
+                   file_search=float(getattr(mp, "storage_searches_kcount", None) or 0) / 1000,
+                   service_tiers=tuple(tiers.items()) if len(tiers) > 1 else ())
+
+
+def _listed_tiers(model_info: Any) -> tuple[str, ...]:
+    """The service tiers genai-prices prices apart for a model (its variants that depend on the tier alone)."""
+    names = {v.when["service_tier"] for v in getattr(model_info, "price_variants", None) or ()
+             if set(v.when) == {"service_tier"}}
+    return tuple(sorted(names - {STANDARD_TIER}))
+
+
+def _token_prices(mp: Any, output_billed: bool) -> ModelPrice | None:
+    """The token rates of a genai-prices `ModelPrice` (None without an input, or a billed output, price)."""
     input_rate, output_rate = _rate(mp.input_mtok), _rate(mp.output_mtok)
     if output_rate is None and not output_billed:
         output_rate = Rate(0.0)
@@ -230,5 +319,5 @@ def _from_genai_prices(model: str, provider_type: str, output_billed: bool = Tru
         return None
     return ModelPrice(input_rate, output_rate, _rate(mp.cache_read_mtok), _rate(mp.cache_write_mtok),
                       cache_write_1h=_rate(getattr(mp, "cache_write_1h_mtok", None)),
-                      web_search=float(getattr(mp, "web_searches_kcount", None) or 0) / 1000,
-                      file_search=float(getattr(mp, "storage_searches_kcount", None) or 0) / 1000)
+                      input_audio=_rate(getattr(mp, "input_audio_mtok", None)),
+                      output_audio=_rate(getattr(mp, "output_audio_mtok", None)))

@@ -94,7 +94,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             refused_call(gw, identity, call, exc, request.headers)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
-                             searches=bool(call.search_limits), preview_search=call.search_preview)
+                             searches=bool(call.search_limits), preview_search=call.search_preview,
+                             service_tier=call.service_tier)
     step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
                 tools=tool_policy)
     begin_step(gw, step, request.headers)
@@ -109,7 +110,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
                 preview = call.search_preview and offers_preview_search(step.body)
                 step.call = replace(step.call, search_limits=adapter.search_limits(step.body), search_preview=preview)
                 step.price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
-                                              searches=bool(step.call.search_limits), preview_search=preview)
+                                              searches=bool(step.call.search_limits), preview_search=preview,
+                                              service_tier=call.service_tier)
         if plan is not None:  # after `original`: a re-ask adds the native fields (and their bound) again
             step.changed = add_native(step, plan) or step.changed
         response = await run_step(gw, step, request)

@@ -68,7 +68,10 @@ class BudgetGuard(BaseGuard):
         else:
             fixed = (bound + searches * SEARCH_INPUT_TOKENS) * price.worst_input + searches * price.search_fee
             fixed += price.per_call
-            claims.append(Claim("usd", fixed, choices * price.output.worst, budget.usd, "budget_exhausted"))
+            # `price` is at the tier the request asks for (`gateway.pricing.reserved_tier`); an audio rate
+            # counts for output only when the request lets the model speak, for input always (`worst_input`)
+            per_unit = choices * price.worst_output(ctx.call.audio_output)
+            claims.append(Claim("usd", fixed, per_unit, budget.usd, "budget_exhausted"))
         return Decision.allow(self.name, claims=tuple(claims))
 
 
@@ -82,9 +85,12 @@ def _f(value: int | float | None) -> float | None:
 
 def settlement(
     usage: Usage | None, price: ModelPrice | None, reservation: Reservation, relayed_output: int = 0,
-    choices: int = 1,
+    choices: int = 1, service_tier: str | None = None,
 ) -> Mapping[str, float]:
     """Real amounts to settle a reservation with.
+
+    Usage is priced at the service tier the answer reports (`service_tier`), which may differ from the
+    one reserved (a priority request served at the standard tier, an `auto` one at a project's priority).
 
     Without provider-reported usage (missing usage chunk, broken stream) the step is charged its
     whole reservation: never zero, never below what was relayed. Output relayed beyond the reserved
@@ -111,7 +117,7 @@ def settlement(
     # counts claimed per step (`llm_calls`, a custom guard's own counters) are what they held
     actual.update({counter: amount for counter, amount in held.items() if counter not in USAGE_COUNTERS})
     if price is not None and "usd" in held:
-        actual["usd"] = price.cost(usage)
+        actual["usd"] = price.at_tier(service_tier).cost(usage)
     return actual
 
 

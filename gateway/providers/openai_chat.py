@@ -119,6 +119,8 @@ class OpenAIChat:
             params=params,
             request_hash=digest(raw),
             raw=body,
+            service_tier=service_tier(body),
+            audio_output=_speaks(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -149,6 +151,7 @@ class OpenAIChat:
             finish_reasons=tuple(reasons),
             usage=usage_from(body.get("usage")),
             other_texts=tuple(others),
+            service_tier=service_tier(body),
         )
 
     def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> OpenAIStreamReader:
@@ -238,7 +241,23 @@ def openai_error(error: GatewayError) -> dict[str, Any]:
     return {"message": error.message, "type": error.openai_type, "param": error.param, "code": error_code(error)}
 
 
+def service_tier(body: Mapping[str, Any]) -> str | None:
+    """The `service_tier` of a request (the tier asked for) or an answer (the tier billed), when it names
+    one; anything else is None (the request is reserved at the standard rate, the answer settled at the
+    reserved one: `gateway.pricing`)."""
+    tier = body.get("service_tier")
+    return tier if isinstance(tier, str) and tier else None
+
+
+def _speaks(body: Mapping[str, Any]) -> bool:
+    """The request lets the model answer in audio (`modalities` lists it): its output tokens may be audio."""
+    modalities = body.get("modalities")
+    return isinstance(modalities, list) and "audio" in modalities
+
+
 def usage_from(usage: Any) -> Usage | None:
+    """The neutral usage of a Chat Completions `usage` object, audio tokens included (counted in the
+    totals, priced apart); None when absent or not believable."""
     if not isinstance(usage, Mapping):
         return None
     prompt_details = usage.get("prompt_tokens_details")
@@ -249,6 +268,8 @@ def usage_from(usage: Any) -> Usage | None:
             output_tokens=required_count(usage.get("completion_tokens")),
             cache_read_tokens=token_count(usage_detail(prompt_details, "cached_tokens")),
             reasoning_tokens=token_count(usage_detail(completion_details, "reasoning_tokens")),
+            input_audio_tokens=token_count(usage_detail(prompt_details, "audio_tokens")),
+            output_audio_tokens=token_count(usage_detail(completion_details, "audio_tokens")),
         )
     except ValueError:  # counts no provider reports: settled at the reservation, never believed
         return None
@@ -269,6 +290,7 @@ class OpenAIStreamReader:
         self._reasons: dict[int, str] = {}
         self._unfinished: set[int] = set()  # choices seen without their finish_reason yet (`n` > 1)
         self._usage: Usage | None = None
+        self._tier: str | None = None  # the tier the chunks report (each carries it; the last one counts)
         self._chars = 0
         self.holding = False  # a tool call started: hold events until the answer is judged
         self.complete = False
@@ -295,6 +317,7 @@ class OpenAIStreamReader:
             raise ValueError("an event's data is not a JSON object")
         self._id = self._id or chunk.get("id")
         self._model = self._model or chunk.get("model")
+        self._tier = service_tier(chunk) or self._tier
         choices = chunk.get("choices") or []
         for choice in choices:
             index = int(choice.get("index") or 0)
@@ -349,4 +372,5 @@ class OpenAIStreamReader:
             finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
             usage=self._usage,
             other_texts=tuple("".join(parts) for _, parts in sorted(self._others.items())),
+            service_tier=self._tier,
         )

@@ -33,7 +33,7 @@ from gateway.providers.common import (
     token_count,
     usage_detail,
 )
-from gateway.providers.openai_chat import openai_error
+from gateway.providers.openai_chat import openai_error, service_tier
 from gateway.providers.responses_stop import response_shell, stop_events, stop_item, stream_event
 from gateway.providers.sse import SseEvent, format_event
 
@@ -235,6 +235,7 @@ class OpenAIResponses:
             search_limits=self.search_limits(body),
             search_preview=offers_preview_search(body),
             unpriced_tools=unpriced_tools(body),
+            service_tier=service_tier(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -359,6 +360,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         finish_reasons=(_finish(body),) if status else (),
         usage=usage,
         hosted_calls=hosted,
+        service_tier=service_tier(body),  # a stream's final event carries the whole response, its tier too
     )
 
 

@@ -309,3 +309,110 @@ def test_a_local_model_a_config_prices_on_an_openai_wire_provider_gets_no_openai
     price = Pricer({"my-local-*": Price(input_per_mtok=0.0, output_per_mtok=0.0)}).lookup(
         "my-local-search-preview", "openai", searches=True, preview_search=True)
     assert price is not None and (price.web_search, price.per_call) == (0.0, 0.0)
+
+
+# -- service tiers and audio -------------------------------------------------------------------------
+
+
+def genai_total(model: str, tier: str | None = None, **usage: int) -> float:
+    context = {"service_tier": tier} if tier else None
+    return float(calc_price(GPUsage(**usage), model_ref=model, provider_id="openai", price_context=context).total_price)
+
+
+@pytest.mark.parametrize(("requested", "reserved"), [
+    (None, "default"), ("auto", "default"), ("default", "default"), ("scale", "default"), ("", "default"),
+    ("priority", "priority"), ("flex", "flex"),
+])
+def test_reserved_tier(requested: str | None, reserved: str) -> None:
+    assert pricing.reserved_tier(requested) == reserved
+
+
+@pytest.mark.parametrize(("requested", "tier"), [(None, None), ("auto", None), ("priority", "priority"),
+                                                  ("flex", "flex")])
+def test_a_lookup_is_priced_at_the_tier_asked_for_as_genai_prices_prices_it(requested: str | None,
+                                                                             tier: str | None) -> None:
+    price = Pricer({}).lookup("o3", "openai", service_tier=requested)
+    assert price is not None
+    usage = {"input_tokens": 1000, "output_tokens": 700, "cache_read_tokens": 300}
+    assert price.cost(Usage(1000, 700, cache_read_tokens=300)) == pytest.approx(genai_total("o3", tier, **usage))
+
+
+@pytest.mark.parametrize("answered", ["default", "priority", "flex", "scale", "made-up"])
+@pytest.mark.parametrize("requested", [None, "priority", "flex"])
+def test_a_settlement_follows_the_tier_the_answer_reports(requested: str | None, answered: str) -> None:
+    price = Pricer({}).lookup("gpt-4o-mini", "openai", searches=True, service_tier=requested)
+    assert price is not None
+    settled = price.at_tier(answered)
+    listed = answered if answered in ("priority", "flex") else None  # genai-prices: others are standard
+    want = genai_total("gpt-4o-mini", listed, input_tokens=2000, output_tokens=500)
+    assert settled.cost(Usage(2000, 500)) == pytest.approx(want)
+    assert settled.web_search == price.web_search  # fees do not depend on the tier
+
+
+def test_at_tier_keeps_prices_when_the_answer_names_no_tier_or_the_prices_have_none() -> None:
+    price = Pricer({}).lookup("gpt-4o", "openai", service_tier="priority")
+    assert price is not None and price.service_tier == "priority"
+    assert price.at_tier(None) is price
+    assert price.at_tier("priority") is price
+    configured = Pricer({"gpt-4o": Price(input_per_mtok=1.0, output_per_mtok=2.0)}).lookup(
+        "gpt-4o", "openai", service_tier="priority")
+    assert configured is not None and configured.service_tiers == ()
+    assert configured.at_tier("flex") is configured  # one configured rate for every tier
+    assert configured.output == Rate(per_tok(2.0))
+
+
+def test_prices_are_cached_per_tier_and_genai_prices_is_read_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = pricing._from_genai_prices
+
+    def counted(model: str, provider_type: str, output_billed: bool = True) -> ModelPrice | None:
+        calls.append(model)
+        return real(model, provider_type, output_billed)
+
+    monkeypatch.setattr(pricing, "_from_genai_prices", counted)
+    pricer = Pricer({})
+    standard = pricer.lookup("gpt-4o", "openai")
+    assert pricer.lookup("gpt-4o", "openai", service_tier="auto") is standard  # `auto` shares the standard key
+    priority = pricer.lookup("gpt-4o", "openai", service_tier="priority")
+    assert pricer.lookup("gpt-4o", "openai", service_tier="priority") is priority
+    assert priority is not None and standard is not None and priority.output.base > standard.output.base
+    assert calls == ["gpt-4o"]
+
+
+def test_a_configured_model_never_loads_genai_prices_for_a_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_: Any, **__: Any) -> ModelPrice | None:
+        raise AssertionError("genai-prices looked up")
+
+    monkeypatch.setattr(pricing, "_from_genai_prices", boom)
+    price = Pricer({"mine-*": Price(input_per_mtok=1.0, output_per_mtok=2.0)}).lookup("mine-1", "openai",
+                                                                                     service_tier="priority")
+    assert price is not None and price.source == "config"
+
+
+def test_audio_tokens_are_priced_at_the_audio_rates_as_genai_prices_prices_them() -> None:
+    price = Pricer({}).lookup("gpt-audio", "openai")
+    assert price is not None and price.input_audio is not None and price.output_audio is not None
+    usage = Usage(1000, 1000, input_audio_tokens=800, output_audio_tokens=600)
+    want = genai_total("gpt-audio", input_tokens=1000, output_tokens=1000, input_audio_tokens=800,
+                       output_audio_tokens=600)
+    assert price.cost(usage) == pytest.approx(want)
+
+
+def test_audio_reservation_rates() -> None:
+    price = ModelPrice(Rate(per_tok(2.5)), Rate(per_tok(10.0)), input_audio=Rate(per_tok(32.0)),
+                       output_audio=Rate(per_tok(64.0)))
+    assert price.worst_input == per_tok(32.0)  # audio input is always possible
+    assert price.worst_output(audio=True) == per_tok(64.0)
+    assert price.worst_output(audio=False) == per_tok(10.0)  # the model speaks only when asked to
+    text = ModelPrice(Rate(per_tok(2.5)), Rate(per_tok(10.0)))
+    assert text.worst_output(audio=True) == per_tok(10.0)
+
+
+def test_audio_tokens_cost_text_rates_without_audio_rates_and_never_more_than_the_counts() -> None:
+    price = ModelPrice(Rate(per_tok(1.0)), Rate(per_tok(2.0)))
+    assert price.cost(Usage(100, 50, input_audio_tokens=80, output_audio_tokens=40)) == price.cost(Usage(100, 50))
+    audio = ModelPrice(Rate(per_tok(1.0)), Rate(per_tok(2.0)), input_audio=Rate(per_tok(10.0)),
+                       output_audio=Rate(per_tok(20.0)))
+    # a report of more audio tokens than tokens is capped at the counts: nothing is priced twice
+    assert audio.cost(Usage(100, 50, input_audio_tokens=500, output_audio_tokens=500)) == pytest.approx(
+        100 * per_tok(10.0) + 50 * per_tok(20.0))

@@ -329,3 +329,29 @@ def test_settlement_charges_the_searches_the_provider_reported() -> None:
     usage = Usage(input_tokens=500, output_tokens=20, web_search_requests=2, file_search_requests=4)
     got = settlement(usage, SEARCHING, reservation)
     assert got["usd"] == pytest.approx(500e-6 + 80e-6 + 0.02 + 0.01)
+
+
+# -- service tiers and audio -------------------------------------------------------------------------
+
+AUDIO = ModelPrice(Rate(2.5e-6), Rate(10e-6), input_audio=Rate(32e-6), output_audio=Rate(64e-6))
+TIERS = ModelPrice(Rate(1e-6), Rate(4e-6), service_tiers=(
+    ("default", ModelPrice(Rate(1e-6), Rate(4e-6))), ("priority", ModelPrice(Rate(2e-6), Rate(8e-6)))))
+
+
+@pytest.mark.parametrize(("speaks", "per_unit"), [(False, 10e-6), (True, 64e-6)])
+def test_output_is_reserved_at_the_audio_rate_when_the_request_lets_the_model_speak(speaks: bool,
+                                                                                      per_unit: float) -> None:
+    c = dataclasses.replace(call(), audio_output=speaks)
+    d = GUARD.before(ctx(c, policy(budget={"usd": 1.0}), price=AUDIO))
+    [claim] = [cl for cl in d.claims if cl.counter == "usd"]
+    assert claim.per_unit == pytest.approx(per_unit)
+    assert claim.fixed == pytest.approx(1000 * 32e-6)  # input: audio is always possible
+
+
+@pytest.mark.parametrize(("tier", "usd_"), [(None, 1000 * 1e-6 + 100 * 4e-6), ("default", 1000 * 1e-6 + 100 * 4e-6),
+                                             ("priority", 1000 * 2e-6 + 100 * 8e-6),
+                                             ("scale", 1000 * 1e-6 + 100 * 4e-6)])
+def test_settlement_prices_usage_at_the_tier_the_answer_reports(tier: str | None, usd_: float) -> None:
+    r = Reservation("r", "run", 1, 1000, {"usd": 1.0, "tokens": 5000.0})
+    actual = settlement(Usage(1000, 100), TIERS, r, service_tier=tier)
+    assert actual["usd"] == pytest.approx(usd_)

@@ -17,7 +17,7 @@ from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers import openai_chat
 from gateway.providers.openai_chat import OpenAIChat, usage_from
-from gateway.providers.sse import SseParser
+from gateway.providers.sse import SseEvent, SseParser
 
 ADAPTER = OpenAIChat()
 MSG = [{"role": "user", "content": "hi"}]
@@ -323,3 +323,41 @@ def test_with_instruction(body: dict[str, Any], answer: str, expected: list[dict
     out = ADAPTER.with_instruction(body, answer, "Answer with JSON only.")
     assert out == {**body, "messages": [*expected, {"role": "user", "content": "Answer with JSON only."}]}
     assert orjson.dumps(body) == before  # the original body is not touched
+
+
+# -- service tier and audio ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sent", "tier"), [({}, None), ({"service_tier": "priority"}, "priority"),
+                                            ({"service_tier": "auto"}, "auto"), ({"service_tier": 3}, None),
+                                            ({"service_tier": None}, None)])
+def test_the_service_tier_asked_for_and_answered(sent: dict[str, Any], tier: str | None) -> None:
+    assert parse({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], **sent}).service_tier == tier
+    answer = {"id": "c", "model": "gpt-4o", "choices": [], "usage": USAGE, **sent}
+    assert ADAPTER.parse_answer(answer).service_tier == tier
+
+
+@pytest.mark.parametrize(("modalities", "speaks"), [(None, False), (["text"], False), (["text", "audio"], True),
+                                                    ("audio", False)])
+def test_a_request_that_lets_the_model_speak(modalities: Any, speaks: bool) -> None:
+    body: dict[str, Any] = {"model": "gpt-audio", "messages": [{"role": "user", "content": "hi"}]}
+    if modalities is not None:
+        body["modalities"] = modalities
+    assert parse(body).audio_output is speaks
+
+
+def test_usage_from_reads_the_audio_tokens() -> None:
+    usage = {**USAGE, "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 8},
+             "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 3}}
+    assert usage_from(usage) == Usage(10, 5, input_audio_tokens=8, output_audio_tokens=3)
+
+
+def test_a_stream_reports_the_tier_its_chunks_carry() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    chunks = [{"id": "c", "model": "gpt-4o", "service_tier": "priority",
+               "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]},
+              {"id": "c", "model": "gpt-4o", "service_tier": None, "choices": [], "usage": USAGE}]
+    for data in chunks:
+        raw = orjson.dumps(data).decode()
+        reader.feed(SseEvent(f"data: {raw}\n\n".encode(), None, raw))
+    assert reader.answer().service_tier == "priority"

@@ -940,3 +940,16 @@ def test_searches_the_answer_ran_are_counted_in_its_usage() -> None:
     assert answer.hosted_calls == 3
     without_usage = ADAPTER.parse_answer({**response(WEB, message_item("ok")), "usage": None})
     assert without_usage.usage is None  # no usage: the reservation, searches included, is charged
+
+
+@pytest.mark.parametrize(("sent", "tier"), [({}, None), ({"service_tier": "priority"}, "priority"),
+                                            ({"service_tier": "flex"}, "flex"), ({"service_tier": 1}, None)])
+def test_the_service_tier_asked_for_and_answered_streamed_too(sent: dict[str, Any], tier: str | None) -> None:
+    assert parse({"model": "gpt-4o", "input": "hi", **sent}).service_tier == tier
+    assert ADAPTER.parse_answer({**response_body("ok"), **sent}).service_tier == tier
+    raws = response_stream(["o", "k"])
+    final = orjson.loads(raws[-1].split(b"data: ", 1)[1])
+    final["response"].update(sent)
+    raws[-1] = b"event: " + final["type"].encode() + b"\ndata: " + orjson.dumps(final) + b"\n\n"
+    reader, _ = relay(raws)
+    assert reader.answer().service_tier == tier
