@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -55,9 +56,11 @@ def rewrites_urls(path: str) -> bool:
 
 
 def with_gateway_urls(data: bytes, provider_base: str, origin: str) -> bytes:
-    """`data` (a JSON batch object, or a list page of them under `data`) with every `results_url` on the
-    provider's origin moved to the gateway's. Bytes that are not such JSON, or hold no such URL, come back
-    as they are (never re-serialized when nothing changed)."""
+    """`data` (a JSON batch object, or a list page of them under `data`) with every `results_url` moved to
+    the gateway's origin: one under the configured provider base keeps what follows it, any other absolute
+    URL of a batch's results (the provider's canonical origin behind a relay, another spelling of its
+    host) keeps its path. Bytes that are not such JSON, or hold no such URL, come back as they are (never
+    re-serialized when nothing changed)."""
     try:
         body = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -79,7 +82,14 @@ def _move(item: Any, prefix: str, to: str) -> bool:
     changed = False
     for name in _URL_FIELDS:
         value = item.get(name)
-        if isinstance(value, str) and value.startswith(prefix):
+        if not isinstance(value, str):
+            continue
+        if value.startswith(prefix):
             item[name] = to + value.removeprefix(prefix)
+            changed = True
+            continue
+        parts = urlsplit(value)
+        if parts.scheme in ("http", "https") and rewrites_urls(parts.path):
+            item[name] = to + urlunsplit(("", "", parts.path, parts.query, "")).lstrip("/")
             changed = True
     return changed

@@ -177,3 +177,6 @@ class Answer:
     tool_result: ToolResult | None = None  # MCP: the result the server returned
     other_texts: tuple[str, ...] = ()  # the text of every choice after the first (OpenAI's `n` > 1)
     service_tier: str | None = None  # the OpenAI service tier the answer says it was billed at
+    # `text` follows a tool the provider ran (Anthropic's server tools): it is the answer without what came
+    # before, the request's prefill included
+    after_provider_tool: bool = False

@@ -224,7 +224,8 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
         return None
     # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
     # only calls tools (no text, with calls in the answer) is not held to the text constraints
-    first = call.prefill + answer.text if answer.text or not answer.tool_calls else ""
+    prefill = "" if answer.after_provider_tool else call.prefill
+    first = prefill + answer.text if answer.text or not answer.tool_calls else ""
     for text in [t for t in (first, *answer.other_texts) if t or not answer.tool_calls]:
         for constraint in plan.constraints:
             violation = constraint.validate(text)

@@ -65,6 +65,16 @@ class BudgetGuard(BaseGuard):
                     f"model {ctx.call.model!r} has no known price, so a USD budget cannot be enforced; "
                     "add it under `pricing:` in the config",
                 )
+        elif (ctx.call.audio_output and price.output_audio is None and price.source != "config"
+              and budget.usd is not None):
+            # genai-prices lists some audio models (gpt-4o-audio-preview) without their audio rates: the
+            # text rate would undercharge spoken output several times over
+            return Decision.reject(
+                self.name,
+                "price_unknown",
+                f"model {ctx.call.model!r} has no known price for the audio it is asked to speak, so a USD "
+                "budget cannot be enforced; add its prices under `pricing:` in the config",
+            )
         else:
             fixed = (bound + searches * SEARCH_INPUT_TOKENS) * price.worst_input + searches * price.search_fee
             fixed += price.per_call

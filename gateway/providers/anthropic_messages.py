@@ -187,6 +187,7 @@ class AnthropicMessages:
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
+        after_tool = False
         texts: list[str] = []
         calls: list[ToolCall] = []
         hosted = 0
@@ -199,6 +200,7 @@ class AnthropicMessages:
             elif provider_ran(block.get("type")):
                 hosted += block.get("type") in HOSTED_BLOCKS
                 texts.clear()
+                after_tool = True
         reason = body.get("stop_reason")
         return Answer(
             response_id=body.get("id"),
@@ -208,6 +210,7 @@ class AnthropicMessages:
             finish_reasons=(str(reason),) if reason else (),
             usage=usage_from(body.get("usage")),
             hosted_calls=hosted,
+            after_provider_tool=after_tool,
         )
 
     def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> AnthropicStreamReader:
@@ -385,7 +388,8 @@ class AnthropicStreamReader:
         self.holding = False  # a tool_use block started: hold events until the answer is judged
         self.complete = False
         self.delta = ""  # answer text carried by the last event fed
-        self.restart = False  # the last event began a tool Anthropic runs after answer text (`StreamReader`)
+        self.restart = False  # the last event began a tool Anthropic runs (`StreamReader`)
+        self._after_tool = False
 
     @property
     def output_chars(self) -> int:
@@ -422,7 +426,8 @@ class AnthropicStreamReader:
                 self.delta += text
             elif provider_ran(block.get("type")):
                 self._hosted += block.get("type") in HOSTED_BLOCKS
-                self.restart = bool(self._text)
+                self.restart = True  # what the checkers were fed (text, or the prefill alone) was no answer
+                self._after_tool = True
                 self._text.clear()
             if not self.holding:  # relayed now; held blocks may never reach the agent (a stop)
                 self.next_index = max(self.next_index, index + 1)
@@ -479,4 +484,5 @@ class AnthropicStreamReader:
             finish_reasons=(self._reason,) if self._reason else (),
             usage=usage_from({**self._usage, **self._nested}) if complete else None,
             hosted_calls=self._hosted,
+            after_provider_tool=self._after_tool,
         )

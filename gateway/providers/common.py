@@ -92,9 +92,6 @@ _PDF_HEX = re.compile(rb"#([0-9A-Fa-f]{2})")
 _PDF_INFLATED_MAX = 64 << 20  # object streams inflated past this are a bomb, not a document: uncounted
 
 
-_PDF_DATA_URL = "data:application/pdf;base64,"
-
-
 def _inline_pdf(node: Mapping[str, Any]) -> str | None:
     """The base64 data of a PDF a content part sends inline, `""` for an Anthropic base64 document that is
     no PDF (nothing else is sent so), None for any other part. Anthropic: a `document` whose source is
@@ -109,9 +106,20 @@ def _inline_pdf(node: Mapping[str, Any]) -> str | None:
         return data if isinstance(data, str) and source.get("media_type") == "application/pdf" else ""
     part = node.get("file") if kind == "file" else node if kind == "input_file" else None
     url = part.get("file_data") if isinstance(part, Mapping) else None
-    if isinstance(url, str) and url[:len(_PDF_DATA_URL)].lower() == _PDF_DATA_URL:
-        return url[len(_PDF_DATA_URL):]
-    return None
+    return _data_url_pdf(url) if isinstance(url, str) else None
+
+
+def _data_url_pdf(url: str) -> str | None:
+    """The base64 data of a PDF data URL (`data:application/pdf[;name=...];base64,...`, any case, blanks
+    around its parts), None for a data URL of another media type (bounded by its bytes), `""` for what
+    cannot be read as one (not a data URL, a PDF not in base64): uncounted."""
+    if url[:5].lower() != "data:":
+        return ""
+    head, comma, payload = url[5:].partition(",")
+    params = [p.strip().lower() for p in head.split(";")]
+    if params[0] != "application/pdf":
+        return None if comma else ""
+    return payload if comma and "base64" in params[1:] else ""
 
 
 def pdf_documents(body: Mapping[str, Any], raw: bytes) -> tuple[int, int]:
@@ -154,33 +162,42 @@ def pdf_pages(data: str) -> int | None:
         return None
     if b"%PDF-" not in pdf[:1024] or b"/Encrypt" in pdf:
         return None
-    texts = [pdf]
-    inflated = 0
+    objects, counts = _pdf_count(pdf)
+    read = 0  # bytes of object streams scanned: bounded whole, so no PDF costs more than the cap to count
+    starts: set[int] = set()  # a stream several markers point at is read once
     for match in _PDF_OBJSTM.finditer(pdf):
         start = _PDF_STREAM.search(pdf, match.end())
         end = pdf.find(b"endstream", start.end()) if start is not None else -1
         if start is None or end < 0:
             return None
+        if start.end() in starts:
+            continue
+        starts.add(start.end())
         head, stream = pdf[max(0, pdf.rfind(b"obj", 0, match.start())):start.start()], pdf[start.end():end]
+        room = _PDF_INFLATED_MAX - read
         if b"/Filter" in head:  # compressed: only Flate is read here (what PDF writers use for objects)
             if b"/FlateDecode" not in head:
                 return None
-            try:
+            try:  # `room` > 0 here: zlib takes a max_length of 0 as no limit
                 inflater = zlib.decompressobj()
-                stream = inflater.decompress(stream, _PDF_INFLATED_MAX - inflated)
-            except zlib.error:
+                stream = inflater.decompress(stream, room)
+            except (zlib.error, ValueError):
                 return None
             if inflater.unconsumed_tail:
                 return None
-        inflated += len(stream)
-        texts.append(stream)
-    objects, counts = 0, 0
-    for text in texts:
-        if b"#" in text:  # `/Ty#70e /P#61ge` is `/Type /Page` to a PDF reader
-            text = _PDF_ESCAPED_NAME.sub(lambda m: _PDF_HEX.sub(lambda h: bytes([int(h[1], 16)]), m[0]), text)
-        objects += len(_PDF_PAGE.findall(text))
-        counts = max([counts, *(int(n) for n in _PDF_COUNT.findall(text))])
+        read += len(stream)
+        if read >= _PDF_INFLATED_MAX:
+            return None  # a bomb, not a document
+        found, count = _pdf_count(stream)
+        objects, counts = objects + found, max(counts, count)
     return max(objects, counts) or None
+
+
+def _pdf_count(text: bytes) -> tuple[int, int]:
+    """(page objects, largest `/Count`) of one part of a PDF."""
+    if b"#" in text:  # `/Ty#70e /P#61ge` is `/Type /Page` to a PDF reader
+        text = _PDF_ESCAPED_NAME.sub(lambda m: _PDF_HEX.sub(lambda h: bytes([int(h[1], 16)]), m[0]), text)
+    return len(_PDF_PAGE.findall(text)), max([0, *(int(n) for n in _PDF_COUNT.findall(text))])
 
 
 def require_list(body: Mapping[str, Any], key: str, *, required: bool) -> list[Any]:

@@ -53,6 +53,10 @@ def test_results_urls_on_the_provider_move_to_the_gateway_and_nothing_else_chang
     for data in (orjson.dumps({"id": "b2", "results_url": None}), b"not json", b"[1]",
                  orjson.dumps({"results_url": "https://elsewhere.example/x"})):
         assert with_gateway_urls(data, BASE, GW) is data  # unchanged bytes, never re-serialized
+    # the provider's canonical origin behind a relay configured as base_url: the batch's results path is kept
+    elsewhere = orjson.dumps({"results_url": "https://api.anthropic.com:443/v1/messages/batches/b1/results?x=1"})
+    assert orjson.loads(with_gateway_urls(elsewhere, "https://relay.example/anthropic", GW)) == {
+        "results_url": f"{GW}/v1/messages/batches/b1/results?x=1"}
 
 
 async def test_openai_batch_creation_is_refused_for_a_budgeted_agent_and_forwarded_for_others(

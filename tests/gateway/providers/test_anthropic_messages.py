@@ -471,7 +471,7 @@ SEARCHED = [{"type": "text", "text": "Let me search."},
 
 def test_the_answer_text_is_what_follows_the_last_tool_the_provider_ran() -> None:
     answer = ADAPTER.parse_answer({"id": "m", "model": "c", "content": SEARCHED, "stop_reason": "end_turn"})
-    assert (answer.text, answer.hosted_calls) == ("Found it.", 1)
+    assert (answer.text, answer.hosted_calls, answer.after_provider_tool) == ("Found it.", 1, True)
 
 
 def test_a_stream_restarts_its_answer_text_at_a_tool_the_provider_runs() -> None:
@@ -484,7 +484,7 @@ def test_a_stream_restarts_its_answer_text_at_a_tool_the_provider_runs() -> None
         if block["type"] == "text":
             reader.feed(sse({"type": "content_block_delta", "index": index,
                              "delta": {"type": "text_delta", "text": block["text"]}}))
-    assert restarts == [False, True, False, False, False]  # once, after text: a preamble ended
+    assert restarts == [False, True, True, False, False]  # at each block of the tool: the answer starts after
     assert reader.answer().text == "Found it."
 
 

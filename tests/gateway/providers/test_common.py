@@ -480,3 +480,14 @@ def test_pdfs_openai_reads_inline_are_counted_too() -> None:
 ])
 def test_the_byte_pre_filter_walks_a_body_only_when_a_type_name_may_hide_in_it(raw: bytes, walks: bool) -> None:
     assert common._may_contain(raw, b"image") is walks
+
+
+@pytest.mark.parametrize(("url", "data"), [
+    ("data:application/pdf;base64,QUJD", "QUJD"),
+    ("DATA:Application/PDF ; name=report.pdf ; base64,QUJD", "QUJD"),  # parameters, case, blanks
+    ("data:text/plain;base64,aGk=", None),  # another media type: bounded by its bytes
+    ("data:application/pdf,%25PDF", ""),  # a PDF not in base64: uncounted
+    ("QUJD", ""),  # not a data URL: uncounted
+])
+def test_a_pdf_data_url_is_read_whatever_its_parameters(url: str, data: str | None) -> None:
+    assert common._data_url_pdf(url) == data
