@@ -43,9 +43,12 @@ from gateway.pipeline import (
     stop_run,
     upstream_request,
 )
+from gateway.pricing import ModelPrice
+from gateway.providers.base import Adapter
 from gateway.providers.openai_responses import offers_preview_search, unpriced_tools
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
+from gateway.routing import Route
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
@@ -93,25 +96,17 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         if identity is not None and call is not None:  # a parsed call refused before its step is a step too
             refused_call(gw, identity, call, exc, request.headers)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
-    price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
-                             searches=bool(call.search_limits), preview_search=call.search_preview,
-                             service_tier=call.service_tier)
-    step = Step(adapter, identity, call, route, body, raw, price=price, outputs=plan, original=dict(body),
-                tools=tool_policy)
+    step = Step(adapter, identity, call, route, body, raw, price=price_for(gw, route, call), outputs=plan,
+                original=dict(body), tools=tool_policy)
     begin_step(gw, step, request.headers)
     response: web.StreamResponse | None = None
     try:
         if step.tools is not None and shape_tools(step.tools, call, step.body):
             step.changed = True
             step.original = dict(step.body)  # re-asks never offer what the agent may not use
-            if call.unpriced_tools:  # a tool the allow-list removed is not sent: nothing to refuse for it
-                step.call = replace(step.call, unpriced_tools=unpriced_tools(step.body))
-            if call.search_limits:  # a search tool the agent may not use holds nothing
-                preview = call.search_preview and offers_preview_search(step.body)
-                step.call = replace(step.call, search_limits=adapter.search_limits(step.body), search_preview=preview)
-                step.price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
-                                              searches=bool(step.call.search_limits), preview_search=preview,
-                                              service_tier=call.service_tier)
+            step.call = offered(adapter, call, step.body)
+            if step.call is not call:
+                step.price = price_for(gw, route, step.call)
         if plan is not None:  # after `original`: a re-ask adds the native fields (and their bound) again
             step.changed = add_native(step, plan) or step.changed
         response = await run_step(gw, step, request)
@@ -132,6 +127,24 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             gw.notify(step)
     assert response is not None  # every path above assigned it or raised
     return await respond(gw, step, request, response)
+
+
+def price_for(gw: Gateway, route: Route, call: Call) -> ModelPrice | None:
+    """The price a step is reserved at: its model's, with the fees of the billed tools it offers, at the
+    service tier it asks for."""
+    return gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
+                            searches=bool(call.search_limits), preview_search=call.search_preview,
+                            service_tier=call.service_tier)
+
+
+def offered(adapter: Adapter, call: Call, body: dict[str, Any]) -> Call:
+    """`call` as the allow-list left its body (`shape_tools`): a billed tool it no longer offers holds,
+    costs and refuses nothing. The same call when it offered none."""
+    if not (call.unpriced_tools or call.search_limits):
+        return call
+    return replace(call, unpriced_tools=unpriced_tools(body) if call.unpriced_tools else (),
+                   search_limits=adapter.search_limits(body) if call.search_limits else (),
+                   search_preview=call.search_preview and offers_preview_search(body))
 
 
 async def conclude(gw: Gateway, step: Step) -> None:
