@@ -64,19 +64,14 @@ def _referenced_document(node: Mapping[str, Any]) -> bool:
 def count_referenced_documents(body: Mapping[str, Any], raw: bytes) -> int:
     """Documents a request names instead of sending (Chat Completions `file` parts by `file_id`,
     Anthropic `document` blocks whose source is a URL or a file): their tokens are unknown here."""
-    if not _may_contain(raw, b"file", b"document"):
-        return 0
-    return sum(1 for node in _objects(body) if _referenced_document(node))
+    return _tally(body, raw)[1]
 
 
 def count_images(body: Mapping[str, Any], raw: bytes) -> int:
     """Image parts anywhere in a request (messages, tool results): an image's tokens follow its pixels,
     not its bytes (a URL is a few bytes; a flat PNG compresses far below its token count), so the
-    budget bounds each one apart (`guards.budget`). The byte search skips the walk for most requests."""
-    if not _may_contain(raw, b"image"):
-        return 0
-    kinds = (node.get("type") for node in _objects(body))
-    return sum(1 for kind in kinds if isinstance(kind, str) and kind in IMAGE_PARTS)
+    budget bounds each one apart (`guards.budget`)."""
+    return _tally(body, raw)[0]
 
 
 PDF_PAGE_IMAGES = 2
@@ -125,20 +120,8 @@ def _data_url_pdf(url: str) -> str | None:
 def pdf_documents(body: Mapping[str, Any], raw: bytes) -> tuple[int, int]:
     """(pages, uncounted) of the PDFs a request sends inline as base64 (`_inline_pdf`): their tokens
     follow their pages, not their bytes. `uncounted` are those whose pages cannot be counted (not base64,
-    not a PDF, encrypted, no page found): no bound is known, as for a document by URL. Decodes only when
-    the body has such a part (the byte search skips the walk otherwise)."""
-    if not _may_contain(raw, b"document", b"file_data"):
-        return 0, 0
-    pages = uncounted = 0
-    for node in _objects(body):
-        data = _inline_pdf(node)
-        if data is None:
-            continue
-        counted = pdf_pages(data) if data else None
-        if counted is None:
-            uncounted += 1
-        else:
-            pages += counted
+    not a PDF, encrypted, no page found): no bound is known, as for a document by URL."""
+    _, _, pages, uncounted = _tally(body, raw)
     return pages, uncounted
 
 
@@ -146,8 +129,30 @@ def input_parts(body: Mapping[str, Any], raw: bytes) -> tuple[int, int]:
     """(images, unbounded) of a request, for `Call.input_images` and `Call.referenced_documents`: its image
     parts plus `PDF_PAGE_IMAGES` for each page of the PDFs it sends inline; the documents it names instead
     of sending plus the inline PDFs whose pages cannot be counted."""
-    pages, uncounted = pdf_documents(body, raw)
-    return count_images(body, raw) + PDF_PAGE_IMAGES * pages, count_referenced_documents(body, raw) + uncounted
+    images, named, pages, uncounted = _tally(body, raw)
+    return images + PDF_PAGE_IMAGES * pages, named + uncounted
+
+
+def _tally(body: Mapping[str, Any], raw: bytes) -> tuple[int, int, int, int]:
+    """(image parts, documents named, PDF pages sent inline, inline PDFs uncounted) of a request, with one
+    byte test and at most one walk of its body (every request pays this: most skip the walk). PDFs are
+    decoded only when the body has such a part."""
+    if not _may_contain(raw, b"image", b"file", b"document"):  # `file_data` contains `file`
+        return 0, 0, 0, 0
+    images = named = pages = uncounted = 0
+    for node in _objects(body):
+        kind = node.get("type")
+        if isinstance(kind, str) and kind in IMAGE_PARTS:
+            images += 1
+        named += _referenced_document(node)
+        data = _inline_pdf(node)
+        if data is not None:
+            counted = pdf_pages(data) if data else None
+            if counted is None:
+                uncounted += 1
+            else:
+                pages += counted
+    return images, named, pages, uncounted
 
 
 def pdf_pages(data: str) -> int | None:
