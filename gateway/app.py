@@ -17,6 +17,7 @@ from gateway.errors import GatewayError
 from gateway.forward import forward_other, list_models, unknown_path
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
+from gateway.mcp_flights import end_flights
 from gateway.observe import end_idle_runs, end_run, on_step, redactor_for
 from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer
@@ -91,6 +92,9 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         gw.shutting_down = True
         try:
+            # the tools/call executions still running are cut and recorded first: they need the upstream,
+            # and their rows the ledger and the store (whoever runs the app: `tollgate serve`, a test, ...)
+            await end_flights(gw)
             await upstream.close()
             await ledger.close()  # raises StateUnavailable if rows could not be written: still close the rest
         finally:

@@ -23,7 +23,6 @@ from gateway.app import create_apps
 from gateway.approvals import deny_after_grace
 from gateway.config import Config, Limits
 from gateway.errors import ConfigError, StateUnavailable
-from gateway.mcp_flights import end_flights
 from gateway.proxy import GATEWAY
 from gateway.runner import GatewayRunner
 
@@ -63,9 +62,6 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
     if warning:
         print(warning, file=sys.stderr, flush=True)
     proxy, admin = create_apps(config)
-    # first of the cleanup: it runs once the connections drained (their handlers cut), before the
-    # app's own cleanup closes the run store and the ledger that the cut tool calls still record to
-    proxy.on_cleanup.insert(0, _end_tool_calls)
     # handler_cancellation: a client that goes away cancels its handler at once, and with it the
     # upstream request, even while the relay is holding events and has nothing to write
     runner = GatewayRunner(
@@ -104,12 +100,6 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
         if parked is not None:
             parked.cancel()  # the drain is over (perhaps before the grace ended): nothing is left parked
         await admin_runner.cleanup()
-
-
-async def _end_tool_calls(app: web.Application) -> None:
-    gw = app.get(GATEWAY)
-    if gw is not None:
-        await end_flights(gw)
 
 
 def freeze_startup_heap() -> None:
