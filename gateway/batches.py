@@ -1,13 +1,8 @@
-"""Batch APIs through the gateway (pure, no I/O): OpenAI's `/v1/batches` and Anthropic's
-`/v1/messages/batches` are forwarded like other `/v1` paths (`gateway.forward`), with two exceptions.
-
-- Creating a batch is refused for an agent that has guards a batch would go around: each request in a
-  batch is a model call the provider runs and bills after the batch ends, outside the run's steps, so no
-  budget, cap, tool allow-list, output grammar, loop detection or custom guard could hold for it. What
-  tollgate cannot bound is a 400, not an unguarded call (as for the Responses API's `background`).
-- Anthropic's batch objects carry an absolute `results_url` on the provider's origin, which the SDK
-  fetches as it is: the agent would call the provider directly, with its tollgate credential and around
-  the gateway. Those URLs are rewritten to the gateway's own origin, whose path tollgate forwards.
+"""Anthropic batch objects through the gateway (pure, no I/O). Batch APIs are forwarded like other `/v1`
+paths (`gateway.forward`; creating one is refused for a guarded agent, `gateway.unguarded`), but
+Anthropic's batch objects carry an absolute `results_url` on the provider's origin, which the SDK fetches
+as it is: the agent would call the provider directly, with its tollgate credential and around the
+gateway. Those URLs are rewritten to the gateway's own origin, whose path tollgate forwards.
 """
 
 from __future__ import annotations
@@ -17,37 +12,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-from gateway.config import Agent
-from gateway.errors import InvalidRequest
-
-__all__ = ["BATCH_CREATE", "batch_refusal", "rewrites_urls", "with_gateway_urls"]
-
-BATCH_CREATE: Final = frozenset({"/v1/batches", "/v1/messages/batches"})
-"""Canonical paths whose POST creates a batch."""
+__all__ = ["rewrites_urls", "with_gateway_urls"]
 
 _URL_FIELDS: Final = ("results_url",)
-
-
-def batch_refusal(policy: Agent) -> InvalidRequest | None:
-    """Why this agent may not create a batch (the guards a batch would go around), or None."""
-    guards = [
-        name
-        for name, on in (
-            ("budget", policy.budget.usd is not None or policy.budget.tokens is not None),
-            ("caps", any(v is not None for v in (policy.caps.llm_calls, policy.caps.tool_calls, policy.caps.seconds))),
-            ("tools.allow", policy.tools.allow is not None),
-            ("output.grammar", policy.output.grammar is not None),
-            ("loop", policy.loop is not None),
-            ("guards", bool(policy.guards)),
-        )
-        if on
-    ]
-    if not guards:
-        return None
-    return InvalidRequest(
-        f"a batch's requests are model calls the provider runs and bills after the batch ends, outside this "
-        f"agent's guards ({', '.join(guards)}): tollgate refuses to create batches for it; send the calls one by one"
-    )
 
 
 def rewrites_urls(path: str) -> bool:

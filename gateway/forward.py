@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import orjson
 from aiohttp import web
 
-from gateway.batches import BATCH_CREATE, batch_refusal, rewrites_urls, with_gateway_urls
+from gateway.batches import rewrites_urls, with_gateway_urls
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -40,6 +40,7 @@ from gateway.pipeline import (
 )
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
+from gateway.unguarded import bypass_for, refusal
 from gateway.upstream import answer_headers, forwardable, scrub, secret_bytes
 from otel.http import operation_for_path
 from otel.spans import StepSpan
@@ -142,10 +143,9 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             epoch = state.epoch
             if state.stopped:  # a stopped run is stopped on every upstream path
                 raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
-        if request.method == "POST" and path in BATCH_CREATE:
-            refusal = batch_refusal(identity.policy)
-            if refusal is not None:
-                raise refusal
+        bypass = bypass_for(request.method, path)  # billed outside the run's steps (`gateway.unguarded`)
+        if bypass is not None and (refused := refusal(bypass, identity.policy)) is not None:
+            raise refused
         route = None
         model = None
         if raw and request.content_type == JSON:
