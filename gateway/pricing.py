@@ -35,21 +35,24 @@ as 0 (o1, o3-mini, gpt-4.1-nano, ...)."""
 
 STANDARD_TIER = "default"
 """The service tier an answer reports when it was billed at the standard rates."""
-_REQUESTED_TIERS = frozenset({"priority", "flex"})
-"""Tiers a request may ask for that a reservation is priced at. `auto`, `default`, an absent field or any
-other value is reserved at the standard rates: `auto` bills the project's default tier, which tollgate
-cannot see, and reserving every such call at the dearest tier (priority, ~1.7x) would halve what a budget
-lets most agents do. A project whose default tier is priority must send `service_tier: "priority"` (or
-configure prices): its answers are settled at the priority rate they report, above what was reserved.
-A `flex` request is reserved at the flex rate: OpenAI serves it at flex or refuses it (429), and a
-settlement follows the tier the answer reports in any case."""
+_STANDARD_REQUESTS = frozenset({"", "auto", "default", "scale"})
+"""Tiers a request may ask for that a reservation is priced at the standard rates: `auto` bills the
+project's default tier, which tollgate cannot see, and reserving every such call at the dearest tier
+(priority, ~1.7x) would halve what a budget lets most agents do. A project whose default tier is priority
+must send `service_tier: "priority"` (or configure prices): its answers are settled at the priority rate
+they report, above what was reserved. Any other tier asked for (`priority`, `flex`, `fast`, a new name) is
+reserved at its own rates when genai-prices lists them, else at the dearest tier it lists
+(`ModelPrice.for_request`): a tier tollgate does not know may cost more, never silently less. A `flex`
+request is reserved at the flex rate: OpenAI serves it at flex or refuses it (429), and a settlement
+follows the tier the answer reports in any case."""
 _TOKEN_RATES = ("input", "output", "cache_read", "cache_write", "cache_write_1h", "input_audio", "output_audio")
 """The `ModelPrice` fields a service tier sets (the search fees and the per-call fee do not change)."""
 
 
 def reserved_tier(requested: str | None) -> str:
-    """The service tier a request asking for `requested` is reserved at (`_REQUESTED_TIERS`)."""
-    return requested if requested in _REQUESTED_TIERS else STANDARD_TIER
+    """The service tier a request asking for `requested` is reserved at (`_STANDARD_REQUESTS`); a name
+    genai-prices does not list is resolved by `ModelPrice.for_request`."""
+    return STANDARD_TIER if requested is None or requested in _STANDARD_REQUESTS else requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,16 @@ class ModelPrice:
             return self
         return replace(self, service_tier=name, **{f: getattr(rates, f) for f in _TOKEN_RATES})
 
+    def for_request(self, tier: str) -> ModelPrice:
+        """These prices for a request asking for `tier` (`reserved_tier`): its rates when listed, the
+        dearest listed tier's when not (a tier tollgate does not know may cost more, never less)."""
+        if not self.service_tiers or tier == STANDARD_TIER:
+            return self.at_tier(tier)
+        tiers = dict(self.service_tiers)
+        if tier not in tiers:
+            tier = max(tiers, key=lambda name: (tiers[name].output.base, tiers[name].input.base))
+        return self.at_tier(tier)
+
     def cost(self, usage: Usage) -> float:
         """USD for `usage` (input tokens include cached ones, as in semconv; input and output tokens include
         audio ones, priced at the audio rates when the model has them)."""
@@ -197,7 +210,7 @@ class Pricer:
                                                                                       preview_search):
                 price = _openai_search_fees(price, model, searches=searches, preview=preview_search,
                                             per_k=self._search_per_k(model))
-            self._cache[key] = price.at_tier(tier) if price is not None else None
+            self._cache[key] = price.for_request(tier) if price is not None else None
         return self._cache[key]
 
     def _override(self, model: str) -> Price | None:

@@ -321,7 +321,7 @@ def genai_total(model: str, tier: str | None = None, **usage: int) -> float:
 
 @pytest.mark.parametrize(("requested", "reserved"), [
     (None, "default"), ("auto", "default"), ("default", "default"), ("scale", "default"), ("", "default"),
-    ("priority", "priority"), ("flex", "flex"),
+    ("priority", "priority"), ("flex", "flex"), ("fast", "fast"), ("ultrafast", "ultrafast"),
 ])
 def test_reserved_tier(requested: str | None, reserved: str) -> None:
     assert pricing.reserved_tier(requested) == reserved
@@ -335,6 +335,19 @@ def test_a_lookup_is_priced_at_the_tier_asked_for_as_genai_prices_prices_it(requ
     assert price is not None
     usage = {"input_tokens": 1000, "output_tokens": 700, "cache_read_tokens": 300}
     assert price.cost(Usage(1000, 700, cache_read_tokens=300)) == pytest.approx(genai_total("o3", tier, **usage))
+
+
+@pytest.mark.parametrize(("requested", "reserved"), [("fast", "fast"), ("ultrafast", "priority"), ("flex", "priority")])
+def test_a_tier_genai_prices_does_not_list_for_the_model_is_reserved_at_the_dearest_it_lists(
+    requested: str, reserved: str
+) -> None:
+    """gpt-4.1 lists `fast` and `priority` (both $3.50 / $14 per Mtok against $2 / $8) and no `flex`: a
+    request for a tier it does not list may cost more than standard, so it holds the dearest rates."""
+    price = Pricer({}).lookup("gpt-4.1", "openai", service_tier=requested)
+    assert price is not None
+    want = genai_total("gpt-4.1", reserved, input_tokens=1000, output_tokens=700)
+    assert price.cost(Usage(1000, 700)) == pytest.approx(want)
+    assert want > genai_total("gpt-4.1", None, input_tokens=1000, output_tokens=700)
 
 
 @pytest.mark.parametrize("answered", ["default", "priority", "flex", "scale", "made-up"])
