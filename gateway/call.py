@@ -139,6 +139,9 @@ class Call:
     max_tokens: int | None = None
     input_bytes: int = 0
     input_images: int = 0  # image parts: bounded apart, their tokens do not follow their bytes
+    # input tokens the provider bills that the body does not carry (Anthropic's tool-use system prompt and
+    # the definitions of its server tools): added to the body's bound
+    input_overhead: int = 0
     referenced_documents: int = 0  # documents named, not sent (by file id or URL): no bound is known
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str | None = None

@@ -26,7 +26,12 @@ from gateway.store.base import RunState
 
 IMAGE_TOKENS = 8192
 """Tokens one image may cost at most: OpenAI bills a high-detail image ~1.5-2.5k, Anthropic ~1.6k (it
-downsizes larger ones); the rest of the bound is conservative room for models that bill more."""
+downsizes larger ones); the rest of the bound is conservative room for models that bill more. Models
+that bill more than this are in `IMAGE_TOKENS_BY_MODEL`."""
+IMAGE_TOKENS_BY_MODEL = {"gpt-4o-mini": 2_833 + 8 * 5_667}
+"""Per-image bounds of models whose images cost more than `IMAGE_TOKENS`, by a part of their name:
+gpt-4o-mini bills 2,833 tokens plus 5,667 per 512-pixel tile, and a high-detail image has up to 8 tiles
+(its image tokens cost what gpt-4o's do at ~33x the count)."""
 MIN_OUTPUT_TOKENS = 16
 """The smallest answer a reservation must pay for, per choice; a budget that cannot pay it stops the run."""
 SEARCHES_WHEN_UNSET = 10
@@ -37,9 +42,17 @@ _UNLIMITED = 2**31
 
 
 def input_bound(call: Call) -> int:
-    """Most input tokens the request itself can be billed: its UTF-8 size plus `IMAGE_TOKENS` per image
-    (a page of a base64 PDF counts as `gateway.providers.common.PDF_PAGE_IMAGES` images)."""
-    return call.input_bytes + call.input_images * IMAGE_TOKENS
+    """Most input tokens the request itself can be billed: its UTF-8 size, what the provider adds to it
+    (`Call.input_overhead`) and `image_tokens` per image (a page of a base64 PDF counts as
+    `gateway.providers.common.PDF_PAGE_IMAGES` images)."""
+    bound = call.input_bytes + call.input_overhead
+    return bound + call.input_images * image_tokens(call.model) if call.input_images else bound
+
+
+def image_tokens(model: str) -> int:
+    """Most input tokens one image can cost on `model` (`IMAGE_TOKENS`, `IMAGE_TOKENS_BY_MODEL`)."""
+    name = model.lower()
+    return next((tokens for part, tokens in IMAGE_TOKENS_BY_MODEL.items() if part in name), IMAGE_TOKENS)
 
 
 def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int | None:

@@ -475,7 +475,7 @@ async def test_images_are_reserved_by_their_own_bound(gateway_factory: GatewayFa
     the budget still pays for is what is left after them."""
     h = await gateway_factory(agents=agent(budget={"tokens": 20_000}))
     image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": [image, image]}]}
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": [image, image]}]}
     status, headers, _ = await post(h, body, "img")
     assert status == 200
     sent = h.fake.seen[-1].json
@@ -483,6 +483,9 @@ async def test_images_are_reserved_by_their_own_bound(gateway_factory: GatewayFa
     assert granted == int(headers["x-tollgate-max-tokens"]) < 20_000 - 2 * IMAGE_TOKENS
     status, _, _ = await post(h, {**body, "messages": [{"role": "user", "content": [image] * 3}]}, "img2")
     assert status == 403  # three images alone are more than the whole budget
+    status, _, _ = await post(h, {**body, "model": "gpt-4o-mini", "messages": [{"role": "user", "content": [image]}]},
+                              "img3")
+    assert status == 403  # one image on gpt-4o-mini can bill 48,169 tokens
 
 
 async def test_documents_named_not_sent_are_400_under_a_budget(gateway_factory: GatewayFactory) -> None:

@@ -14,6 +14,7 @@ from guards.bounds import (
     MIN_OUTPUT_TOKENS,
     SEARCH_INPUT_TOKENS,
     SEARCHES_WHEN_UNSET,
+    image_tokens,
     input_bound,
     search_limit,
     searches_allowed,
@@ -27,7 +28,21 @@ FIXED = 1000 * 1e-6 + MIN_OUTPUT_TOKENS * 4e-6  # the input bound and the smalle
 
 
 def test_input_bound_counts_each_image_apart() -> None:
-    assert input_bound(call(input_bytes=1000, input_images=2)) == 1000 + 2 * IMAGE_TOKENS
+    assert input_bound(call(model="gpt-4o", input_bytes=1000, input_images=2)) == 1000 + 2 * IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(("model", "per_image"), [
+    ("gpt-4o", IMAGE_TOKENS), ("claude-sonnet-4-5", IMAGE_TOKENS),
+    ("gpt-4o-mini", 48_169), ("gpt-4o-mini-2024-07-18", 48_169), ("openai/GPT-4o-mini", 48_169),
+])
+def test_an_image_is_bounded_at_what_the_model_bills_for_its_largest(model: str, per_image: int) -> None:
+    """gpt-4o-mini bills 2,833 tokens plus 5,667 per tile, up to 8 tiles: 48,169 for one image."""
+    assert image_tokens(model) == per_image
+    assert input_bound(call(model=model, input_bytes=100, input_images=3)) == 100 + 3 * per_image
+
+
+def test_input_bound_adds_what_the_provider_bills_beyond_the_body() -> None:
+    assert input_bound(call(input_bytes=300, input_overhead=346)) == 646
 
 
 @pytest.mark.parametrize(

@@ -295,7 +295,7 @@ def test_answer_usage(ans: Any, expected: Usage | None) -> None:
 @pytest.mark.parametrize("images", [0, 1, 3])
 def test_each_image_adds_its_own_bound(images: int) -> None:
     """An image's tokens follow its pixels, not its bytes: each one is bounded apart."""
-    decision = GUARD.before(ctx(call(input_bytes=1000, input_images=images), policy(budget={"tokens": 10**6}),
+    decision = GUARD.before(ctx(call(model="gpt-4o", input_bytes=1000, input_images=images), policy(budget={"tokens": 10**6}),
                                 price=PRICE))
     tokens_claim, usd_claim = decision.claims
     assert tokens_claim.fixed == 1000 + images * IMAGE_TOKENS
