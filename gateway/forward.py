@@ -40,7 +40,7 @@ from gateway.pipeline import (
 )
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
-from gateway.unguarded import bypass_for, refusal
+from gateway.unguarded import forbidden
 from gateway.upstream import answer_headers, forwardable, scrub, secret_bytes
 from otel.http import operation_for_path
 from otel.spans import StepSpan
@@ -143,8 +143,8 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             epoch = state.epoch
             if state.stopped:  # a stopped run is stopped on every upstream path
                 raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
-        bypass = bypass_for(request.method, path)  # billed outside the run's steps (`gateway.unguarded`)
-        if bypass is not None and (refused := refusal(bypass, identity.policy)) is not None:
+        refused = forbidden(request.method, path, identity.policy)  # not a step (`gateway.unguarded`)
+        if refused is not None:
             raise refused
         route = None
         model = None

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.config import Agent
 from gateway.forward import canonical_path
-from gateway.unguarded import BYPASSES, bypass_for, refusal
+from gateway.unguarded import BYPASSES, FREE, bypass_for, forbidden, refusal
 from tests.conftest import GatewayFactory
 from tests.fakes.upstream import Reply
 
@@ -48,9 +48,35 @@ def test_which_calls_are_billed_outside_the_runs_steps(method: str, path: str, b
 
 
 def test_every_registered_path_is_canonical() -> None:
-    """The registry is matched against `canonical_path`, so a key it would never produce is dead."""
-    for pattern in BYPASSES:
+    """The registries are matched against `canonical_path`, so a key it would never produce is dead."""
+    for pattern in (*BYPASSES, *FREE):
         assert canonical_path(pattern) == pattern
+
+
+GUARDED = Agent.model_validate({"tools": {"allow": ["search"]}})
+UNGUARDED = Agent.model_validate({})
+
+
+@pytest.mark.parametrize(("method", "path", "refused"), [
+    ("POST", "/v1/decisions", True),  # unknown: may run model calls, so any guard refuses it
+    ("PUT", "/v1/agents/sessions/s_1", True),
+    ("PATCH", "/v1/something/new", True),
+    ("POST", "/v1/vector_stores/vs_1/search", True),
+    ("POST", "/v1/files", False),  # known free
+    ("POST", "/v1/threads/thread_1/messages", False),
+    ("POST", "/v1/messages/count_tokens", False),
+    ("POST", "/v1/threads/runs", True),  # billed wins over the free `/v1/threads/*`
+    ("GET", "/v1/decisions/d_1", False),  # reads and deletions create nothing
+    ("DELETE", "/v1/files/file_1", False),
+    ("POST", "/v1/images/generations", False),  # billed, but only a budget forbids it
+])
+def test_writes_to_paths_known_neither_billed_nor_free_fail_closed(method: str, path: str, refused: bool) -> None:
+    refusal_ = forbidden(method, path, GUARDED)
+    assert (refusal_ is not None) is refused
+    assert refusal_ is None or "tools.allow" in refusal_.message
+    assert forbidden(method, path, UNGUARDED) is None  # an agent without guards has nothing to go around
+    if refused and bypass_for(method, path) is None:
+        assert refusal_ is not None and "does not know what this call runs or bills" in refusal_.message
 
 
 def test_spellings_of_a_billed_path_are_that_path() -> None:
