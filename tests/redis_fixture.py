@@ -17,13 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes.ports import free_port
+
 READY_TIMEOUT_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_binary() -> str:

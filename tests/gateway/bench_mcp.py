@@ -31,14 +31,9 @@ from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from tests.fakes.mcp_server import build_server
+from tests.fakes.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, timeout: float = 20.0) -> None:

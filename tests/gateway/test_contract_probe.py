@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sqlite3
 import sys
 import time
@@ -28,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.approvals import queue_of
 from gateway.ledger import Ledger, LedgerEntry, input_hash, verify
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.ports import free_port
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion, tool_call
 from tests.otel.otlp_sink import OtlpSink, WireSpan, running_sink
 
@@ -63,12 +63,6 @@ async def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout:
         raise
     assert proc.returncode is not None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def post(h: Harness, body: Any, *, run: str | None = "r", path: str = "/v1/chat/completions",

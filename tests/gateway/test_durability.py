@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,13 +14,8 @@ import orjson
 import pytest
 import yaml
 
+from tests.fakes.ports import free_port
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Served:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from gateway.cli import main as cli_main
 from gateway.ledger import verify
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
+from tests.fakes.ports import free_port
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion, openai_stream
 
 USER = [{"role": "user", "content": "hi"}]
@@ -49,12 +49,6 @@ TOOLS = {
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tollgate_command() -> list[str]:

@@ -12,7 +12,6 @@ import contextlib
 import gc
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from gateway import server
 from gateway.cli import main as cli_main
 from gateway.config import parse_config
 from tests.fakes import mcp_server
+from tests.fakes.ports import free_port
 from tests.fakes.upstream import (
     FakeProvider,
     Reply,
@@ -49,12 +49,6 @@ USER = [{"role": "user", "content": "hi"}]
 def tollgate_command() -> list[str]:
     script = Path(sys.executable).parent / "tollgate"
     return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:

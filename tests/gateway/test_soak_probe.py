@@ -57,6 +57,7 @@ from gateway.call import digest
 from gateway.http1_wire import Sending
 from gateway.ledger_chain import verify
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.ports import free_port
 from tests.fakes.responses import response_body, response_stream
 from tests.fakes.upstream import (
     anthropic_message,
@@ -1037,12 +1038,6 @@ async def test_200_streams_then_all_clients_vanish(gateway_factory: GatewayFacto
 def tollgate_command() -> list[str]:
     script = Path(sys.executable).parent / "tollgate"
     return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_kib(pid: int) -> int:
