@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import orjson
@@ -100,10 +100,26 @@ class Usage:
     file_search_requests: int = 0  # file (vector store) searches the provider ran and bills apart
     input_audio_tokens: int = 0  # of `input_tokens`, those of audio (OpenAI bills them at an audio rate)
     output_audio_tokens: int = 0  # of `output_tokens`, those of audio (spoken answers)
+    # of these counts, those billed on another model than the step's (Anthropic's advisor sub-inferences),
+    # with that model: priced at its rates (`guards.budget.usage_cost`)
+    other_models: tuple[tuple[str, Usage], ...] = ()
 
     @property
     def total(self) -> int:
         return self.input_tokens + self.output_tokens
+
+    def plus(self, other: Usage) -> Usage:
+        """Both usages' counts added field by field, their `other_models` joined."""
+        counts = {name: getattr(self, name) + getattr(other, name) for name in _COUNTS}
+        return Usage(**counts, other_models=self.other_models + other.other_models)
+
+    def minus(self, other: Usage) -> Usage:
+        """These counts less `other`'s, field by field and never below 0, without `other_models`: what
+        is left once a part billed elsewhere is taken out."""
+        return Usage(**{name: max(getattr(self, name) - getattr(other, name), 0) for name in _COUNTS})
+
+
+_COUNTS = tuple(f.name for f in fields(Usage) if f.name != "other_models")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +175,18 @@ class Call:
     # before one is a preamble, so a stream's text is judged once it is known to be the answer's
     provider_tools: bool = False
     # tools the provider runs and bills apart at a cost tollgate cannot bound (the Responses API's Code
-    # Interpreter containers, image generation): a USD budget refuses the request (`guards.budget`)
+    # Interpreter containers, image generation; Anthropic's code execution): a USD budget refuses the request
+    # (`guards.budget`)
     unpriced_tools: tuple[str, ...] = ()
-    service_tier: str | None = None  # the OpenAI service tier asked for (`auto`, `priority`, ...), as sent
+    # tools whose use makes the provider run model calls no reservation holds (Anthropic's advisor, a
+    # sub-inference on a model of its own): a USD or token budget refuses the request (`guards.budget`)
+    unreserved_tools: tuple[str, ...] = ()
+    # why the request's cost cannot be bounded, one reason per request field (Anthropic's `thread`
+    # continuation, its `fallbacks`): a USD or token budget refuses the request with them (`guards.budget`)
+    unbounded: tuple[str, ...] = ()
+    # the price tier asked for: OpenAI's service tier as sent (`auto`, `priority`, ...), Anthropic's `speed`
+    # unless standard (`fast`); `gateway.pricing.reserved_tier` reads it
+    service_tier: str | None = None
     audio_output: bool = False  # the answer may be spoken (Chat Completions `modalities` lists audio)
 
 
@@ -179,7 +204,8 @@ class Answer:
     hosted_calls: int = 0  # tool calls the provider ran itself (web search, its MCP client): counted only
     tool_result: ToolResult | None = None  # MCP: the result the server returned
     other_texts: tuple[str, ...] = ()  # the text of every choice after the first (OpenAI's `n` > 1)
-    service_tier: str | None = None  # the OpenAI service tier the answer says it was billed at
+    # the price tier the answer says it was billed at: OpenAI's service tier, Anthropic's `usage.speed`
+    service_tier: str | None = None
     # `text` follows a tool the provider ran (Anthropic's server tools): it is the answer without what came
     # before, the request's prefill included
     after_provider_tool: bool = False

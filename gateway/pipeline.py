@@ -365,7 +365,9 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
     if charged:
         usage, tier = (answer.usage, answer.service_tier) if answer else (None, None)
         choices = step.call.params.choice_count or 1
-        actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices, tier))
+        provider = step.route.provider.type  # sub-inferences on other models (Anthropic's advisor): their prices
+        actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices, tier,
+                                 price_of=lambda model: gw.pricer.lookup(model, provider)))
     else:
         actual = {k: v for k, v in reservation.amounts.items() if k not in USAGE_COUNTERS}  # the step counts
     step.cost_usd = actual.get("usd", 0.0)

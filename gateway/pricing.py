@@ -9,6 +9,10 @@ OpenAI's service tiers (`priority`, `flex`) bill other token rates. A price from
 rates of every tier it lists (`ModelPrice.service_tiers`, read once with the model); a reservation is
 priced at the tier the request asks for (`reserved_tier`), a settlement at the tier the answer reports
 (`ModelPrice.at_tier`). A `pricing:` entry has one rate, kept for every tier and for audio tokens.
+
+Anthropic's fast mode (`speed: "fast"`) is priced the same way, as a tier named `fast`: genai-prices lists
+it as a price variant of the `speed` context (`_TIER_CONTEXTS`), the Anthropic adapter reports the speed a
+request asks for as its tier and the speed its answer's `usage.speed` reports as the answer's.
 """
 
 from __future__ import annotations
@@ -307,20 +311,31 @@ def _from_genai_prices(model: str, provider_type: str, output_billed: bool = Tru
         return None
     # the tiers are read with the model, once: `calc_price` per tier here, never per step
     tiers = {STANDARD_TIER: price}
-    for name in _listed_tiers(calc.model):
+    for name, context in _listed_tiers(calc.model):
         tiered = calc_price(GPUsage(input_tokens=1, output_tokens=1), model_ref=model, provider_id=provider_type,
-                            price_context={"service_tier": name})
+                            price_context={context: name})
         tiers[name] = _token_prices(tiered.model_price, output_billed) or price
     return replace(price, web_search=float(getattr(mp, "web_searches_kcount", None) or 0) / 1000,
                    file_search=float(getattr(mp, "storage_searches_kcount", None) or 0) / 1000,
                    service_tiers=tuple(tiers.items()) if len(tiers) > 1 else ())
 
 
-def _listed_tiers(model_info: Any) -> tuple[str, ...]:
-    """The service tiers genai-prices prices apart for a model (its variants that depend on the tier alone)."""
-    names = {v.when["service_tier"] for v in getattr(model_info, "price_variants", None) or ()
-             if set(v.when) == {"service_tier"}}
-    return tuple(sorted(names - {STANDARD_TIER}))
+_TIER_CONTEXTS = ("service_tier", "speed")
+"""The genai-prices price contexts whose variants are tiers here: OpenAI's `service_tier` (priority, flex,
+fast) and Anthropic's `speed` (fast). A name is one tier whichever context lists it: no model lists the
+same name in both (genai-prices 0.2.3), and were one to, the `service_tier` variant would be kept."""
+
+
+def _listed_tiers(model_info: Any) -> tuple[tuple[str, str], ...]:
+    """(name, context) of each tier genai-prices prices apart for a model: its variants that depend on one
+    of `_TIER_CONTEXTS` alone, sorted by name."""
+    found: dict[str, str] = {}
+    variants = getattr(model_info, "price_variants", None) or ()
+    for context in _TIER_CONTEXTS:
+        for variant in variants:
+            if set(variant.when) == {context} and variant.when[context] != STANDARD_TIER:
+                found.setdefault(variant.when[context], context)
+    return tuple(sorted(found.items()))
 
 
 def _token_prices(mp: Any, output_billed: bool) -> ModelPrice | None:

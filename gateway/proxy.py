@@ -45,7 +45,7 @@ from gateway.pipeline import (
 )
 from gateway.pricing import ModelPrice
 from gateway.providers.base import Adapter
-from gateway.providers.openai_responses import offers_preview_search, unpriced_tools
+from gateway.providers.openai_responses import offers_preview_search
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.routing import Route
@@ -140,9 +140,10 @@ def price_for(gw: Gateway, route: Route, call: Call) -> ModelPrice | None:
 def offered(adapter: Adapter, call: Call, body: dict[str, Any]) -> Call:
     """`call` as the allow-list left its body (`shape_tools`): a billed tool it no longer offers holds,
     costs and refuses nothing. The same call when it offered none."""
-    if not (call.unpriced_tools or call.search_limits):
+    if not (call.unpriced_tools or call.unreserved_tools or call.search_limits):
         return call
-    return replace(call, unpriced_tools=unpriced_tools(body) if call.unpriced_tools else (),
+    return replace(call, unpriced_tools=adapter.unpriced_tools(body) if call.unpriced_tools else (),
+                   unreserved_tools=adapter.unreserved_tools(body) if call.unreserved_tools else (),
                    search_limits=adapter.search_limits(body) if call.search_limits else (),
                    search_preview=call.search_preview and offers_preview_search(body))
 

@@ -10,13 +10,17 @@ The output limit is the request's `max_tokens` or, when absent, what the remaini
 (clamped by the model's limit); the pipeline writes the granted value back into the request. Every
 choice may use all of it, and the provider bills them all, so a unit of it is reserved `n` times.
 Searches the provider runs and bills apart are held too, and Anthropic's web fetches, whose content it
-bills as input (`guards.bounds`).
+bills as input (`guards.bounds`), and the input the provider bills beyond the body (`Call.input_overhead`).
+What no reservation can hold is refused (a 400; the run goes on) rather than forwarded: under any budget,
+documents named instead of sent, request fields whose input or models live upstream (`Call.unbounded`)
+and tools whose uses are model calls of their own (`Call.unreserved_tools`); under a USD budget, tools
+billed apart at a cost tollgate cannot price (`Call.unpriced_tools`).
 An MCP tool execution (`execute_tool`) spends no tokens: it claims nothing from either budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gateway.call import Answer, Usage
 from gateway.pricing import ModelPrice
@@ -24,7 +28,10 @@ from gateway.store.base import Claim, Reservation
 from guards.base import BaseGuard, Decision, StepContext
 from guards.bounds import IMAGE_TOKENS, SEARCH_INPUT_TOKENS, input_bound, searches_allowed
 
-__all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "answer_usage", "settlement"]
+__all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "PriceOf", "answer_usage", "settlement", "usage_cost"]
+
+PriceOf = Callable[[str], ModelPrice | None]
+"""The price of a model by its name (the gateway's `Pricer.lookup` for the step's provider), or None."""
 
 
 class BudgetGuard(BaseGuard):
@@ -42,6 +49,19 @@ class BudgetGuard(BaseGuard):
                 f"the request names {documents} document(s) by file id or URL, or sends PDFs whose pages "
                 "cannot be counted (encrypted, not a PDF), whose size tollgate cannot bound, so the budget "
                 "could be overspent; send their content instead",
+            )
+        if ctx.call.unbounded and (budget.tokens is not None or budget.usd is not None):
+            return Decision.reject(self.name, "input_unbounded",
+                                   f"{'; '.join(ctx.call.unbounded)} (under a budget, tollgate refuses what it "
+                                   "cannot bound, since the budget could be overspent)")
+        if ctx.call.unreserved_tools and (budget.tokens is not None or budget.usd is not None):
+            return Decision.reject(
+                self.name,
+                "input_unbounded",
+                f"the request offers {', '.join(ctx.call.unreserved_tools)}, whose uses the provider runs and "
+                "bills as model calls of their own (on the tool's model, over the whole conversation) that no "
+                "reservation holds, so the budget could be overspent; remove the tool or run this agent "
+                "without a budget",
             )
         if ctx.call.unpriced_tools and budget.usd is not None:
             return Decision.reject(
@@ -89,18 +109,21 @@ USAGE_COUNTERS = frozenset({"usd", "tokens"})
 """Claimed counters whose settlement follows the provider's usage; any other claim is a count per step."""
 
 
-def _f(value: int | float | None) -> float | None:
+def _f(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
 def settlement(
     usage: Usage | None, price: ModelPrice | None, reservation: Reservation, relayed_output: int = 0,
-    choices: int = 1, service_tier: str | None = None,
+    choices: int = 1, service_tier: str | None = None, price_of: PriceOf | None = None,
 ) -> Mapping[str, float]:
     """Real amounts to settle a reservation with.
 
     Usage is priced at the service tier the answer reports (`service_tier`), which may differ from the
-    one reserved (a priority request served at the standard tier, an `auto` one at a project's priority).
+    one reserved (a priority request served at the standard tier, an `auto` one at a project's priority;
+    Anthropic's fast mode is such a tier), and its parts billed on other models at their prices
+    (`usage_cost`, `price_of`). Its tokens all count toward a token budget, those of sub-inferences the
+    provider reports apart included (Anthropic's `usage.iterations`: the adapter sums them in).
 
     Without provider-reported usage (missing usage chunk, broken stream) the step is charged its
     whole reservation: never zero, never below what was relayed. Output relayed beyond the reserved
@@ -127,8 +150,21 @@ def settlement(
     # counts claimed per step (`llm_calls`, a custom guard's own counters) are what they held
     actual.update({counter: amount for counter, amount in held.items() if counter not in USAGE_COUNTERS})
     if price is not None and "usd" in held:
-        actual["usd"] = price.at_tier(service_tier).cost(usage)
+        actual["usd"] = usage_cost(usage, price.at_tier(service_tier), price_of)
     return actual
+
+
+def usage_cost(usage: Usage, price: ModelPrice, price_of: PriceOf | None = None) -> float:
+    """USD for `usage` at `price`, but for the parts of it billed on another model (`Usage.other_models`:
+    Anthropic's advisor sub-inferences), each at `price_of(model)`. A part whose model `price_of` does not
+    price, or every part when there is no `price_of`, is priced at `price` with the rest."""
+    own, elsewhere = usage, 0.0
+    for model, part in usage.other_models:
+        theirs = price_of(model) if price_of is not None else None
+        if theirs is not None:
+            own = own.minus(part)
+            elsewhere += theirs.cost(part)
+    return price.cost(own) + elsewhere
 
 
 def answer_usage(answer: Answer | None) -> Usage | None:

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, Usage, digest
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, digest
 from gateway.config import Limits
 from gateway.errors import BudgetHeld, GatewayError, InvalidRequest, error_code
+from gateway.providers.anthropic_billing import answer_tier, speed_tier, unbounded_fields, usage_from
+from gateway.providers.anthropic_tools import (
+    FETCH_CONTENT_TOKENS,
+    SERVER_TOOLS,
+    count,
+    input_overhead,
+    offers_server_tools,
+    search_limits,
+    type_starts,
+    unpriced_tools,
+    unreserved_tools,
+    with_max_uses,
+)
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
@@ -19,12 +32,12 @@ from gateway.providers.common import (
     opt_number,
     opt_strings,
     request_basics,
-    required_count,
     stop_text,
     token_count,
 )
 from gateway.providers.sse import SseEvent, format_event
-from guards.bounds import SEARCH_INPUT_TOKENS
+
+__all__ = ["FETCH_CONTENT_TOKENS", "THINKING_MIN_TOKENS", "AnthropicMessages", "AnthropicStreamReader", "usage_from"]
 
 
 def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
@@ -66,29 +79,6 @@ def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
     return ()
 
 
-def usage_from(usage: Any) -> Usage | None:
-    """Semconv usage: input tokens = input + cache read + cache creation (Anthropic excludes the cache)."""
-    if not isinstance(usage, Mapping):
-        return None
-    try:
-        read = token_count(usage.get("cache_read_input_tokens"))
-        created = token_count(usage.get("cache_creation_input_tokens"))
-        breakdown = usage.get("cache_creation")  # {ephemeral_5m_input_tokens, ephemeral_1h_input_tokens}
-        hour = token_count(breakdown.get("ephemeral_1h_input_tokens")) if isinstance(breakdown, Mapping) else 0
-        server = usage.get("server_tool_use")  # {web_search_requests, web_fetch_requests}: billed apart
-        searches = token_count(server.get("web_search_requests")) if isinstance(server, Mapping) else 0
-        return Usage(
-            input_tokens=required_count(usage.get("input_tokens")) + read + created,
-            output_tokens=required_count(usage.get("output_tokens")),
-            cache_read_tokens=read,
-            cache_creation_tokens=created,
-            cache_write_1h_tokens=hour,
-            web_search_requests=searches,
-        )
-    except ValueError:  # counts no provider reports: settled at the reservation, never believed
-        return None
-
-
 # content blocks of tools Anthropic runs itself (web search, code execution, its MCP connector):
 # counted for `caps.tool_calls`, never judged (they ran before the answer came back)
 HOSTED_BLOCKS = frozenset({"server_tool_use", "mcp_tool_use"})
@@ -98,56 +88,10 @@ def provider_ran(kind: Any) -> bool:
     """A block of a tool Anthropic runs (its call or its result): text before it was a preamble, and the
     answer the output constraints hold is the text after the last one."""
     return kind in HOSTED_BLOCKS or (isinstance(kind, str) and kind.endswith("_tool_result"))
-_MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")  # server tool types (dated) with `max_uses`
-_SERVER_TOOLS = (*_MAX_USES_TOOLS, "code_execution_", "mcp_toolset")  # tool types Anthropic runs itself
 
 
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _type_starts(tool: Any, prefixes: tuple[str, ...]) -> bool:
-    kind = tool.get("type") if isinstance(tool, Mapping) else None
-    return isinstance(kind, str) and kind.startswith(prefixes)
-
-
-def _with_max_uses(tool: Any, limit: int) -> Any:
-    """`max_uses` held to `limit`; one that is no count is left as it came, for the API to refuse. A web
-    fetch tool without `max_content_tokens` is given `FETCH_CONTENT_TOKENS` (what `search_limits` held)."""
-    if not _type_starts(tool, _MAX_USES_TOOLS):
-        return tool
-    if _type_starts(tool, ("web_fetch_",)) and tool.get("max_content_tokens") is None:
-        tool = {**tool, "max_content_tokens": FETCH_CONTENT_TOKENS}
-    uses = tool.get("max_uses")
-    if uses is not None and not (isinstance(uses, int) and not isinstance(uses, bool) and uses > limit):
-        return tool
-    return {**tool, "max_uses": limit}
-
-
-FETCH_CONTENT_TOKENS = SEARCH_INPUT_TOKENS
-"""The `max_content_tokens` a web fetch tool sent without one is given when tollgate limits the tools
-Anthropic runs (a budget, or the tool-call cap): a fetch then adds at most what a search's results are held
-at, room for a typical page (~2,500 tokens by Anthropic's docs); an agent wanting more sends its own."""
 THINKING_MIN_TOKENS = 1024
 """The smallest `thinking.budget_tokens` Anthropic takes; `max_tokens` must be larger."""
-_CONTEXT_TOKENS = 1_000_000  # the largest Claude context: no fetch adds more input than it holds
-
-
-def _fetch_uses(tool: Mapping[str, Any]) -> tuple[int | None, ...]:
-    """A web fetch tool's `max_uses`, once for each `SEARCH_INPUT_TOKENS` its `max_content_tokens` lets a
-    fetch add (each entry is held as one search's results); None once when it sends no content limit, so
-    that under a budget it is always limited, and so given `FETCH_CONTENT_TOKENS`."""
-    content = _count(tool.get("max_content_tokens"))
-    if not content:
-        return (None,)
-    return (_count(tool.get("max_uses")),) * -(-min(content, _CONTEXT_TOKENS) // SEARCH_INPUT_TOKENS)
-
-
-# server tools whose results Anthropic bills as input, by type prefix: the held uses each one allows
-_HELD_USES: dict[str, Callable[[Mapping[str, Any]], tuple[int | None, ...]]] = {
-    "web_search_": lambda tool: (_count(tool.get("max_uses")),),
-    "web_fetch_": _fetch_uses,
-}
 
 
 class AnthropicMessages:
@@ -159,7 +103,7 @@ class AnthropicMessages:
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
         stop = body.get("stop_sequences")  # a list in Anthropic's API (a bare string is not one)
-        images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
+        images, documents = input_parts(body, raw)  # a PDF is billed per page: bounded like images
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
@@ -174,7 +118,7 @@ class AnthropicMessages:
             max_tokens=opt_int(body, "max_tokens", minimum=1),
             input_bytes=len(raw),
             input_images=images,
-            referenced_documents=unbounded,
+            referenced_documents=documents,
             tools=_tools(raw_tools),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(messages),
@@ -182,8 +126,14 @@ class AnthropicMessages:
             request_hash=digest(raw),
             raw=body,
             prefill=_prefill(messages),
-            search_limits=self.search_limits(body),
-            provider_tools=bool(body.get("mcp_servers")) or any(_type_starts(t, _SERVER_TOOLS) for t in raw_tools),
+            search_limits=search_limits(body),
+            provider_tools=offers_server_tools(body),
+            # what Anthropic bills beyond the body (tool overheads, fast mode), and what no budget can bound
+            input_overhead=input_overhead(body),
+            unpriced_tools=unpriced_tools(body),
+            unreserved_tools=unreserved_tools(body),
+            unbounded=unbounded_fields(body),
+            service_tier=speed_tier(body),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -208,9 +158,10 @@ class AnthropicMessages:
             text="".join(texts),
             tool_calls=tuple(calls),
             finish_reasons=(str(reason),) if reason else (),
-            usage=usage_from(body.get("usage")),
+            usage=usage_from(body.get("usage"), body.get("model")),
             hosted_calls=hosted,
             after_provider_tool=after_tool,
+            service_tier=answer_tier(body.get("usage")),
         )
 
     def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> AnthropicStreamReader:
@@ -293,7 +244,7 @@ class AnthropicMessages:
         takes (`THINKING_MIN_TOKENS`): the call cannot be sent as asked for what the budget pays."""
         thinking = body.get("thinking")
         if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
-            wanted = _count(thinking.get("budget_tokens"))  # not a count: the API refuses it, not the clamp
+            wanted = count(thinking.get("budget_tokens"))  # not a count: the API refuses it, not the clamp
             if wanted is not None and wanted >= value:
                 if value <= THINKING_MIN_TOKENS:
                     raise BudgetHeld(f"the budget left pays {value} output tokens, too few for extended "
@@ -310,7 +261,7 @@ class AnthropicMessages:
         if limit <= 0:
             changed = body.pop("mcp_servers", None) is not None
             if isinstance(tools, list):
-                kept = [t for t in tools if not _type_starts(t, _SERVER_TOOLS)]
+                kept = [t for t in tools if not type_starts(t, SERVER_TOOLS)]
                 if len(kept) != len(tools):
                     changed = True
                     body["tools"] = kept
@@ -323,21 +274,23 @@ class AnthropicMessages:
             return changed
         if not isinstance(tools, list):
             return False
-        limited = [_with_max_uses(tool, limit) for tool in tools]
+        limited = [with_max_uses(tool, limit) for tool in tools]
         if all(new is old for new, old in zip(limited, tools, strict=True)):
             return False
         body["tools"] = limited
         return True
 
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
-        """The uses allowed of each server tool whose results are billed as input, each entry held as one
-        search (`guards.bounds`): a web search tool's `max_uses` (None where it sends no count), a web
-        fetch tool's as `_fetch_uses` counts them (its content may be many searches' worth)."""
-        tools = body.get("tools")
-        if not isinstance(tools, list):
-            return ()
-        return tuple(limit for tool in tools for prefix, uses in _HELD_USES.items()
-                     if _type_starts(tool, (prefix,)) for limit in uses(tool))
+        """The uses allowed of each server tool whose results are billed as input (`anthropic_tools`)."""
+        return search_limits(body)
+
+    def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        """`Call.unpriced_tools` of a body (as the allow-list left it): Anthropic's code execution."""
+        return unpriced_tools(body)
+
+    def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        """`Call.unreserved_tools` of a body (as the allow-list left it): Anthropic's advisor."""
+        return unreserved_tools(body)
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # Anthropic streams always carry usage (message_start and message_delta)
@@ -368,6 +321,9 @@ def _error(error: GatewayError) -> dict[str, Any]:
     return {"type": error.anthropic_type, "message": error.message, "code": error_code(error)}
 
 
+_NESTED_USAGE = frozenset({"cache_creation", "server_tool_use", "iterations", "speed"})
+
+
 class AnthropicStreamReader:
     """Accumulates a streamed message from its events; relays every event unchanged."""
 
@@ -382,7 +338,8 @@ class AnthropicStreamReader:
         self._chars = 0
         self._hosted = 0
         self._start_inputs: dict[int, str] = {}  # tool_use input given whole in content_block_start
-        self._nested: dict[str, Mapping[str, Any]] = {}  # usage.cache_creation / server_tool_use, as last reported
+        # usage fields that are no count (cache_creation, server_tool_use, iterations, speed), as last reported
+        self._nested: dict[str, Any] = {}
         self.next_index = 0  # the first content block index the agent has not been shown
         self.started = False  # message_start was relayed
         self.holding = False  # a tool_use block started: hold events until the answer is judged
@@ -459,8 +416,9 @@ class AnthropicStreamReader:
             return False
         output = False
         for key, value in usage.items():
-            if key in ("cache_creation", "server_tool_use") and isinstance(value, Mapping):
-                self._nested[key] = value  # how long cache writes last, searches run: priced apart
+            if key in _NESTED_USAGE and value is not None:
+                # how long cache writes last, searches run, sub-inferences billed, at which speed: priced apart
+                self._nested[key] = value
                 continue
             if value is None:
                 continue
@@ -482,7 +440,8 @@ class AnthropicStreamReader:
             text="".join(self._text),
             tool_calls=calls,
             finish_reasons=(self._reason,) if self._reason else (),
-            usage=usage_from({**self._usage, **self._nested}) if complete else None,
+            usage=usage_from({**self._usage, **self._nested}, self._model) if complete else None,
             hosted_calls=self._hosted,
             after_provider_tool=self._after_tool,
+            service_tier=answer_tier(self._nested),
         )

@@ -221,6 +221,12 @@ class OpenAIChat:
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
         return ()
 
+    def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        return ()
+
+    def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        return ()
+
     def ask_usage(self, body: dict[str, Any]) -> bool:
         """Ask for the usage chunk; True when the agent had not asked for it (then it is hidden)."""
         options = body.get("stream_options")

@@ -313,6 +313,12 @@ class OpenAIResponses:
         body["max_tool_calls"] = limit
         return True
 
+    def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        return unpriced_tools(body)
+
+    def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        return ()
+
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
         """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is
         offered: web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""

@@ -429,3 +429,48 @@ def test_audio_tokens_cost_text_rates_without_audio_rates_and_never_more_than_th
     # a report of more audio tokens than tokens is capped at the counts: nothing is priced twice
     assert audio.cost(Usage(100, 50, input_audio_tokens=500, output_audio_tokens=500)) == pytest.approx(
         100 * per_tok(10.0) + 50 * per_tok(20.0))
+
+
+# -- Anthropic's fast mode: a tier of the `speed` price context ------------------------------------------
+
+
+def anthropic_total(model: str, speed: str | None = None, **usage: int) -> float:
+    context = {"speed": speed} if speed else None
+    return float(calc_price(GPUsage(**usage), model_ref=model, provider_id="anthropic",
+                            price_context=context).total_price)
+
+
+@pytest.mark.parametrize(("requested", "answered", "speed"), [
+    (None, None, None), ("fast", None, "fast"),  # reserved at the speed asked for
+    (None, "fast", "fast"), ("fast", "standard", None),  # settled at the speed the answer reports
+    ("turbo", None, "fast"),  # a speed genai-prices does not list: the dearest it lists for the model
+])
+def test_fast_mode_is_priced_as_genai_prices_prices_it(requested: str | None, answered: str | None,
+                                                       speed: str | None) -> None:
+    price = Pricer({}).lookup("claude-opus-4-8", "anthropic", service_tier=requested)
+    assert price is not None
+    usage = {"input_tokens": 1000, "output_tokens": 700, "cache_read_tokens": 300}
+    want = anthropic_total("claude-opus-4-8", speed, **usage)
+    assert price.at_tier(answered).cost(Usage(1000, 700, cache_read_tokens=300)) == pytest.approx(want)
+    assert anthropic_total("claude-opus-4-8", "fast", **usage) > anthropic_total("claude-opus-4-8", None, **usage)
+
+
+@pytest.mark.parametrize(("variants", "listed"), [
+    ([], ()),
+    ([{"speed": "fast"}], (("fast", "speed"),)),
+    ([{"service_tier": "priority"}, {"service_tier": "default"}, {"processing": "batch"}],
+     (("priority", "service_tier"),)),  # batch is no tier a request asks for here; default is the standard
+    ([{"speed": "fast", "processing": "batch"}], ()),  # a variant of two contexts is no tier
+    ([{"speed": "fast"}, {"service_tier": "fast"}], (("fast", "service_tier"),)),  # one name: the service tier
+])
+def test_listed_tiers_read_the_service_tier_and_speed_variants(variants: list[dict[str, str]],
+                                                               listed: tuple[tuple[str, str], ...]) -> None:
+    model = SimpleNamespace(price_variants=[SimpleNamespace(when=when) for when in variants])
+    assert pricing._listed_tiers(model) == listed
+
+
+def test_a_model_without_fast_rates_is_reserved_at_its_standard_rates_for_a_fast_request() -> None:
+    """claude-3-5-haiku has no fast mode in genai-prices (nor at Anthropic): nothing dearer to hold."""
+    fast = Pricer({}).lookup("claude-3-5-haiku-latest", "anthropic", service_tier="fast")
+    standard = Pricer({}).lookup("claude-3-5-haiku-latest", "anthropic")
+    assert fast is not None and standard is not None and fast.cost(Usage(1000, 1000)) == standard.cost(Usage(1000, 1000))

@@ -1,0 +1,134 @@
+"""Anthropic's own tools in a Messages request, by what they make Anthropic bill (pure).
+
+Server tools (types Anthropic runs itself, dated: `web_search_20250305`, ...) bill beyond the tokens of the
+request's body: web search per search, web fetch by the content it adds, code execution per container-hour,
+the advisor by sub-inferences on a model of its own. Anthropic-defined client tools (bash, text editor,
+computer use) and tool use itself bill input tokens the body does not carry. This module says, for a
+request body, how much of that the budget can hold and what it cannot: `search_limits` entries,
+`input_overhead` tokens, `unpriced_tools` and `unreserved_tools` (refused under a budget, `guards.budget`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from guards.bounds import SEARCH_INPUT_TOKENS
+
+MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")
+"""Server tool types (dated) that take a `max_uses`: held to the tool-call cap and the budget's searches."""
+SERVER_TOOLS = (*MAX_USES_TOOLS, "code_execution_", "mcp_toolset")
+"""Tool types Anthropic runs itself (with its MCP connector: not offered once no tool call is left)."""
+UNPRICED_TOOLS = ("code_execution_",)
+"""Tool types Anthropic bills apart at a cost tollgate cannot bound, absent from `usage`: a code execution
+container per hour it runs (like the Responses API's `code_interpreter`). A USD budget refuses them."""
+UNRESERVED_TOOLS = ("advisor_",)
+"""Tool types whose use makes Anthropic run and bill model calls no reservation holds: each advisor use is
+a sub-inference on the tool's own `model` over the whole transcript, up to `max_uses` times (reported in
+`usage.iterations`, charged when settled). Any budget, USD or tokens, refuses them."""
+
+FETCH_CONTENT_TOKENS = SEARCH_INPUT_TOKENS
+"""The `max_content_tokens` a web fetch tool sent without one is given when tollgate limits the tools
+Anthropic runs (a budget, or the tool-call cap): a fetch then adds at most what a search's results are held
+at, room for a typical page (~2,500 tokens by Anthropic's docs); an agent wanting more sends its own."""
+_CONTEXT_TOKENS = 1_000_000  # the largest Claude context: no fetch adds more input than it holds
+
+TOOL_USE_SYSTEM_PROMPT = 804
+"""Input tokens of the system prompt Anthropic adds to any request that offers tools. Anthropic's tool-use
+pricing table (docs: agents-and-tools/tool-use/overview, "Pricing") gives it per model and `tool_choice`:
+346 / 313 on the Claude 4 and 4.5 models, 530 on Claude 3 Opus, and more on later models (Claude Opus 4.7:
+675 with `auto`, 804 with `any` or a named tool). The largest is held, whatever the model."""
+TOOL_OVERHEAD: dict[str, int] = {
+    "bash_": 245,  # Bash tool docs: "The bash tool adds 245 input tokens to your API calls"
+    "text_editor_": 700,  # Text editor tool docs: 700 input tokens per tool definition
+    # Computer use tool docs: 735 tokens per tool definition (683 on Claude Sonnet 3.5), plus a system
+    # prompt of 466-499 tokens it adds: the largest of each
+    "computer_": 735 + 499,
+}
+"""Input tokens an Anthropic-defined tool bills beyond its definition in the body, by type prefix."""
+
+
+def count(value: Any) -> int | None:
+    """`value` when it is a count (a non-negative int, not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def type_starts(tool: Any, prefixes: tuple[str, ...]) -> bool:
+    """The tool's `type` is a string starting with one of `prefixes`."""
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    return isinstance(kind, str) and kind.startswith(prefixes)
+
+
+def _tool_list(body: Mapping[str, Any]) -> list[Any]:
+    tools = body.get("tools")
+    return tools if isinstance(tools, list) else []
+
+
+def with_max_uses(tool: Any, limit: int) -> Any:
+    """`max_uses` held to `limit`; one that is no count is left as it came, for the API to refuse. A web
+    fetch tool without `max_content_tokens` is given `FETCH_CONTENT_TOKENS` (what `search_limits` held)."""
+    if not type_starts(tool, MAX_USES_TOOLS):
+        return tool
+    if type_starts(tool, ("web_fetch_",)) and tool.get("max_content_tokens") is None:
+        tool = {**tool, "max_content_tokens": FETCH_CONTENT_TOKENS}
+    uses = tool.get("max_uses")
+    if uses is not None and not (isinstance(uses, int) and not isinstance(uses, bool) and uses > limit):
+        return tool
+    return {**tool, "max_uses": limit}
+
+
+def _fetch_uses(tool: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """A web fetch tool's `max_uses`, once for each `SEARCH_INPUT_TOKENS` its `max_content_tokens` lets a
+    fetch add (each entry is held as one search's results); None once when it sends no content limit, so
+    that under a budget it is always limited, and so given `FETCH_CONTENT_TOKENS`."""
+    content = count(tool.get("max_content_tokens"))
+    if not content:
+        return (None,)
+    return (count(tool.get("max_uses")),) * -(-min(content, _CONTEXT_TOKENS) // SEARCH_INPUT_TOKENS)
+
+
+# server tools whose results Anthropic bills as input, by type prefix: the held uses each one allows
+_HELD_USES: dict[str, Callable[[Mapping[str, Any]], tuple[int | None, ...]]] = {
+    "web_search_": lambda tool: (count(tool.get("max_uses")),),
+    "web_fetch_": _fetch_uses,
+}
+
+
+def search_limits(body: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """The uses allowed of each server tool whose results are billed as input, each entry held as one
+    search (`guards.bounds`): a web search tool's `max_uses` (None where it sends no count), a web fetch
+    tool's as `_fetch_uses` counts them (its content may be many searches' worth)."""
+    return tuple(limit for tool in _tool_list(body) for prefix, uses in _HELD_USES.items()
+                 if type_starts(tool, (prefix,)) for limit in uses(tool))
+
+
+def input_overhead(body: Mapping[str, Any]) -> int:
+    """Input tokens Anthropic bills for the request's tools that its body does not carry: the tool-use
+    system prompt when it offers any tool (its MCP connector's included), and each Anthropic-defined
+    tool's `TOOL_OVERHEAD`. Tools the allow-list removes later keep theirs: the bound only grows."""
+    tools = _tool_list(body)
+    if not tools and not body.get("mcp_servers"):
+        return 0
+    return TOOL_USE_SYSTEM_PROMPT + sum(tokens for tool in tools for prefix, tokens in TOOL_OVERHEAD.items()
+                                        if type_starts(tool, (prefix,)))
+
+
+def _types(body: Mapping[str, Any], prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted({t["type"] for t in _tool_list(body) if type_starts(t, prefixes)}))
+
+
+def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The types of the offered tools Anthropic bills apart at a cost tollgate cannot bound
+    (`UNPRICED_TOOLS`), sorted, for `Call.unpriced_tools`."""
+    return _types(body, UNPRICED_TOOLS)
+
+
+def unreserved_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The types of the offered tools whose billed model calls no reservation holds (`UNRESERVED_TOOLS`),
+    sorted, for `Call.unreserved_tools`."""
+    return _types(body, UNRESERVED_TOOLS)
+
+
+def offers_server_tools(body: Mapping[str, Any]) -> bool:
+    """The request offers a tool Anthropic runs itself, or its MCP connector (`Call.provider_tools`)."""
+    return bool(body.get("mcp_servers")) or any(type_starts(t, SERVER_TOOLS) for t in _tool_list(body))
