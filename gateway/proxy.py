@@ -45,7 +45,7 @@ from gateway.pipeline import (
 )
 from gateway.pricing import ModelPrice
 from gateway.providers.base import Adapter
-from gateway.providers.openai_responses import offers_preview_search
+from gateway.providers.responses_tools import offers_preview_search
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.routing import Route

@@ -29,13 +29,14 @@ def json_depth_ok(value: Any, limit: int) -> bool:
     return True
 
 
-IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})  # chat, Responses, Anthropic content parts
+# image parts of Chat Completions, Responses (a `computer_call_output` screenshot too) and Anthropic content
+IMAGE_PARTS = frozenset({"image_url", "input_image", "computer_screenshot", "image"})
 # JSON may spell any character of a string as \uXXXX: the byte searches miss an ASCII word spelled so
 # (an escape of a non-ASCII character, which clients send for every accented letter, spells none of them)
 _ASCII_ESCAPE = re.compile(rb"\\u00[0-7][0-9A-Fa-f]")
 
 
-def _may_contain(raw: bytes, *words: bytes) -> bool:
+def may_contain(raw: bytes, *words: bytes) -> bool:
     """False only when no JSON string of `raw` can be any of `words` (ASCII): none is in the bytes, and no
     `\\u` escape of an ASCII character could spell one. A cheap test that lets most requests skip a walk
     of their body."""
@@ -137,7 +138,7 @@ def _tally(body: Mapping[str, Any], raw: bytes) -> tuple[int, int, int, int]:
     """(image parts, documents named, PDF pages sent inline, inline PDFs uncounted) of a request, with one
     byte test and at most one walk of its body (every request pays this: most skip the walk). PDFs are
     decoded only when the body has such a part."""
-    if not _may_contain(raw, b"image", b"file", b"document"):  # `file_data` contains `file`
+    if not may_contain(raw, b"image", b"file", b"document"):  # `file_data` contains `file`
         return 0, 0, 0, 0
     images = named = pages = uncounted = 0
     for node in _objects(body):

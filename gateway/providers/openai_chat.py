@@ -15,6 +15,7 @@ from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
     input_parts,
+    may_contain,
     opt_int,
     opt_number,
     opt_strings,
@@ -121,6 +122,7 @@ class OpenAIChat:
             raw=body,
             service_tier=service_tier(body),
             audio_output=_speaks(body),
+            unbounded=_stored_audio(messages, raw),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -253,6 +255,20 @@ def service_tier(body: Mapping[str, Any]) -> str | None:
     reserved one: `gateway.pricing`)."""
     tier = body.get("service_tier")
     return tier if isinstance(tier, str) and tier else None
+
+
+def _stored_audio(messages: list[Any], raw: bytes) -> tuple[str, ...]:
+    """Assistant messages naming a spoken answer stored upstream (`audio: {"id": ...}`), as `Call.unbounded`
+    (refused under a budget): OpenAI puts its audio back in the context, billed as input audio tokens the
+    body does not carry. One byte test spares most requests the walk."""
+    if not may_contain(raw, b"audio"):
+        return ()
+    named = [i for i, m in enumerate(messages)
+             if isinstance(m, Mapping) and isinstance(m.get("audio"), Mapping) and m["audio"].get("id")]
+    if not named:
+        return ()
+    return ((f"messages {named[:10]} name spoken answers stored upstream (audio.id), billed as input audio "
+             "tollgate cannot see; send their transcript as the message's content instead"),)
 
 
 def _speaks(body: Mapping[str, Any]) -> bool:

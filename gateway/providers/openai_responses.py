@@ -35,6 +35,17 @@ from gateway.providers.common import (
 )
 from gateway.providers.openai_chat import openai_error, service_tier
 from gateway.providers.responses_stop import response_shell, stop_events, stop_item, stream_event
+from gateway.providers.responses_tools import (
+    AGENT_CALLS,
+    CALL_ITEMS,
+    call_name,
+    item_type,
+    limit_hosted_calls,
+    offers_preview_search,
+    search_limits,
+    tool_name,
+    unpriced_tools,
+)
 from gateway.providers.sse import SseEvent, format_event
 
 # request fields whose input or cost tollgate cannot see, and why (each a 400 when set)
@@ -44,63 +55,11 @@ UNBOUNDED: dict[str, str] = {
     "prompt": "uses a prompt stored upstream, whose input tollgate cannot see or bound",
     "background": "runs after the answer returns, so its cost could not be settled",
 }
-# the call items the agent runs (judged by the guards), by item type: the allow-list name of their tool,
-# or None for the item's own `name` (function and custom tools)
-AGENT_CALLS: dict[str, str | None] = {
-    "function_call": None, "custom_tool_call": None, "computer_call": "computer",
-    "local_shell_call": "local_shell", "shell_call": "shell", "apply_patch_call": "apply_patch",
-}
-CALL_ITEMS = frozenset(AGENT_CALLS)
-_AGENT_RUN_TOOLS = frozenset(name for name in AGENT_CALLS.values() if name)
 # the call items of tools OpenAI runs itself: counted for `caps.tool_calls`, never judged (they ran)
 HOSTED_CALL_ITEMS = frozenset({"web_search_call", "file_search_call", "code_interpreter_call",
                                "image_generation_call", "mcp_call", "tool_search_call"})
 _OUTPUT_ITEMS = frozenset(f"{kind}_output" for kind in AGENT_CALLS)
-_SEARCH_TOOLS = ("web_search", "file_search")  # tool types (some dated) whose calls are billed apart
-# tools OpenAI bills apart at a cost tollgate does not price: a container per Code Interpreter session, an
-# image model's output per generated image (neither is in `usage`)
-UNPRICED_TOOLS = ("code_interpreter", "image_generation")
-_TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
 _FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
-
-
-def item_type(value: Any) -> str | None:
-    """The `type` of an item, tool or event when it is a string; anything else is no type tollgate knows
-    (and never reaches a set lookup, where a list would raise)."""
-    kind = value.get("type") if isinstance(value, Mapping) else None
-    return kind if isinstance(kind, str) else None
-
-
-def tool_name(tool: Any) -> str:
-    """The allow-list name of an offered tool: `name` for function and custom tools, else `type`."""
-    kind = item_type(tool)
-    if kind in ("function", "custom"):
-        return str(tool.get("name", ""))
-    return _TOOL_ALIASES.get(kind, kind) if kind else ""
-
-
-def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """The offered tools OpenAI bills apart whose cost tollgate cannot bound (`UNPRICED_TOOLS`)."""
-    tools = body.get("tools")
-    kinds = (item_type(t) or "" for t in tools) if isinstance(tools, list) else ()
-    return tuple(sorted({k for k in kinds if k.startswith(UNPRICED_TOOLS)}))
-
-
-def offers_preview_search(body: Mapping[str, Any]) -> bool:
-    """The request offers `web_search_preview` (or a dated version of it), which OpenAI bills apart."""
-    tools = body.get("tools")
-    return isinstance(tools, list) and any((item_type(t) or "").startswith("web_search_preview") for t in tools)
-
-
-def _openai_runs(tool: Any) -> bool:
-    """An offered tool OpenAI runs itself (not a function, a custom tool or one the agent runs)."""
-    kind = item_type(tool)
-    return kind is not None and kind not in ("function", "custom") and tool_name(tool) not in _AGENT_RUN_TOOLS
-
-
-def call_name(item: Mapping[str, Any]) -> str:
-    """The allow-list name of a call item's tool."""
-    return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
 
 
 def _tools(raw: Any, limits: Limits) -> tuple[ToolSpec, ...]:
@@ -136,7 +95,7 @@ def _tool_choice(value: Any) -> str | None:
         elif kind == "allowed_tools":
             return None  # a subset of `tools`, which the allow-list has already filtered
         elif kind:
-            return _TOOL_ALIASES.get(kind, kind)
+            return tool_name(value)
     raise InvalidRequest("tool_choice must be auto, none, required or name a tool", param="tool_choice")
 
 
@@ -158,6 +117,25 @@ def _input(body: Mapping[str, Any], limits: Limits) -> list[Any]:
             raise InvalidRequest(f"input[{index}] has a file stored or fetched upstream (file_id, file_url), "
                                  "whose size tollgate cannot bound; send its file_data", param="input")
     return value
+
+
+def _unbounded(body: Mapping[str, Any], items: list[Any]) -> tuple[str, ...]:
+    """What a budget cannot bound in this request (`Call.unbounded`: refused under one): reasoning items
+    whose content OpenAI fetches from storage by id, billed as input the body does not carry, and a
+    compaction inside the response, whose output `max_output_tokens` is not known to bound."""
+    reasons = []
+    stored = [i for i, item in enumerate(items) if item_type(item) == "reasoning"
+              and not item.get("encrypted_content") and not item.get("content")]
+    if stored:
+        reasons.append(f"input items {stored[:10]} are reasoning OpenAI reads from storage by id (no "
+                       "encrypted_content), billed as input tollgate cannot see; ask for include: "
+                       "['reasoning.encrypted_content'] and send it back")
+    if (any(item_type(rule) == "compaction" for rule in _parts_of(body.get("context_management")))
+            or any(item_type(item) == "compaction_trigger" for item in items)):
+        reasons.append("a compaction inside the response (context_management, a compaction_trigger item) "
+                       "has no output limit tollgate can hold; compact through /v1/responses/compact, which "
+                       "tollgate reserves")
+    return tuple(reasons)
 
 
 def _parts_of(value: Any) -> list[Any]:
@@ -235,6 +213,7 @@ class OpenAIResponses:
             search_limits=self.search_limits(body),
             search_preview=offers_preview_search(body),
             unpriced_tools=unpriced_tools(body),
+            unbounded=_unbounded(body, items),
             service_tier=service_tier(body),
         )
 
@@ -279,39 +258,7 @@ class OpenAIResponses:
         body["max_output_tokens"] = value if sent is None else min(int(sent), value)
 
     def limit_hosted_calls(self, body: dict[str, Any], limit: int) -> bool:
-        """`max_tool_calls` (calls of the tools OpenAI runs, over the whole response) held to `limit`
-        when the request offers such a tool; with none left (`limit` <= 0) those tools are not offered.
-        A `max_tool_calls` that is no count is left as it came, for the API to refuse."""
-        tools = body.get("tools")
-        if not isinstance(tools, list):
-            return False
-        hosted = [t for t in tools if _openai_runs(t)]
-        if not hosted:
-            return False
-        if limit <= 0:
-            kept = [t for t in tools if not _openai_runs(t)]
-            if kept:
-                body["tools"] = kept
-            else:
-                for key in ("tools", "tool_choice", "parallel_tool_calls"):
-                    body.pop(key, None)
-            choice = body.get("tool_choice")
-            if item_type(choice) in {item_type(t) for t in hosted}:
-                del body["tool_choice"]  # it forced a tool no longer offered
-            elif isinstance(choice, Mapping) and item_type(choice) == "allowed_tools" and isinstance(
-                    choice.get("tools"), list):
-                allowed = [t for t in choice["tools"] if not _openai_runs(t)]
-                if allowed:
-                    body["tool_choice"] = {**choice, "tools": allowed}
-                else:
-                    del body["tool_choice"]
-            body.pop("max_tool_calls", None)
-            return True
-        sent = body.get("max_tool_calls")
-        if sent is not None and not (isinstance(sent, int) and not isinstance(sent, bool) and sent > limit):
-            return False
-        body["max_tool_calls"] = limit
-        return True
+        return limit_hosted_calls(body, limit)
 
     def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         return unpriced_tools(body)
@@ -320,13 +267,7 @@ class OpenAIResponses:
         return ()
 
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
-        """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is
-        offered: web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""
-        tools = body.get("tools")
-        if not isinstance(tools, list) or not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in tools):
-            return ()
-        sent = body.get("max_tool_calls")
-        return (sent if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0 else None,)
+        return search_limits(body)
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # the final event of a stream always carries the usage

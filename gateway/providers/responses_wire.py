@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import ToolNotAllowed
-from gateway.providers.openai_responses import CALL_ITEMS, call_name, item_type, tool_name
+from gateway.providers.responses_tools import CALL_ITEMS, call_name, item_type, tool_name
 from gateway.providers.sse import SseParser, format_event
 
 

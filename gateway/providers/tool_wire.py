@@ -14,7 +14,7 @@ import orjson
 
 from gateway.providers import responses_wire
 from gateway.providers.openai_functions import LEGACY, proposed
-from gateway.providers.openai_responses import tool_name as _responses_tool_name
+from gateway.providers.responses_tools import tool_name as _responses_tool_name
 from gateway.providers.sse import SseParser, format_event
 
 Allowed = Callable[[str], bool]

@@ -324,6 +324,11 @@ IMG = {"type": "image_url", "image_url": {"url": "https://x/a.png"}}
             {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]},
             {"type": "image", "source": {"type": "url", "url": "u"}}]}]}, 2),
         ({"messages": [{"role": "user", "content": [{"type": ["image"]}]}]}, 0),  # no type tollgate knows
+        # a computer use screenshot is an image, by URL or by file id
+        ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {
+            "type": "computer_screenshot", "image_url": "https://x/s.png"}}]}, 1),
+        ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {
+            "type": "computer_screenshot", "file_id": "file-1"}}]}, 1),
     ],
 )
 def test_count_images(body: dict[str, Any], count: int) -> None:
@@ -479,7 +484,7 @@ def test_pdfs_openai_reads_inline_are_counted_too() -> None:
     (b'{"content": "plain"}', False),
 ])
 def test_the_byte_pre_filter_walks_a_body_only_when_a_type_name_may_hide_in_it(raw: bytes, walks: bool) -> None:
-    assert common._may_contain(raw, b"image") is walks
+    assert common.may_contain(raw, b"image") is walks
 
 
 @pytest.mark.parametrize(("url", "data"), [

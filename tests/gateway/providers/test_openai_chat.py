@@ -361,3 +361,20 @@ def test_a_stream_reports_the_tier_its_chunks_carry() -> None:
         raw = orjson.dumps(data).decode()
         reader.feed(SseEvent(f"data: {raw}\n\n".encode(), None, raw))
     assert reader.answer().service_tier == "priority"
+
+
+@pytest.mark.parametrize(("messages", "unbounded"), [
+    (MSG, False),
+    ([*MSG, {"role": "assistant", "audio": {"id": "audio_1"}}, {"role": "user", "content": "again"}], True),
+    ([*MSG, {"role": "assistant", "audio": None, "content": "said"}], False),
+    ([*MSG, {"role": "assistant", "content": "about audio"}], False),  # the word alone names nothing
+    ([*MSG, {"role": "assistant", "\\u0061udio": {"id": "audio_1"}}], True),  # spelled with an escape
+])
+def test_a_spoken_answer_named_by_id_cannot_be_bounded(messages: list[Any], unbounded: bool) -> None:
+    """OpenAI puts a stored spoken answer back in the context, billed as input audio the body does not
+    carry: under a budget such a request is refused (`Call.unbounded`)."""
+    body = body_of(messages=messages)
+    raw = orjson.dumps(body).replace(b"\\\\u0061udio", b"\\u0061udio")
+    call = ADAPTER.parse_request(orjson.loads(raw), raw, Limits())
+    assert bool(call.unbounded) is unbounded
+    assert not unbounded or "audio.id" in call.unbounded[0]

@@ -26,9 +26,9 @@ from gateway.providers.openai_responses import (
     OpenAIResponses,
     ResponsesStreamReader,
     stop_events,
-    tool_name,
     usage_from,
 )
+from gateway.providers.responses_tools import tool_name
 from gateway.providers.sse import SseEvent, SseParser, format_event
 from tests.fakes.responses import call_item, message_item, response_body, response_stream
 
@@ -953,3 +953,21 @@ def test_the_service_tier_asked_for_and_answered_streamed_too(sent: dict[str, An
     raws[-1] = b"event: " + final["type"].encode() + b"\ndata: " + orjson.dumps(final) + b"\n\n"
     reader, _ = relay(raws)
     assert reader.answer().service_tier == tier
+
+
+@pytest.mark.parametrize(("fields", "unbounded"), [
+    ({"input": [USER, REASONING, fc("a"), fc_out("a", "r")]}, "reasoning OpenAI reads from storage"),
+    ({"input": [USER, {**REASONING, "encrypted_content": "gAAAA"}]}, None),  # carried in the body
+    ({"input": [USER, {**REASONING, "content": [{"type": "reasoning_text", "text": "t"}]}]}, None),
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "compaction"),
+    ({"input": [USER, {"type": "compaction_trigger"}]}, "compaction"),
+    ({}, None),
+])
+def test_what_a_budget_cannot_bound(fields: dict[str, Any], unbounded: str | None) -> None:
+    """Reasoning read from storage by id is input the body does not carry; a compaction inside the
+    response has no output limit tollgate can hold: `Call.unbounded` (refused under a budget)."""
+    call = parse(body_of(**fields))
+    if unbounded is None:
+        assert call.unbounded == ()
+    else:
+        assert len(call.unbounded) == 1 and unbounded in call.unbounded[0]

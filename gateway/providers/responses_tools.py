@@ -1,0 +1,156 @@
+"""The tools a Responses API request offers, and which of them OpenAI runs and bills (pure, no I/O).
+
+A request offers tools in `tools` and in input items that carry a tool list of their own
+(`additional_tools`, `tool_search_output`): every reading of what is offered (the fees a reservation
+holds, the tools a budget refuses, the limit on the calls OpenAI runs) reads all of them, as the
+allow-list does (`gateway.providers.responses_wire.filter_offers`).
+
+Tools are named for the allow-list by `name` (function and custom tools) or by `type` for the others.
+OpenAI runs a tool itself unless it is a function, a custom tool or one whose calls the agent runs
+(computer, local shell, shell, apply_patch); a `shell` with a hosted environment (`container_auto`, a
+`container_reference`) is OpenAI's to run, in a container billed per session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = [
+    "AGENT_CALLS", "CALL_ITEMS", "UNPRICED_TOOLS", "call_name", "hosted", "item_type", "limit_hosted_calls",
+    "offered_tools", "offers_preview_search", "search_limits", "tool_name", "unpriced_tools",
+]
+
+# the call items the agent runs (judged by the guards), by item type: the allow-list name of their tool,
+# or None for the item's own `name` (function and custom tools)
+AGENT_CALLS: dict[str, str | None] = {
+    "function_call": None, "custom_tool_call": None, "computer_call": "computer",
+    "local_shell_call": "local_shell", "shell_call": "shell", "apply_patch_call": "apply_patch",
+}
+CALL_ITEMS = frozenset(AGENT_CALLS)
+_AGENT_RUN_TOOLS = frozenset(name for name in AGENT_CALLS.values() if name)
+_SEARCH_TOOLS = ("web_search", "file_search")  # tool types (some dated) whose calls are billed apart
+# tools OpenAI bills apart at a cost tollgate does not price: a container per Code Interpreter or hosted
+# shell session, an image model's output per generated image (none of them is in `usage`)
+UNPRICED_TOOLS = ("code_interpreter", "image_generation")
+_TOOL_ALIASES = {"computer_use_preview": "computer"}  # both tool types make `computer_call` items
+
+
+def item_type(value: Any) -> str | None:
+    """The `type` of an item, tool or event when it is a string; anything else is no type tollgate knows
+    (and never reaches a set lookup, where a list would raise)."""
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    return kind if isinstance(kind, str) else None
+
+
+def tool_name(tool: Any) -> str:
+    """The allow-list name of an offered tool: `name` for function and custom tools, else `type`."""
+    kind = item_type(tool)
+    if kind in ("function", "custom"):
+        return str(tool.get("name", ""))
+    return _TOOL_ALIASES.get(kind, kind) if kind else ""
+
+
+def call_name(item: Mapping[str, Any]) -> str:
+    """The allow-list name of a call item's tool."""
+    return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
+
+
+def offered_tools(body: Mapping[str, Any]) -> Iterator[Any]:
+    """Every tool the request offers: `tools`, then the tool lists of its input items."""
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        yield from tools
+    items = body.get("input")
+    for item in items if isinstance(items, list) else ():
+        listed = item.get("tools") if isinstance(item, Mapping) else None
+        if isinstance(listed, list):
+            yield from listed
+
+
+def _hosted_shell(tool: Any) -> bool:
+    environment = tool.get("environment") if item_type(tool) == "shell" else None
+    return isinstance(environment, Mapping) and item_type(environment) not in (None, "local")
+
+
+def hosted(tool: Any) -> bool:
+    """An offered tool OpenAI runs itself (not a function, a custom tool or one the agent runs)."""
+    kind = item_type(tool)
+    if kind is None or kind in ("function", "custom"):
+        return False
+    return tool_name(tool) not in _AGENT_RUN_TOOLS or _hosted_shell(tool)
+
+
+def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The offered tools OpenAI bills apart whose cost tollgate cannot bound (`UNPRICED_TOOLS`, a hosted
+    shell's container)."""
+    names = set()
+    for tool in offered_tools(body):
+        kind = item_type(tool) or ""
+        if kind.startswith(UNPRICED_TOOLS):
+            names.add(kind)
+        elif _hosted_shell(tool):
+            names.add("shell (hosted container)")
+    return tuple(sorted(names))
+
+
+def offers_preview_search(body: Mapping[str, Any]) -> bool:
+    """The request offers `web_search_preview` (or a dated version of it), which OpenAI bills apart."""
+    return any((item_type(t) or "").startswith("web_search_preview") for t in offered_tools(body))
+
+
+def search_limits(body: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is offered:
+    web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""
+    if not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in offered_tools(body)):
+        return ()
+    sent = body.get("max_tool_calls")
+    return (sent if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0 else None,)
+
+
+def limit_hosted_calls(body: dict[str, Any], limit: int) -> bool:
+    """`max_tool_calls` (calls of the tools OpenAI runs, over the whole response) held to `limit` when the
+    request offers such a tool anywhere; with none left (`limit` <= 0) those tools are not offered. A
+    `max_tool_calls` that is no count is left as it came, for the API to refuse. True when the body changed."""
+    hosted_kinds = {item_type(t) for t in offered_tools(body) if hosted(t)}
+    if not hosted_kinds:
+        return False
+    if limit <= 0:
+        _drop_hosted(body, hosted_kinds)
+        return True
+    sent = body.get("max_tool_calls")
+    if sent is not None and not (isinstance(sent, int) and not isinstance(sent, bool) and sent > limit):
+        return False
+    body["max_tool_calls"] = limit
+    return True
+
+
+def _drop_hosted(body: dict[str, Any], kinds: set[str | None]) -> None:
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        kept = [t for t in tools if not hosted(t)]
+        if kept:
+            body["tools"] = kept
+        else:
+            for key in ("tools", "tool_choice", "parallel_tool_calls"):
+                body.pop(key, None)
+    items = body.get("input")
+    if isinstance(items, list):
+        body["input"] = [_without_hosted(item) for item in items]
+    choice = body.get("tool_choice")
+    if item_type(choice) in kinds:
+        del body["tool_choice"]  # it forced a tool no longer offered
+    elif isinstance(choice, Mapping) and item_type(choice) == "allowed_tools" and isinstance(choice.get("tools"), list):
+        allowed = [t for t in choice["tools"] if not hosted(t)]
+        if allowed:
+            body["tool_choice"] = {**choice, "tools": allowed}
+        else:
+            del body["tool_choice"]
+    body.pop("max_tool_calls", None)
+
+
+def _without_hosted(item: Any) -> Any:
+    listed = item.get("tools") if isinstance(item, Mapping) else None
+    if not isinstance(listed, list) or not any(hosted(t) for t in listed):
+        return item
+    return {**item, "tools": [t for t in listed if not hosted(t)]}
