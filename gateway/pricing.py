@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.call import Usage
 from gateway.config import Price
@@ -182,6 +182,21 @@ def _rate(value: Any) -> Rate | None:
     return Rate(float(base) / _MTOK, tiers)
 
 
+_UNLISTED = "*unlisted"
+"""The cache's name for every service tier a model's prices do not list (all priced at its dearest)."""
+CACHE_MAX = 4096
+"""Prices a `Pricer` keeps at most per cache. Model names come from requests: a cache full of them is
+emptied (each is looked up again when next asked for) rather than left to grow."""
+
+K = TypeVar("K")
+
+
+def _remember(cache: dict[K, ModelPrice | None], key: K, price: ModelPrice | None) -> None:
+    if len(cache) >= CACHE_MAX:
+        cache.clear()
+    cache[key] = price
+
+
 class Pricer:
     """Per-model prices. `lookup` returns None when neither config nor genai-prices knows the model."""
 
@@ -206,15 +221,28 @@ class Pricer:
         `preview_search`: it offers OpenAI's `web_search_preview`, dearer on a model that does not reason.
         `service_tier`: the tier the request asks for; the price is at `reserved_tier(service_tier)`, and
         `ModelPrice.at_tier` turns it into the price of the tier its answer reports."""
+        standard = self._standard(model, provider_type, searches, output_billed, preview_search)
         tier = reserved_tier(service_tier)
-        key = (provider_type, model, searches, output_billed, preview_search, tier)
+        if standard is None or tier == STANDARD_TIER or not standard.service_tiers:
+            return standard
+        # a tier the model does not list is priced like any other it does not list (the dearest): the key
+        # holds one of the listed names, never the caller's string, so no request can grow the cache
+        name = tier if tier in dict(standard.service_tiers) else _UNLISTED
+        key = (provider_type, model, searches, output_billed, preview_search, name)
+        if key not in self._cache:
+            _remember(self._cache, key, standard.for_request(tier))
+        return self._cache[key]
+
+    def _standard(self, model: str, provider_type: str, searches: bool, output_billed: bool,
+                  preview_search: bool) -> ModelPrice | None:
+        key = (provider_type, model, searches, output_billed, preview_search, STANDARD_TIER)
         if key not in self._cache:
             price = self._find(model, provider_type, searches, output_billed)
             if price is not None and provider_type == "openai" and self._openai_model(model, price, searches,
                                                                                       preview_search):
                 price = _openai_search_fees(price, model, searches=searches, preview=preview_search,
                                             per_k=self._search_per_k(model))
-            self._cache[key] = price.for_request(tier) if price is not None else None
+            _remember(self._cache, key, price)
         return self._cache[key]
 
     def _override(self, model: str) -> Price | None:
@@ -233,7 +261,7 @@ class Pricer:
     def _genai(self, model: str, provider_type: str, output_billed: bool = True) -> ModelPrice | None:
         key = (model, provider_type, output_billed)
         if key not in self._genai_cache:
-            self._genai_cache[key] = _from_genai_prices(model, provider_type, output_billed)
+            _remember(self._genai_cache, key, _from_genai_prices(model, provider_type, output_billed))
         return self._genai_cache[key]
 
     def _search_per_k(self, model: str) -> float | None:

@@ -45,7 +45,7 @@ from gateway.pipeline import (
 )
 from gateway.pricing import ModelPrice
 from gateway.providers.base import Adapter
-from gateway.providers.responses_tools import offers_preview_search
+from gateway.providers.responses_tools import offered_tools, offers_preview_search
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.routing import Route
@@ -145,7 +145,7 @@ def offered(adapter: Adapter, call: Call, body: dict[str, Any]) -> Call:
     return replace(call, unpriced_tools=adapter.unpriced_tools(body) if call.unpriced_tools else (),
                    unreserved_tools=adapter.unreserved_tools(body) if call.unreserved_tools else (),
                    search_limits=adapter.search_limits(body) if call.search_limits else (),
-                   search_preview=call.search_preview and offers_preview_search(body))
+                   search_preview=call.search_preview and offers_preview_search(offered_tools(body)))
 
 
 async def conclude(gw: Gateway, step: Step) -> None:

@@ -47,20 +47,29 @@ UNBOUNDED_FIELDS: dict[str, str] = {
               "send the whole conversation instead",
     "fallbacks": "'fallbacks' lets Anthropic answer on other models, with limits of their own, that the "
                  "budget neither prices nor holds; send the request without fallbacks",
+    "context_management": "a 'context_management' compaction edit makes Anthropic summarize the context in a "
+                          "sampling of its own, on top of the answer, whose output no limit tollgate sends "
+                          "bounds; send the request without it (or compact the context yourself)",
 }
 """Request fields whose cost tollgate cannot bound, and why (`Call.unbounded`: any budget refuses them)."""
 
 
 def unbounded_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
     """Why the request's cost cannot be bounded, one reason per field (`UNBOUNDED_FIELDS`): a `thread`
-    other than `{"type": "create"}` (which starts holding a conversation the body carries whole), and
-    `fallbacks` other than none or an empty list (`"default"` too: the server picks the models)."""
+    other than `{"type": "create"}` (which starts holding a conversation the body carries whole),
+    `fallbacks` other than none or an empty list (`"default"` too: the server picks the models), and a
+    compaction among the `context_management` edits (clearing edits only lower the input: they pass)."""
     reasons: list[str] = []
     thread = body.get("thread")
     if thread is not None and not (isinstance(thread, Mapping) and thread.get("type") == "create"):
         reasons.append(UNBOUNDED_FIELDS["thread"])
     if body.get("fallbacks") not in (None, []):
         reasons.append(UNBOUNDED_FIELDS["fallbacks"])
+    management = body.get("context_management")
+    edits = management.get("edits") if isinstance(management, Mapping) else None
+    if isinstance(edits, list) and any(isinstance(e, Mapping) and str(e.get("type", "")).startswith("compact")
+                                       for e in edits):
+        reasons.append(UNBOUNDED_FIELDS["context_management"])
     return tuple(reasons)
 
 

@@ -26,6 +26,7 @@ from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
     input_parts,
+    may_contain,
     opt_int,
     opt_number,
     require_model,
@@ -41,6 +42,7 @@ from gateway.providers.responses_tools import (
     call_name,
     item_type,
     limit_hosted_calls,
+    offered_tools,
     offers_preview_search,
     search_limits,
     tool_name,
@@ -119,19 +121,25 @@ def _input(body: Mapping[str, Any], limits: Limits) -> list[Any]:
     return value
 
 
-def _unbounded(body: Mapping[str, Any], items: list[Any]) -> tuple[str, ...]:
+def _unbounded(body: Mapping[str, Any], items: list[Any], raw: bytes) -> tuple[str, ...]:
     """What a budget cannot bound in this request (`Call.unbounded`: refused under one): reasoning items
     whose content OpenAI fetches from storage by id, billed as input the body does not carry, and a
-    compaction inside the response, whose output `max_output_tokens` is not known to bound."""
+    compaction inside the response, whose output `max_output_tokens` is not known to bound. One byte test,
+    then at most one walk of the input."""
     reasons = []
-    stored = [i for i, item in enumerate(items) if item_type(item) == "reasoning"
-              and not item.get("encrypted_content") and not item.get("content")]
+    stored: list[int] = []
+    trigger = False
+    if may_contain(raw, b"reasoning", b"compaction_trigger"):
+        for index, item in enumerate(items):
+            kind = item.get("type")  # every item is an object (`_input`)
+            if kind == "reasoning" and not item.get("encrypted_content") and not item.get("content"):
+                stored.append(index)
+            trigger = trigger or kind == "compaction_trigger"
     if stored:
         reasons.append(f"input items {stored[:10]} are reasoning OpenAI reads from storage by id (no "
                        "encrypted_content), billed as input tollgate cannot see; ask for include: "
                        "['reasoning.encrypted_content'] and send it back")
-    if (any(item_type(rule) == "compaction" for rule in _parts_of(body.get("context_management")))
-            or any(item_type(item) == "compaction_trigger" for item in items)):
+    if trigger or any(item_type(rule) == "compaction" for rule in _parts_of(body.get("context_management"))):
         reasons.append("a compaction inside the response (context_management, a compaction_trigger item) "
                        "has no output limit tollgate can hold; compact through /v1/responses/compact, which "
                        "tollgate reserves")
@@ -194,6 +202,7 @@ class OpenAIResponses:
         if stream is not None and not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean", param="stream")
         images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
+        offered = offered_tools(body, raw)
         return Call(
             protocol="openai_responses",
             operation="chat",
@@ -210,10 +219,10 @@ class OpenAIResponses:
                                  top_p=opt_number(body, "top_p")),
             request_hash=digest(raw),
             raw=body,
-            search_limits=self.search_limits(body),
-            search_preview=offers_preview_search(body),
-            unpriced_tools=unpriced_tools(body),
-            unbounded=_unbounded(body, items),
+            search_limits=search_limits(body, offered),
+            search_preview=offers_preview_search(offered),
+            unpriced_tools=unpriced_tools(offered),
+            unbounded=_unbounded(body, items, raw),
             service_tier=service_tier(body),
         )
 
@@ -261,13 +270,13 @@ class OpenAIResponses:
         return limit_hosted_calls(body, limit)
 
     def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
-        return unpriced_tools(body)
+        return unpriced_tools(offered_tools(body))
 
     def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
 
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
-        return search_limits(body)
+        return search_limits(body, offered_tools(body))
 
     def ask_usage(self, body: dict[str, Any]) -> bool:
         return False  # the final event of a stream always carries the usage

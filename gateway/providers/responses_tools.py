@@ -13,8 +13,10 @@ OpenAI runs a tool itself unless it is a function, a custom tool or one whose ca
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from gateway.providers.common import may_contain
 
 __all__ = [
     "AGENT_CALLS", "CALL_ITEMS", "UNPRICED_TOOLS", "call_name", "hosted", "item_type", "limit_hosted_calls",
@@ -56,16 +58,23 @@ def call_name(item: Mapping[str, Any]) -> str:
     return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
 
 
-def offered_tools(body: Mapping[str, Any]) -> Iterator[Any]:
-    """Every tool the request offers: `tools`, then the tool lists of its input items."""
+_ITEMS_WITH_TOOLS = (b"additional_tools", b"tool_search_output")  # input item types that carry a tool list
+
+
+def offered_tools(body: Mapping[str, Any], raw: bytes | None = None) -> list[Any]:
+    """Every tool the request offers: `tools`, then the tool lists of its input items. With the request's
+    `raw` bytes, the input is walked only when they may hold an item type that carries tools (one byte
+    test: most requests, long conversations included, skip the walk)."""
     tools = body.get("tools")
-    if isinstance(tools, list):
-        yield from tools
+    offered = list(tools) if isinstance(tools, list) else []
     items = body.get("input")
-    for item in items if isinstance(items, list) else ():
-        listed = item.get("tools") if isinstance(item, Mapping) else None
+    if not isinstance(items, list) or (raw is not None and not may_contain(raw, *_ITEMS_WITH_TOOLS)):
+        return offered
+    for item in items:
+        listed = item.get("tools") if type(item) is dict else None
         if isinstance(listed, list):
-            yield from listed
+            offered += listed
+    return offered
 
 
 def _hosted_shell(tool: Any) -> bool:
@@ -81,11 +90,11 @@ def hosted(tool: Any) -> bool:
     return tool_name(tool) not in _AGENT_RUN_TOOLS or _hosted_shell(tool)
 
 
-def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """The offered tools OpenAI bills apart whose cost tollgate cannot bound (`UNPRICED_TOOLS`, a hosted
-    shell's container)."""
+def unpriced_tools(offered: Iterable[Any]) -> tuple[str, ...]:
+    """Of the `offered_tools`, those OpenAI bills apart whose cost tollgate cannot bound (`UNPRICED_TOOLS`,
+    a hosted shell's container)."""
     names = set()
-    for tool in offered_tools(body):
+    for tool in offered:
         kind = item_type(tool) or ""
         if kind.startswith(UNPRICED_TOOLS):
             names.add(kind)
@@ -94,15 +103,16 @@ def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def offers_preview_search(body: Mapping[str, Any]) -> bool:
-    """The request offers `web_search_preview` (or a dated version of it), which OpenAI bills apart."""
-    return any((item_type(t) or "").startswith("web_search_preview") for t in offered_tools(body))
+def offers_preview_search(offered: Iterable[Any]) -> bool:
+    """The `offered_tools` hold `web_search_preview` (or a dated version of it), which OpenAI bills apart."""
+    return any((item_type(t) or "").startswith("web_search_preview") for t in offered)
 
 
-def search_limits(body: Mapping[str, Any]) -> tuple[int | None, ...]:
-    """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is offered:
-    web search and file search, billed per call. It bounds every call of the tools OpenAI runs."""
-    if not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in offered_tools(body)):
+def search_limits(body: Mapping[str, Any], offered: Iterable[Any]) -> tuple[int | None, ...]:
+    """`max_tool_calls` (None when it sends no count) when a tool whose runs are billed apart is offered
+    (`offered`: the request's `offered_tools`): web search and file search, billed per call. It bounds every
+    call of the tools OpenAI runs."""
+    if not any((item_type(t) or "").startswith(_SEARCH_TOOLS) for t in offered):
         return ()
     sent = body.get("max_tool_calls")
     return (sent if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0 else None,)

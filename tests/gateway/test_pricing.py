@@ -474,3 +474,16 @@ def test_a_model_without_fast_rates_is_reserved_at_its_standard_rates_for_a_fast
     fast = Pricer({}).lookup("claude-3-5-haiku-latest", "anthropic", service_tier="fast")
     standard = Pricer({}).lookup("claude-3-5-haiku-latest", "anthropic")
     assert fast is not None and standard is not None and fast.cost(Usage(1000, 1000)) == standard.cost(Usage(1000, 1000))
+
+
+def test_the_price_caches_stay_bounded_whatever_names_requests_send() -> None:
+    """Model names and service tiers come from requests: a flood of new ones empties a full cache rather
+    than growing it (each is looked up again when next asked for)."""
+    pricer = Pricer({"gpt-*": Price(input_per_mtok=1.0, output_per_mtok=2.0)})
+    for i in range(pricing.CACHE_MAX + 10):
+        assert pricer.lookup(f"gpt-{i}", "openai") is not None
+    assert len(pricer._cache) <= pricing.CACHE_MAX
+    listed = Pricer({})
+    for i in range(50):
+        listed.lookup("gpt-4.1", "openai", service_tier=f"made-up-{i}")
+    assert len(listed._cache) == 2  # the standard price and the one every unlisted tier shares

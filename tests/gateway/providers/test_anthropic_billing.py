@@ -73,6 +73,12 @@ CONTINUE = {"type": "continue", "previous_message_id": "msg_01"}
     ({"fallbacks": [{"model": "claude-opus-4-8", "max_tokens": 64000}]}, (UNBOUNDED_FIELDS["fallbacks"],)),
     ({"fallbacks": "default"}, (UNBOUNDED_FIELDS["fallbacks"],)),  # the server picks the models
     ({"thread": CONTINUE, "fallbacks": "default"}, (UNBOUNDED_FIELDS["thread"], UNBOUNDED_FIELDS["fallbacks"])),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, ()),  # clearing lowers the input
+    ({"context_management": {"edits": [{"type": "compact_20260112", "trigger": {"type": "input_tokens",
+                                                                               "value": 30000}}]}},
+     (UNBOUNDED_FIELDS["context_management"],)),
+    ({"context_management": {"edits": "compact"}}, ()),  # not a list of edits: nothing Anthropic would run
+    ({"context_management": ["compact"]}, ()),
 ])
 def test_unbounded_fields(fields: dict[str, Any], reasons: tuple[str, ...]) -> None:
     assert unbounded_fields(fields) == reasons

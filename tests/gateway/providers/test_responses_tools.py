@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.providers.responses_tools import (
@@ -58,14 +59,29 @@ def test_which_tools_openai_runs(tool: dict[str, Any], runs: bool) -> None:
 ])
 def test_tools_billed_apart_at_a_cost_tollgate_cannot_bound(request_body: dict[str, Any],
                                                             unpriced: tuple[str, ...]) -> None:
-    assert unpriced_tools(request_body) == unpriced
+    assert unpriced_tools(offered_tools(request_body)) == unpriced
 
 
 def test_searches_offered_in_input_items_are_limited_and_priced() -> None:
-    assert search_limits(body([FUNCTION], [SEARCH])) == (None,)
-    assert search_limits({**body([FUNCTION], [SEARCH]), "max_tool_calls": 3}) == (3,)
-    assert search_limits(body([FUNCTION])) == ()
-    assert offers_preview_search(body(None, [{"type": "web_search_preview_2025_03_11"}]))
+    extra = body([FUNCTION], [SEARCH])
+    assert search_limits(extra, offered_tools(extra)) == (None,)
+    limited = {**extra, "max_tool_calls": 3}
+    assert search_limits(limited, offered_tools(limited)) == (3,)
+    assert search_limits(body([FUNCTION]), [FUNCTION]) == ()
+    assert offers_preview_search(offered_tools(body(None, [{"type": "web_search_preview_2025_03_11"}])))
+
+
+def test_the_input_is_walked_only_when_its_bytes_may_hold_an_item_with_tools() -> None:
+    """Given the raw bytes, a request whose input holds no item type that carries tools is not walked (one
+    byte test); an escaped spelling of the type still is."""
+    plain = body([FUNCTION])
+    plain["input"] = [*plain["input"], {"type": "message", "role": "user", "content": "x", "tools": [SEARCH]}]
+    raw = orjson.dumps(plain)
+    assert offered_tools(plain, raw) == [FUNCTION]  # no item type that carries tools: the walk is skipped
+    assert offered_tools(plain) == [FUNCTION, SEARCH]  # without the bytes, every item is read
+    extra = body([FUNCTION], [SEARCH])
+    escaped = orjson.dumps(extra).replace(b'"additional_tools"', b'"\\u0061dditional_tools"')
+    assert offered_tools(orjson.loads(escaped), escaped) == [FUNCTION, SEARCH]
 
 
 def test_a_limit_is_sent_when_a_hosted_tool_is_offered_anywhere() -> None:
