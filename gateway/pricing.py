@@ -53,6 +53,16 @@ _TOKEN_RATES = ("input", "output", "cache_read", "cache_write", "cache_write_1h"
 """The `ModelPrice` fields a service tier sets (the search fees and the per-call fee do not change)."""
 
 
+_STANDARD_ANSWERS = frozenset({"default", "standard", "scale", "auto", "", "flex", "batch"})
+"""Tiers an answer may report that bill the standard rates or less (Anthropic reports `usage.speed:
+"standard"`; `flex` and `batch` are discounts): settled at the standard rates when the model lists none."""
+
+
+def _dearest(tiers: dict[str, ModelPrice]) -> str:
+    """The listed tier with the highest output rate (then input rate)."""
+    return max(tiers, key=lambda name: (tiers[name].output.base, tiers[name].input.base))
+
+
 def reserved_tier(requested: str | None) -> str:
     """The service tier a request asking for `requested` is reserved at (`_STANDARD_REQUESTS`); a name
     genai-prices does not list is resolved by `ModelPrice.for_request`."""
@@ -122,13 +132,15 @@ class ModelPrice:
         return self.output.worst
 
     def at_tier(self, tier: str | None) -> ModelPrice:
-        """These prices at the service tier `tier` an answer reports. A tier genai-prices does not list
-        (`scale`, a new name) is billed at the standard rates, as genai-prices prices it. None (the answer
-        does not say) or prices without tiers (a `pricing:` entry, a model without tiers): unchanged."""
+        """These prices at the service tier `tier` an answer reports. One the model's prices do not list is
+        billed at the standard rates when it bills them or less (`_STANDARD_ANSWERS`), any other (a new
+        name) at the dearest they list: a tier tollgate does not know may cost more, never
+        silently less. None (the answer does not say) or prices without tiers (a `pricing:` entry, a model
+        without tiers): unchanged."""
         if tier is None or not self.service_tiers or tier == self.service_tier:
             return self
         tiers = dict(self.service_tiers)
-        name = tier if tier in tiers else STANDARD_TIER
+        name = tier if tier in tiers else STANDARD_TIER if tier in _STANDARD_ANSWERS else _dearest(tiers)
         rates = tiers.get(name)
         if rates is None or name == self.service_tier:
             return self
@@ -140,9 +152,7 @@ class ModelPrice:
         if not self.service_tiers or tier == STANDARD_TIER:
             return self.at_tier(tier)
         tiers = dict(self.service_tiers)
-        if tier not in tiers:
-            tier = max(tiers, key=lambda name: (tiers[name].output.base, tiers[name].input.base))
-        return self.at_tier(tier)
+        return self.at_tier(tier if tier in tiers else _dearest(tiers))
 
     def cost(self, usage: Usage) -> float:
         """USD for `usage` (input tokens include cached ones, as in semconv; input and output tokens include

@@ -356,7 +356,8 @@ def test_a_settlement_follows_the_tier_the_answer_reports(requested: str | None,
     price = Pricer({}).lookup("gpt-4o-mini", "openai", searches=True, service_tier=requested)
     assert price is not None
     settled = price.at_tier(answered)
-    listed = answered if answered in ("priority", "flex") else None  # genai-prices: others are standard
+    # a tier named standard (`scale` too) is billed at the standard rates; one nobody lists at the dearest
+    listed = answered if answered in ("priority", "flex") else "priority" if answered == "made-up" else None
     want = genai_total("gpt-4o-mini", listed, input_tokens=2000, output_tokens=500)
     assert settled.cost(Usage(2000, 500)) == pytest.approx(want)
     assert settled.web_search == price.web_search  # fees do not depend on the tier
