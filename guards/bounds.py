@@ -19,6 +19,8 @@ reservation hold it whole, fee included (a fetch is held like a search: conserva
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gateway.call import Call
 from gateway.config import Budget
 from gateway.pricing import ModelPrice
@@ -37,7 +39,7 @@ MIN_OUTPUT_TOKENS = 16
 SEARCHES_WHEN_UNSET = 10
 """The limit tollgate sends for a billed search tool the request offers without one (with a budget)."""
 SEARCH_INPUT_TOKENS = 8000
-"""Input tokens held for what one search's results add to the input."""
+"""Input tokens held for what one search's results add to the input (`search_input`)."""
 _UNLIMITED = 2**31
 
 
@@ -55,6 +57,15 @@ def image_tokens(model: str) -> int:
     return next((tokens for part, tokens in IMAGE_TOKENS_BY_MODEL.items() if part in name), IMAGE_TOKENS)
 
 
+def search_input(bound: int, searches: int) -> int:
+    """Input tokens `searches` searches the provider runs can bill beyond the request's own `bound`. After
+    each search the model samples again over the whole context, billed as input again: the request and
+    the results of every search so far (`SEARCH_INPUT_TOKENS` each). So the k-th search adds `bound + k x
+    SEARCH_INPUT_TOKENS`: quadratic in the searches, as providers bill it (a search-augmented Anthropic
+    answer reports several times the input its first turn read)."""
+    return searches * bound + SEARCH_INPUT_TOKENS * searches * (searches + 1) // 2
+
+
 def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int | None:
     """The limit to send for each billed search tool, or None to send none (no such tool, no budget, or
     every limit the request sends is already paid for)."""
@@ -66,13 +77,12 @@ def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunS
     bound = input_bound(call)
     affordable: list[int] = []
     if budget.usd is not None and price is not None:
-        per_search = price.search_fee + SEARCH_INPUT_TOKENS * price.worst_input
-        left = (budget.usd - _held(run, "usd") - bound * price.worst_input
-                - choices * MIN_OUTPUT_TOKENS * price.output.worst)
-        affordable.append(_per_tool(left, per_search, count))
+        fee, rate = price.search_fee, price.worst_input
+        left = (budget.usd - _held(run, "usd") - bound * rate - choices * MIN_OUTPUT_TOKENS * price.output.worst)
+        affordable.append(_per_tool(left, count, lambda n: n * fee + search_input(bound, n) * rate))
     if budget.tokens is not None:
         left = budget.tokens - _held(run, "tokens") - bound - choices * MIN_OUTPUT_TOKENS
-        affordable.append(_per_tool(left, SEARCH_INPUT_TOKENS, count))
+        affordable.append(_per_tool(left, count, lambda n: search_input(bound, n)))
     if not affordable:
         return None
     sent = [limit for limit in limits if limit is not None]
@@ -96,7 +106,16 @@ def _held(run: RunState | None, counter: str) -> float:
     return run.used.get(counter, 0.0) + run.reserved.get(counter, 0.0) if run is not None else 0.0
 
 
-def _per_tool(left: float, per_search: float, tools: int) -> int:
-    if per_search <= 0:
+def _per_tool(left: float, tools: int, cost: Callable[[int], float]) -> int:
+    """Most searches per tool, `tools` of them, whose total `cost(searches)` (increasing) fits in `left`."""
+    if cost(tools) <= 0:
         return _UNLIMITED  # free searches (a model priced at 0): the budget limits none
-    return max(0, min(_UNLIMITED, int(left / per_search / tools)))
+    if cost(tools) > left:
+        return 0
+    low, high = 1, 2  # cost(tools * low) fits; find one that does not, then bisect between them
+    while high < _UNLIMITED and cost(tools * high) <= left:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if cost(tools * middle) <= left else (low, middle)
+    return min(low, _UNLIMITED)

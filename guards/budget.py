@@ -26,7 +26,7 @@ from gateway.call import Answer, Usage
 from gateway.pricing import ModelPrice
 from gateway.store.base import Claim, Reservation
 from guards.base import BaseGuard, Decision, StepContext
-from guards.bounds import IMAGE_TOKENS, SEARCH_INPUT_TOKENS, input_bound, searches_allowed
+from guards.bounds import IMAGE_TOKENS, input_bound, search_input, searches_allowed
 
 __all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "PriceOf", "answer_usage", "settlement", "usage_cost"]
 
@@ -74,7 +74,8 @@ class BudgetGuard(BaseGuard):
         bound = input_bound(ctx.call)
         choices = float(ctx.call.params.choice_count or 1)
         searches = searches_allowed(ctx.call, ctx.price, budget, ctx.run) if ctx.call.search_limits else 0
-        claims = [Claim("tokens", float(bound + searches * SEARCH_INPUT_TOKENS), choices, _f(budget.tokens),
+        held = bound + search_input(bound, searches)  # each search re-reads the context and adds its results
+        claims = [Claim("tokens", float(held), choices, _f(budget.tokens),
                         "token_budget_exhausted")]
         price = ctx.price
         if price is None:
@@ -96,7 +97,7 @@ class BudgetGuard(BaseGuard):
                 "budget cannot be enforced; add its prices under `pricing:` in the config",
             )
         else:
-            fixed = (bound + searches * SEARCH_INPUT_TOKENS) * price.worst_input + searches * price.search_fee
+            fixed = held * price.worst_input + searches * price.search_fee
             fixed += price.per_call
             # `price` is at the tier the request asks for (`gateway.pricing.reserved_tier`); an audio rate
             # counts for output only when the request lets the model speak, for input always (`worst_input`)

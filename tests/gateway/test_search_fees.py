@@ -86,14 +86,15 @@ async def test_anthropic_search_limit_of_the_agent_is_kept_and_reserved(gateway_
 
 
 async def test_anthropic_search_limit_follows_the_budget_left(gateway_factory: GatewayFactory) -> None:
-    """$0.05 pays for 2 searches ($0.01 and 8,000 input tokens at the dearest input rate, $1.6/Mtok, each)
-    after the input bound and the smallest answer: the provider is given max_uses 2."""
-    h = await gateway_factory(agents=agents(0.05))
+    """$0.08 pays for 2 searches and not 3 after the input bound and the smallest answer: each costs $0.01
+    and the input it bills at the dearest input rate, $1.6/Mtok (the k-th search re-reads the ~1,000-token
+    request with k results of 8,000 tokens: ~$0.062 for 2, ~$0.112 for 3): the provider is given max_uses 2."""
+    h = await gateway_factory(agents=agents(0.08))
     h.fake.queue(Reply(body=searched(1)))
     await ask_claude(h, "ws-few", [WEB_SEARCH])
     assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 2}]
     view = await h.run("ws-few")
-    assert view["status"] == "active" and view["spent_usd"] <= 0.05
+    assert view["status"] == "active" and view["spent_usd"] <= 0.08
 
 
 async def test_anthropic_search_nobody_can_pay_for_is_not_offered(gateway_factory: GatewayFactory) -> None:
@@ -139,7 +140,8 @@ async def test_without_a_budget_the_request_is_forwarded_as_sent(gateway_factory
 
 
 async def test_a_token_budget_limits_searches_by_the_tokens_their_results_add(gateway_factory: GatewayFactory) -> None:
-    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 3 * SEARCH_INPUT_TOKENS}}})
+    # 2 searches hold ~2 re-reads of the ~1,000-token request and 3 x 8,000 result tokens; 3 hold 6 x 8,000
+    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 5 * SEARCH_INPUT_TOKENS}}})
     h.fake.queue(Reply(body=searched(1)))
     await ask_claude(h, "ws-tokens", [WEB_SEARCH])
     assert h.fake.seen[-1].json["tools"] == [{**WEB_SEARCH, "max_uses": 2}]
@@ -205,3 +207,24 @@ async def test_tools_openai_bills_apart_at_a_cost_tollgate_cannot_bound_are_refu
         await client.responses.create(model=GPT, input="news?", tools=[  # type: ignore[list-item]
             code, {"type": "function", "name": "lookup", "parameters": {"type": "object"}}])
     assert [t["type"] for t in h.fake.seen[-1].json["tools"]] == ["function"]  # the allow-list removed it
+
+
+async def test_each_search_is_held_as_a_reread_of_the_whole_context(gateway_factory: GatewayFactory) -> None:
+    """After each search the model samples again over the whole context, billed as input again: with a
+    20,000-token conversation, 4 searches bill 5 x 20,000 + 8,000 x (1 + 2 + 3 + 4) = 180,000 input tokens,
+    three times a 60,000-token budget that holding the results alone (20,000 + 4 x 8,000) let through.
+    The limit sent is one whose re-reads the budget pays for; Anthropic bills what that allows."""
+    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 60_000}}})
+    context = "x" * 20_000
+    h.fake.queue(Reply(body=searched(1, input_tokens=2 * 21_000 + SEARCH_INPUT_TOKENS)))
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers=headers("ws-reread")) as client:
+        await client.messages.create(model=CLAUDE, max_tokens=64, tools=[WEB_SEARCH],  # type: ignore[list-item]
+                                     messages=[{"role": "user", "content": context}])
+    seen = h.fake.seen[-1]
+    uses = seen.json["tools"][0]["max_uses"]
+    bound = len(seen.body) + 804  # the body and Anthropic's tool-use system prompt
+    worst = bound + sum(bound + k * SEARCH_INPUT_TOKENS for k in range(1, uses + 1)) + 64
+    assert uses == 1 and worst <= 60_000, (uses, worst)
+    view = await h.run("ws-reread")
+    assert view["input_tokens"] + view["output_tokens"] <= 60_000

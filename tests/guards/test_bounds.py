@@ -16,15 +16,29 @@ from guards.bounds import (
     SEARCHES_WHEN_UNSET,
     image_tokens,
     input_bound,
+    search_input,
     search_limit,
     searches_allowed,
 )
 from tests.guards.support import PRICE, call, run
 
-# $1 / $4 per Mtok, $10 per 1,000 web searches: one search holds $0.01 + 8,000 input tokens ($0.008)
+# $1 / $4 per Mtok, $10 per 1,000 web searches; the request's input bound is 1,000 tokens
 SEARCHING = ModelPrice(Rate(1e-6), Rate(4e-6), web_search=0.01, file_search=0.0025)
-PER_SEARCH = 0.01 + SEARCH_INPUT_TOKENS * 1e-6
 FIXED = 1000 * 1e-6 + MIN_OUTPUT_TOKENS * 4e-6  # the input bound and the smallest answer of one choice
+
+
+def held_tokens(searches: int) -> int:
+    """What `searches` searches add to a 1,000-token request: the k-th re-reads it with k results."""
+    return sum(1000 + k * SEARCH_INPUT_TOKENS for k in range(1, searches + 1))
+
+
+def usd(searches: int) -> float:
+    return searches * 0.01 + held_tokens(searches) * 1e-6
+
+
+def pays_for(searches: int) -> float:
+    """USD that pays for `searches` searches and not one more (beyond FIXED)."""
+    return (usd(searches) + usd(searches + 1)) / 2
 
 
 def test_input_bound_counts_each_image_apart() -> None:
@@ -52,14 +66,14 @@ def test_input_bound_adds_what_the_provider_bills_beyond_the_body() -> None:
         ((None,), {}, 0.0, None),  # no budget: nothing to limit
         ((None,), {"usd": 5.0}, 0.0, SEARCHES_WHEN_UNSET),
         ((3,), {"usd": 5.0}, 0.0, None),  # the request's own limit is paid for: kept as sent
-        ((None,), {"usd": FIXED + 4.5 * PER_SEARCH}, 0.0, 4),  # what the budget left pays for
-        ((None,), {"usd": 5.0}, 5.0 - FIXED - 3.5 * PER_SEARCH, 3),  # after what the run spent and holds
-        ((10,), {"usd": FIXED + 4.5 * PER_SEARCH}, 0.0, 4),  # an unpayable limit is lowered, like max_tokens
-        ((None, None), {"usd": FIXED + 4.5 * PER_SEARCH}, 0.0, 2),  # shared between the tools
-        ((None,), {"usd": FIXED + 0.5 * PER_SEARCH}, 0.0, 0),  # none paid for: the tools are not offered
+        ((None,), {"usd": FIXED + pays_for(4)}, 0.0, 4),  # what the budget left pays for
+        ((None,), {"usd": 5.0}, 5.0 - FIXED - pays_for(3), 3),  # after what the run spent and holds
+        ((10,), {"usd": FIXED + pays_for(4)}, 0.0, 4),  # an unpayable limit is lowered, like max_tokens
+        ((None, None), {"usd": FIXED + pays_for(4)}, 0.0, 2),  # shared between the tools
+        ((None,), {"usd": FIXED + usd(1) / 2}, 0.0, 0),  # none paid for: the tools are not offered
         ((None,), {"usd": FIXED - 1e-9}, 0.0, 0),  # not even the smallest answer: the store stops the run
-        ((None,), {"tokens": 1000 + MIN_OUTPUT_TOKENS + 2 * SEARCH_INPUT_TOKENS}, 0.0, 2),  # a token budget
-        ((5,), {"usd": 5.0, "tokens": 1000 + MIN_OUTPUT_TOKENS + 2 * SEARCH_INPUT_TOKENS}, 0.0, 2),  # the lower
+        ((None,), {"tokens": 1000 + MIN_OUTPUT_TOKENS + held_tokens(2)}, 0.0, 2),  # a token budget
+        ((5,), {"usd": 5.0, "tokens": 1000 + MIN_OUTPUT_TOKENS + held_tokens(2)}, 0.0, 2),  # the lower
     ],
 )
 def test_search_limit(limits: tuple[int | None, ...], budget: dict[str, float], held: float, sent: int | None) -> None:
@@ -69,7 +83,7 @@ def test_search_limit(limits: tuple[int | None, ...], budget: dict[str, float], 
 
 def test_search_limit_leaves_room_for_the_smallest_answer_of_every_choice() -> None:
     three = dataclasses.replace(call(input_bytes=1000, search_limits=(None,)), params=RequestParams(choice_count=3))
-    budget = Budget(usd=1000 * 1e-6 + 3 * MIN_OUTPUT_TOKENS * 4e-6 + 2.5 * PER_SEARCH)
+    budget = Budget(usd=1000 * 1e-6 + 3 * MIN_OUTPUT_TOKENS * 4e-6 + pays_for(2))
     assert search_limit(three, SEARCHING, budget, None) == 2
 
 
@@ -86,7 +100,7 @@ def test_free_searches_are_not_limited_by_the_budget() -> None:
         ((3,), {"usd": 5.0}, 3),
         ((None,), {}, SEARCHES_WHEN_UNSET),  # nothing sent: a bound for the books
         ((2, None, 5), {"usd": 5.0}, 7 + SEARCHES_WHEN_UNSET),
-        ((2, 10), {"usd": FIXED + 8.5 * PER_SEARCH}, 2 + 4),  # each tool held to the limit sent
+        ((2, 10), {"usd": FIXED + pays_for(8)}, 2 + 4),  # each tool held to the limit sent
     ],
 )
 def test_searches_allowed(limits: tuple[int | None, ...], budget: dict[str, float], searches: int) -> None:
@@ -94,7 +108,7 @@ def test_searches_allowed(limits: tuple[int | None, ...], budget: dict[str, floa
 
 
 def test_a_model_without_search_fees_still_holds_the_results_tokens() -> None:
-    budget = Budget(usd=FIXED + 2.5 * SEARCH_INPUT_TOKENS * PRICE.worst_input)
+    budget = Budget(usd=FIXED + (held_tokens(2) + held_tokens(3)) / 2 * PRICE.worst_input)
     assert search_limit(call(input_bytes=1000, search_limits=(None,)), PRICE, budget, None) == 2
 
 
@@ -103,7 +117,18 @@ def test_a_fetch_is_held_whole_as_the_searches_its_content_is_worth() -> None:
     one per SEARCH_INPUT_TOKENS a fetch may add: the limit shares the budget between them, so the fetches
     allowed are held whole (here 1 fetch of 20,000 tokens, held as 3 x 8,000)."""
     the_call = call(input_bytes=1000, search_limits=(5, 5, 5))
-    budget = Budget(tokens=1000 + MIN_OUTPUT_TOKENS + int(4.5 * SEARCH_INPUT_TOKENS))
+    budget = Budget(tokens=1000 + MIN_OUTPUT_TOKENS + (held_tokens(3) + held_tokens(6)) // 2)
     assert search_limit(the_call, SEARCHING, budget, None) == 1
     assert searches_allowed(the_call, SEARCHING, budget, None) * SEARCH_INPUT_TOKENS >= 1 * 20000
     assert search_limit(the_call, SEARCHING, Budget(tokens=10**6), None) is None  # paid for: kept as sent
+
+
+@pytest.mark.parametrize(("bound", "searches", "held"), [
+    (1000, 0, 0),
+    (1000, 1, 1000 + SEARCH_INPUT_TOKENS),
+    (1000, 3, 3 * 1000 + 6 * SEARCH_INPUT_TOKENS),
+    (50_000, 5, 5 * 50_000 + 15 * SEARCH_INPUT_TOKENS),  # a long context: its re-reads dominate
+])
+def test_each_search_rereads_the_context_with_the_results_so_far(bound: int, searches: int, held: int) -> None:
+    """After each search the model samples again over everything: the request and every result so far."""
+    assert search_input(bound, searches) == held

@@ -320,8 +320,10 @@ def test_searches_are_reserved_at_their_fee_and_the_tokens_their_results_add(lim
     searches = sum(SEARCHES_WHEN_UNSET if n is None else n for n in limits)
     decision = GUARD.before(ctx(the_call, policy(budget={"usd": 5.0}), price=SEARCHING))
     tokens_claim, usd_claim = decision.claims
-    assert tokens_claim.fixed == 1000 + searches * SEARCH_INPUT_TOKENS
-    assert usd_claim.fixed == pytest.approx((1000 + searches * SEARCH_INPUT_TOKENS) * 1e-6 + searches * 0.01)
+    # each search makes the model read the whole context again, with the results of every search so far
+    held = 1000 + sum(1000 + k * SEARCH_INPUT_TOKENS for k in range(1, searches + 1))
+    assert tokens_claim.fixed == held
+    assert usd_claim.fixed == pytest.approx(held * 1e-6 + searches * 0.01)
 
 
 def test_settlement_charges_the_searches_the_provider_reported() -> None:
