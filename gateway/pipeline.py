@@ -36,6 +36,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity, requested_run_id
+from gateway.output_limits import known_limit
 from gateway.providers.base import Adapter
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
 from gateway.runtime import Gateway
@@ -280,10 +281,13 @@ def _chain(gw: Gateway, step: Step) -> GuardChain:
 
 
 def output_limit(step: Step) -> int:
+    """The model's output limit: its `pricing:` entry's, else the provider's `max_output_tokens`, lowered
+    to the model's own when it is known to be lower (`gateway.output_limits`)."""
     price = step.price
     if price is not None and price.max_output_tokens:
         return price.max_output_tokens
-    return step.route.provider.max_output_tokens
+    default = step.route.provider.max_output_tokens
+    return min(known_limit(step.route.model) or default, default)
 
 
 async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> NoReturn:

@@ -95,6 +95,10 @@ BYPASSES: Final[dict[str, Bypass]] = {
     "/v1/fine_tuning/jobs/*/resume": _TRAINING,
     "/v1/containers": Bypass("a container is billed per session, at a cost tollgate does not price", False,
                              "use an agent without a budget for containers"),
+    "/v1/vector_stores/*/search": Bypass("a vector store search is billed per search, and `rewrite_query` runs a "
+                                         "model, at a cost tollgate does not price", False,
+                                         "search with the file_search tool of /v1/responses, which tollgate "
+                                         "reserves and prices"),
 }
 
 FREE: Final = frozenset({

@@ -280,7 +280,7 @@ def test_add_credentials(prov: Provider, before: dict[str, str], after: dict[str
 @pytest.mark.parametrize(
     ("price_limit", "provider_limit", "expected"),
     [
-        (None, 32768, 32768),  # no price: the provider's limit
+        (None, 32768, 16384),  # no price: the provider's limit, lowered to gpt-4o-mini's own
         (8192, 32768, 8192),  # the model's own limit wins
         (65536, 32768, 65536),
         (None, 1000, 1000),
@@ -292,6 +292,16 @@ def test_output_limit(price_limit: int | None, provider_limit: int, expected: in
     assert output_limit(make_step(provider=prov, price=price)) == expected
     if price_limit is None:
         assert output_limit(make_step(provider=prov)) == expected
+
+
+@pytest.mark.parametrize(("model", "provider_limit", "expected"), [
+    ("gpt-4o-mini", 32768, 16384),  # known lower than the default: a larger grant would be a 400
+    ("gpt-4o-mini", 1000, 1000),  # an operator's lower default still caps it
+    ("gpt-4.1", 32768, 32768),
+])
+def test_a_known_model_limit_lowers_the_providers_default(model: str, provider_limit: int, expected: int) -> None:
+    step = make_step(provider=provider("openai", max_output_tokens=provider_limit), model=model)
+    assert output_limit(step) == expected
 
 
 # -- guard.before: the max_tokens sent ---------------------------------------------------------------

@@ -61,7 +61,6 @@ UNGUARDED = Agent.model_validate({})
     ("POST", "/v1/decisions", True),  # unknown: may run model calls, so any guard refuses it
     ("PUT", "/v1/agents/sessions/s_1", True),
     ("PATCH", "/v1/something/new", True),
-    ("POST", "/v1/vector_stores/vs_1/search", True),
     ("POST", "/v1/files", False),  # known free
     ("POST", "/v1/threads/thread_1/messages", False),
     ("POST", "/v1/messages/count_tokens", False),
@@ -69,6 +68,7 @@ UNGUARDED = Agent.model_validate({})
     ("GET", "/v1/decisions/d_1", False),  # reads and deletions create nothing
     ("DELETE", "/v1/files/file_1", False),
     ("POST", "/v1/images/generations", False),  # billed, but only a budget forbids it
+    ("POST", "/v1/vector_stores/vs_1/search", False),
 ])
 def test_writes_to_paths_known_neither_billed_nor_free_fail_closed(method: str, path: str, refused: bool) -> None:
     refusal_ = forbidden(method, path, GUARDED)
@@ -77,6 +77,11 @@ def test_writes_to_paths_known_neither_billed_nor_free_fail_closed(method: str, 
     assert forbidden(method, path, UNGUARDED) is None  # an agent without guards has nothing to go around
     if refused and bypass_for(method, path) is None:
         assert refusal_ is not None and "does not know what this call runs or bills" in refusal_.message
+
+
+def test_a_budget_refuses_vector_store_search_and_says_what_to_use_instead() -> None:
+    refused = forbidden("POST", "/v1/vector_stores/vs_1/search", Agent.model_validate({"budget": {"usd": 2.0}}))
+    assert refused is not None and "file_search tool of /v1/responses" in refused.message
 
 
 def test_spellings_of_a_billed_path_are_that_path() -> None:
