@@ -170,6 +170,9 @@ class Call:
     # one entry per limit on the searches the provider may run and bill apart (an Anthropic web search
     # tool's `max_uses`, a Responses request's `max_tool_calls` over its search tools); None: no limit sent
     search_limits: tuple[int | None, ...] = ()
+    # the input tokens one use of each `search_limits` entry may add (its results: an Anthropic web fetch's
+    # `max_content_tokens`); empty, or shorter: `guards.bounds.SEARCH_INPUT_TOKENS` each
+    search_sizes: tuple[int, ...] = ()
     search_preview: bool = False  # it offers OpenAI's `web_search_preview` tool (priced apart: gateway.pricing)
     # it offers tools the provider runs between parts of the answer's text (Anthropic's server tools): text
     # before one is a preamble, so a stream's text is judged once it is known to be the answer's

@@ -145,6 +145,7 @@ def offered(adapter: Adapter, call: Call, body: dict[str, Any]) -> Call:
     return replace(call, unpriced_tools=adapter.unpriced_tools(body) if call.unpriced_tools else (),
                    unreserved_tools=adapter.unreserved_tools(body) if call.unreserved_tools else (),
                    search_limits=adapter.search_limits(body) if call.search_limits else (),
+                   search_sizes=adapter.search_sizes(body) if call.search_limits else (),
                    search_preview=call.search_preview and offers_preview_search(offered_tools(body)))
 
 

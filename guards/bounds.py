@@ -19,7 +19,7 @@ reservation hold it whole, fee included (a fetch is held like a search: conserva
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gateway.call import Call
 from gateway.config import Budget
@@ -57,13 +57,27 @@ def image_tokens(model: str) -> int:
     return next((tokens for part, tokens in IMAGE_TOKENS_BY_MODEL.items() if part in name), IMAGE_TOKENS)
 
 
-def search_input(bound: int, searches: int) -> int:
-    """Input tokens `searches` searches the provider runs can bill beyond the request's own `bound`. After
-    each search the model samples again over the whole context, billed as input again: the request and
-    the results of every search so far (`SEARCH_INPUT_TOKENS` each). So the k-th search adds `bound + k x
-    SEARCH_INPUT_TOKENS`: quadratic in the searches, as providers bill it (a search-augmented Anthropic
-    answer reports several times the input its first turn read)."""
-    return searches * bound + SEARCH_INPUT_TOKENS * searches * (searches + 1) // 2
+def search_input(bound: int, uses: Iterable[tuple[int, int]]) -> int:
+    """Input tokens the searches the provider runs can bill beyond the request's own `bound`, given as
+    (uses, tokens one use adds) per tool. After each search the model samples again over the whole
+    context, billed as input again: the request and the results of every search so far. So with results
+    of one size the k-th search adds `bound + k x size`: quadratic in the searches, as providers bill it (a
+    search-augmented Anthropic answer reports several times the input its first turn read); with several
+    sizes, the worst order is the largest results first."""
+    total = prefix = 0
+    for count, size in sorted(uses, key=lambda use: -use[1]):
+        total += count * (bound + prefix) + size * count * (count + 1) // 2
+        prefix += count * size
+    return total
+
+
+def sized_uses(call: Call, sent: int | None) -> list[tuple[int, int]]:
+    """(uses allowed, tokens one use adds) of each search tool once `sent` (`search_limit`) is sent: its
+    own limit (`SEARCHES_WHEN_UNSET` when it sends none), held to `sent`."""
+    sizes = call.search_sizes
+    return [(min(SEARCHES_WHEN_UNSET if own is None else own, sent if sent is not None else _UNLIMITED),
+             sizes[i] if i < len(sizes) else SEARCH_INPUT_TOKENS)
+            for i, own in enumerate(call.search_limits)]
 
 
 def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int | None:
@@ -76,13 +90,18 @@ def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunS
     choices = call.params.choice_count or 1
     bound = input_bound(call)
     affordable: list[int] = []
+    sizes = [size for _, size in sized_uses(call, None)]
+
+    def held(n: int) -> int:  # input held when each tool runs n searches
+        return search_input(bound, [(n, size) for size in sizes])
+
     if budget.usd is not None and price is not None:
         fee, rate = price.search_fee, price.worst_input
         left = (budget.usd - _held(run, "usd") - bound * rate - choices * MIN_OUTPUT_TOKENS * price.output.worst)
-        affordable.append(_per_tool(left, count, lambda n: n * fee + search_input(bound, n) * rate))
+        affordable.append(_per_tool(left, lambda n: count * n * fee + held(n) * rate))
     if budget.tokens is not None:
         left = budget.tokens - _held(run, "tokens") - bound - choices * MIN_OUTPUT_TOKENS
-        affordable.append(_per_tool(left, count, lambda n: search_input(bound, n)))
+        affordable.append(_per_tool(left, held))
     if not affordable:
         return None
     sent = [limit for limit in limits if limit is not None]
@@ -94,28 +113,23 @@ def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunS
 def searches_allowed(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int:
     """Most billed searches the request lets the provider run once `search_limit` is sent (one unset and
     not limited counts `SEARCHES_WHEN_UNSET`: a bound for the books)."""
-    sent = search_limit(call, price, budget, run)
-    total = 0
-    for limit in call.search_limits:
-        own = SEARCHES_WHEN_UNSET if limit is None else limit
-        total += own if sent is None else min(own, sent)
-    return total
+    return sum(uses for uses, _ in sized_uses(call, search_limit(call, price, budget, run)))
 
 
 def _held(run: RunState | None, counter: str) -> float:
     return run.used.get(counter, 0.0) + run.reserved.get(counter, 0.0) if run is not None else 0.0
 
 
-def _per_tool(left: float, tools: int, cost: Callable[[int], float]) -> int:
-    """Most searches per tool, `tools` of them, whose total `cost(searches)` (increasing) fits in `left`."""
-    if cost(tools) <= 0:
+def _per_tool(left: float, cost: Callable[[int], float]) -> int:
+    """Most searches per tool whose total `cost(searches per tool)` (increasing) fits in `left`."""
+    if cost(1) <= 0:
         return _UNLIMITED  # free searches (a model priced at 0): the budget limits none
-    if cost(tools) > left:
+    if cost(1) > left:
         return 0
-    low, high = 1, 2  # cost(tools * low) fits; find one that does not, then bisect between them
-    while high < _UNLIMITED and cost(tools * high) <= left:
+    low, high = 1, 2  # cost(low) fits; find one that does not, then bisect between them
+    while high < _UNLIMITED and cost(high) <= left:
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if cost(tools * middle) <= left else (low, middle)
+        low, high = (middle, high) if cost(middle) <= left else (low, middle)
     return min(low, _UNLIMITED)

@@ -26,7 +26,7 @@ from gateway.call import Answer, Usage
 from gateway.pricing import ModelPrice
 from gateway.store.base import Claim, Reservation
 from guards.base import BaseGuard, Decision, StepContext
-from guards.bounds import IMAGE_TOKENS, input_bound, search_input, searches_allowed
+from guards.bounds import IMAGE_TOKENS, input_bound, search_input, search_limit, sized_uses
 
 __all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "PriceOf", "answer_usage", "settlement", "usage_cost"]
 
@@ -73,8 +73,9 @@ class BudgetGuard(BaseGuard):
             )
         bound = input_bound(ctx.call)
         choices = float(ctx.call.params.choice_count or 1)
-        searches = searches_allowed(ctx.call, ctx.price, budget, ctx.run) if ctx.call.search_limits else 0
-        held = bound + search_input(bound, searches)  # each search re-reads the context and adds its results
+        uses = sized_uses(ctx.call, search_limit(ctx.call, ctx.price, budget, ctx.run)) if ctx.call.search_limits else []
+        searches = sum(count for count, _ in uses)
+        held = bound + search_input(bound, uses)  # each search re-reads the context and adds its results
         claims = [Claim("tokens", float(held), choices, _f(budget.tokens),
                         "token_budget_exhausted")]
         price = ctx.price

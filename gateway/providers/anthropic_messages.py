@@ -19,6 +19,7 @@ from gateway.providers.anthropic_tools import (
     input_overhead,
     offers_server_tools,
     search_limits,
+    search_sizes,
     type_starts,
     unpriced_tools,
     unreserved_tools,
@@ -127,6 +128,7 @@ class AnthropicMessages:
             raw=body,
             prefill=_prefill(messages),
             search_limits=search_limits(body),
+            search_sizes=search_sizes(body),
             provider_tools=offers_server_tools(body),
             # what Anthropic bills beyond the body (tool overheads, fast mode), and what no budget can bound
             input_overhead=input_overhead(body),
@@ -283,6 +285,10 @@ class AnthropicMessages:
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
         """The uses allowed of each server tool whose results are billed as input (`anthropic_tools`)."""
         return search_limits(body)
+
+    def search_sizes(self, body: Mapping[str, Any]) -> tuple[int, ...]:
+        """The input one use of each of those tools may add (`anthropic_tools`)."""
+        return search_sizes(body)
 
     def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         """`Call.unpriced_tools` of a body (as the allow-list left it): Anthropic's code execution."""

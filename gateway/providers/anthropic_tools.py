@@ -77,29 +77,38 @@ def with_max_uses(tool: Any, limit: int) -> Any:
     return {**tool, "max_uses": limit}
 
 
-def _fetch_uses(tool: Mapping[str, Any]) -> tuple[int | None, ...]:
-    """A web fetch tool's `max_uses`, once for each `SEARCH_INPUT_TOKENS` its `max_content_tokens` lets a
-    fetch add (each entry is held as one search's results); None once when it sends no content limit, so
-    that under a budget it is always limited, and so given `FETCH_CONTENT_TOKENS`."""
+def _fetch_uses(tool: Mapping[str, Any]) -> tuple[int | None, int]:
+    """A web fetch tool's `max_uses` and the content one fetch may add: its `max_content_tokens` (at most a
+    context); None uses when it sends no content limit, so that under a budget it is always limited, and so
+    given `FETCH_CONTENT_TOKENS`."""
     content = count(tool.get("max_content_tokens"))
     if not content:
-        return (None,)
-    return (count(tool.get("max_uses")),) * -(-min(content, _CONTEXT_TOKENS) // SEARCH_INPUT_TOKENS)
+        return None, FETCH_CONTENT_TOKENS
+    return count(tool.get("max_uses")), min(content, _CONTEXT_TOKENS)
 
 
-# server tools whose results Anthropic bills as input, by type prefix: the held uses each one allows
-_HELD_USES: dict[str, Callable[[Mapping[str, Any]], tuple[int | None, ...]]] = {
-    "web_search_": lambda tool: (count(tool.get("max_uses")),),
+# server tools whose results Anthropic bills as input, by type prefix: (uses allowed, input one use adds)
+_HELD_USES: dict[str, Callable[[Mapping[str, Any]], tuple[int | None, int]]] = {
+    "web_search_": lambda tool: (count(tool.get("max_uses")), SEARCH_INPUT_TOKENS),
     "web_fetch_": _fetch_uses,
 }
 
 
+def _held(body: Mapping[str, Any]) -> list[tuple[int | None, int]]:
+    return [uses(tool) for tool in _tool_list(body) for prefix, uses in _HELD_USES.items()
+            if type_starts(tool, (prefix,))]
+
+
 def search_limits(body: Mapping[str, Any]) -> tuple[int | None, ...]:
-    """The uses allowed of each server tool whose results are billed as input, each entry held as one
-    search (`guards.bounds`): a web search tool's `max_uses` (None where it sends no count), a web fetch
-    tool's as `_fetch_uses` counts them (its content may be many searches' worth)."""
-    return tuple(limit for tool in _tool_list(body) for prefix, uses in _HELD_USES.items()
-                 if type_starts(tool, (prefix,)) for limit in uses(tool))
+    """The uses allowed of each server tool whose results are billed as input (`Call.search_limits`): a web
+    search or fetch tool's `max_uses`, None where it sends no count (a fetch without a content limit too)."""
+    return tuple(limit for limit, _ in _held(body))
+
+
+def search_sizes(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """The input one use of each `search_limits` entry may add (`Call.search_sizes`): a search's results
+    (`SEARCH_INPUT_TOKENS`), a fetch's content (its `max_content_tokens`)."""
+    return tuple(size for _, size in _held(body))
 
 
 def input_overhead(body: Mapping[str, Any]) -> int:

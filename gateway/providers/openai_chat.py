@@ -226,6 +226,9 @@ class OpenAIChat:
     def unpriced_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
 
+    def search_sizes(self, body: Mapping[str, Any]) -> tuple[int, ...]:
+        return ()
+
     def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
 

@@ -275,6 +275,9 @@ class OpenAIResponses:
     def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
 
+    def search_sizes(self, body: Mapping[str, Any]) -> tuple[int, ...]:
+        return ()  # each search adds SEARCH_INPUT_TOKENS
+
     def search_limits(self, body: Mapping[str, Any]) -> tuple[int | None, ...]:
         return search_limits(body, offered_tools(body))
 

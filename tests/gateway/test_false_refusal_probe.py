@@ -1,7 +1,7 @@
 """False refusals and broken normal flows a production agent meets under an ordinary budget ($1-$5, 200k-1M
 tokens), through a running gateway with the official SDKs. Each test failed on the code it was written
-against. Two are known gaps, marked `xfail(strict=True)` until fixed: tollgate holds too much for them
-(fewer fetches or searches are offered than the budget could pay for), never too little. A third finding,
+against. One is a known gap, marked `xfail(strict=True)` until fixed: tollgate holds too much for it
+(fewer searches are offered than the budget could pay for), never too little. A third finding,
 vector store search refused under a budget, is kept as designed: it is billed per search and may run a
 model (`rewrite_query`), so the refusal names the file_search tool of /v1/responses instead
 (tests/gateway/test_unguarded.py)."""
@@ -56,8 +56,6 @@ async def test_chat_call_without_max_tokens_is_sent_an_output_limit_gpt_4o_mini_
     assert sent.get("max_completion_tokens", 0) <= 16384, sent
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a fetch is held as one search per 8,000 content tokens, each "
-                                       "a re-read of the context (over-held, never under-held)")
 async def test_web_fetch_with_a_content_limit_is_silently_removed_even_under_a_million_tokens(
         gateway_factory: GatewayFactory) -> None:
     """A research agent with a 1,000,000-token budget offers Claude the web fetch tool as Anthropic's docs

@@ -37,6 +37,7 @@ def call(
     request_hash: str = "req-0",
     tool_call: ToolCall | None = None,
     search_limits: tuple[int | None, ...] = (),
+    search_sizes: tuple[int, ...] = (),
 ) -> Call:
     protocol = "mcp" if operation == "execute_tool" else "openai"
     return Call(
@@ -52,6 +53,7 @@ def call(
         tool_call=tool_call,
         request_hash=request_hash,
         search_limits=search_limits,
+        search_sizes=search_sizes,
     )
 
 

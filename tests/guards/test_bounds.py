@@ -28,7 +28,8 @@ FIXED = 1000 * 1e-6 + MIN_OUTPUT_TOKENS * 4e-6  # the input bound and the smalle
 
 
 def held_tokens(searches: int) -> int:
-    """What `searches` searches add to a 1,000-token request: the k-th re-reads it with k results."""
+    """What `searches` searches add to a 1,000-token request: the k-th re-reads it with k results (as
+    `search_input` counts it)."""
     return sum(1000 + k * SEARCH_INPUT_TOKENS for k in range(1, searches + 1))
 
 
@@ -112,14 +113,14 @@ def test_a_model_without_search_fees_still_holds_the_results_tokens() -> None:
     assert search_limit(call(input_bytes=1000, search_limits=(None,)), PRICE, budget, None) == 2
 
 
-def test_a_fetch_is_held_whole_as_the_searches_its_content_is_worth() -> None:
-    """Anthropic's adapter reports a web fetch of up to 5 uses of 20,000 tokens as three entries (5, 5, 5),
-    one per SEARCH_INPUT_TOKENS a fetch may add: the limit shares the budget between them, so the fetches
-    allowed are held whole (here 1 fetch of 20,000 tokens, held as 3 x 8,000)."""
-    the_call = call(input_bytes=1000, search_limits=(5, 5, 5))
-    budget = Budget(tokens=1000 + MIN_OUTPUT_TOKENS + (held_tokens(3) + held_tokens(6)) // 2)
+def test_a_fetch_is_held_as_one_reread_with_its_whole_content() -> None:
+    """Anthropic's adapter reports a web fetch of up to 5 uses of 20,000 tokens as one entry of size 20,000:
+    each fetch is one more sampling over the context, plus its content."""
+    the_call = call(input_bytes=1000, search_limits=(5,), search_sizes=(20_000,))
+    one, two = search_input(1000, [(1, 20_000)]), search_input(1000, [(2, 20_000)])
+    assert (one, two) == (1000 + 20_000, 2 * 1000 + 3 * 20_000)
+    budget = Budget(tokens=1000 + MIN_OUTPUT_TOKENS + (one + two) // 2)
     assert search_limit(the_call, SEARCHING, budget, None) == 1
-    assert searches_allowed(the_call, SEARCHING, budget, None) * SEARCH_INPUT_TOKENS >= 1 * 20000
     assert search_limit(the_call, SEARCHING, Budget(tokens=10**6), None) is None  # paid for: kept as sent
 
 
@@ -131,4 +132,9 @@ def test_a_fetch_is_held_whole_as_the_searches_its_content_is_worth() -> None:
 ])
 def test_each_search_rereads_the_context_with_the_results_so_far(bound: int, searches: int, held: int) -> None:
     """After each search the model samples again over everything: the request and every result so far."""
-    assert search_input(bound, searches) == held
+    assert search_input(bound, [(searches, SEARCH_INPUT_TOKENS)]) == held
+
+
+def test_results_of_several_sizes_are_held_largest_first() -> None:
+    """The worst order reads the largest results the most times: a 20,000-token fetch then a search."""
+    assert search_input(1000, [(1, SEARCH_INPUT_TOKENS), (1, 20_000)]) == (1000 + 20_000) + (1000 + 28_000)

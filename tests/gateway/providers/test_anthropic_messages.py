@@ -357,14 +357,14 @@ def test_with_no_calls_left_a_tool_choice_naming_a_removed_tool_goes(choice: dic
     [
         ([], ()),
         ([{"name": "mine", "input_schema": {}}], ()),
-        # a fetch's content is billed as input: held as searches' results are, one entry per 8,000 tokens
+        # a fetch's content is billed as input: held as searches' results are (its size: `search_sizes`)
         ([{"type": "web_fetch_20250910", "name": "web_fetch"}], (None,)),  # no content limit: it gets one
         ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5}], (None,)),
-        ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5, "max_content_tokens": 20000}], (5, 5, 5)),
+        ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5, "max_content_tokens": 20000}], (5,)),
         ([{"type": "web_fetch_20250910", "name": "f", "max_content_tokens": 8000}], (None,)),
         ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 2, "max_content_tokens": "x"}], (None,)),
         ([{"type": "web_search_20250305", "name": "w", "max_uses": 3},
-          {"type": "web_fetch_20250910", "name": "f", "max_uses": 1, "max_content_tokens": 9000}], (3, 1, 1)),
+          {"type": "web_fetch_20250910", "name": "f", "max_uses": 1, "max_content_tokens": 9000}], (3, 1)),
         ([{"type": "web_search_20250305", "name": "web_search"}], (None,)),
         ([{"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
           {"type": "web_search_20250305", "name": "w2", "max_uses": "x"}], (3, None)),
@@ -379,7 +379,20 @@ def test_search_limits_are_each_web_search_tools_max_uses(tools: list[Any], limi
 
 def test_a_fetch_content_limit_past_any_context_is_held_at_the_largest_context() -> None:
     tool = {"type": "web_fetch_20250910", "name": "f", "max_uses": 1, "max_content_tokens": 10**12}
-    assert ADAPTER.search_limits({"tools": [tool]}) == (1,) * 125  # 1,000,000 tokens / 8,000 a search
+    assert ADAPTER.search_limits({"tools": [tool]}) == (1,)
+    assert ADAPTER.search_sizes({"tools": [tool]}) == (1_000_000,)  # no fetch adds more than a context holds
+
+
+@pytest.mark.parametrize(("tools", "sizes"), [
+    ([{"type": "web_search_20250305", "name": "w"}], (SEARCH_INPUT_TOKENS,)),
+    ([{"type": "web_fetch_20250910", "name": "f"}], (anthropic_messages.FETCH_CONTENT_TOKENS,)),  # it gets one
+    ([{"type": "web_fetch_20250910", "name": "f", "max_content_tokens": 100_000},
+      {"type": "web_search_20250305", "name": "w", "max_uses": 2}], (100_000, SEARCH_INPUT_TOKENS)),
+])
+def test_search_sizes_are_what_one_use_of_each_tool_adds(tools: list[Any], sizes: tuple[int, ...]) -> None:
+    body: dict[str, Any] = {"model": "claude-sonnet-4-5", "max_tokens": 10,
+                            "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert parse(body).search_sizes == sizes == ADAPTER.search_sizes(body)
 
 
 def test_limiting_hosted_calls_gives_a_fetch_its_content_limit() -> None:
@@ -398,15 +411,16 @@ def test_limiting_hosted_calls_gives_a_fetch_its_content_limit() -> None:
 
 
 def test_fetch_held_uses_cover_the_content_they_allow() -> None:
-    """Each entry `search_limits` reports is held at SEARCH_INPUT_TOKENS: whatever limit tollgate sends,
-    the fetches it allows add no more input than their entries hold."""
+    """Each entry `search_limits` reports is held at its `search_sizes` per use: whatever limit tollgate
+    sends, the fetches it allows add no more input than their entries hold."""
     for content in (1, 7999, 8000, 8001, 20000, 100000):
         tool = {"type": "web_fetch_20250910", "name": "f", "max_uses": 7, "max_content_tokens": content}
         for limit in (1, 3, 7):
             body: dict[str, Any] = {"tools": [tool]}
             ADAPTER.limit_hosted_calls(body, limit)
             sent = body["tools"][0]
-            held = sum(min(n or 10, limit) for n in ADAPTER.search_limits({"tools": [tool]})) * SEARCH_INPUT_TOKENS
+            held = sum(min(n or 10, limit) * size for n, size in zip(
+                ADAPTER.search_limits({"tools": [tool]}), ADAPTER.search_sizes({"tools": [tool]}), strict=True))
             assert sent["max_uses"] * sent["max_content_tokens"] <= held
 
 
