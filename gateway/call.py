@@ -173,6 +173,9 @@ class Call:
     # the input tokens one use of each `search_limits` entry may add (its results: an Anthropic web fetch's
     # `max_content_tokens`); empty, or shorter: `guards.bounds.SEARCH_INPUT_TOKENS` each
     search_sizes: tuple[int, ...] = ()
+    # the request may make the provider write its prompt cache, billed above plain input (Anthropic: only
+    # where a `cache_control` marks it); True unless the adapter knows better
+    cache_writes: bool = True
     search_preview: bool = False  # it offers OpenAI's `web_search_preview` tool (priced apart: gateway.pricing)
     # it offers tools the provider runs between parts of the answer's text (Anthropic's server tools): text
     # before one is a preamble, so a stream's text is judged once it is known to be the answer's

@@ -123,6 +123,16 @@ class ModelPrice:
         rates = (self.cache_write, self.cache_write_1h, self.input_audio)
         return max([self.input.worst, *(r.worst for r in rates if r is not None)])
 
+    def input_rate(self, tokens: int, *, cache_writes: bool = True) -> float:
+        """Highest price one input token of a request billing `tokens` input tokens can cost: at the tier
+        that many tokens reach (long-context rates start past a threshold), an audio token's when the model
+        has audio rates (always assumed possible, as for `worst_input`), and a cache write's only when the
+        request may write the cache (`cache_writes`: Anthropic writes only where a `cache_control` marks it)."""
+        rates: list[Rate | None] = [self.input, self.input_audio]
+        if cache_writes:
+            rates += [self.cache_write, self.cache_write_1h]
+        return max(rate.at(tokens) for rate in rates if rate is not None)
+
     def worst_output(self, audio: bool) -> float:
         """Highest price one output token can cost; `audio`: the request lets the model speak (Chat
         Completions' `modalities` lists audio). A model speaks only when asked to, so a text-only request

@@ -95,8 +95,11 @@ def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunS
     def held(n: int) -> int:  # input held when each tool runs n searches
         return search_input(bound, [(n, size) for size in sizes])
 
+    sent = [limit for limit in limits if limit is not None]
+    wanted = SEARCHES_WHEN_UNSET if len(sent) < count else max(sent)
     if budget.usd is not None and price is not None:
-        fee, rate = price.search_fee, price.worst_input
+        # the rate at the most input the searches asked for could bill: monotonic, so it holds for fewer
+        fee, rate = price.search_fee, price.input_rate(bound + held(wanted), cache_writes=call.cache_writes)
         left = (budget.usd - _held(run, "usd") - bound * rate - choices * MIN_OUTPUT_TOKENS * price.output.worst)
         affordable.append(_per_tool(left, lambda n: count * n * fee + held(n) * rate))
     if budget.tokens is not None:
@@ -104,8 +107,6 @@ def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunS
         affordable.append(_per_tool(left, held))
     if not affordable:
         return None
-    sent = [limit for limit in limits if limit is not None]
-    wanted = SEARCHES_WHEN_UNSET if len(sent) < count else max(sent)
     limit = min(wanted, *affordable)
     return limit if len(sent) < count or limit < max(sent) else None
 

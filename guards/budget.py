@@ -98,10 +98,11 @@ class BudgetGuard(BaseGuard):
                 "budget cannot be enforced; add its prices under `pricing:` in the config",
             )
         else:
-            fixed = held * price.worst_input + searches * price.search_fee
+            # the dearest rate an input token of this request can cost (`ModelPrice.input_rate`)
+            fixed = held * price.input_rate(held, cache_writes=ctx.call.cache_writes) + searches * price.search_fee
             fixed += price.per_call
             # `price` is at the tier the request asks for (`gateway.pricing.reserved_tier`); an audio rate
-            # counts for output only when the request lets the model speak, for input always (`worst_input`)
+            # counts for output only when the request lets the model speak, for input always (`input_rate`)
             per_unit = choices * price.worst_output(ctx.call.audio_output)
             claims.append(Claim("usd", fixed, per_unit, budget.usd, "budget_exhausted"))
         return Decision.allow(self.name, claims=tuple(claims))

@@ -29,6 +29,7 @@ from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
     input_parts,
+    may_contain,
     opt_int,
     opt_number,
     opt_strings,
@@ -129,6 +130,7 @@ class AnthropicMessages:
             prefill=_prefill(messages),
             search_limits=search_limits(body),
             search_sizes=search_sizes(body),
+            cache_writes=may_contain(raw, b"cache_control"),  # Anthropic writes its cache only where marked
             provider_tools=offers_server_tools(body),
             # what Anthropic bills beyond the body (tool overheads, fast mode), and what no budget can bound
             input_overhead=input_overhead(body),

@@ -460,7 +460,8 @@ async def test_settled_never_above_reserved_for_a_worst_case_answer(gateway_fact
         reply = Reply(body=openai_completion(prompt_tokens=n, completion_tokens=100))
         rates = (0.15e-6, 0.6e-6)
     elif path == MESSAGES:
-        body = {"model": CLAUDE, "messages": MSG, "max_tokens": 100}
+        # the request lets Anthropic write its cache (a top-level `cache_control`): the worst input is a write
+        body = {"model": CLAUDE, "messages": MSG, "max_tokens": 100, "cache_control": {"type": "ephemeral"}}
         n = len(orjson.dumps({**body, "stream": False}))
         usage = {"input_tokens": 0, "cache_creation_input_tokens": n, "output_tokens": 100}
         reply = Reply(body={**anthropic_message(), "usage": usage})

@@ -1,10 +1,8 @@
 """False refusals and broken normal flows a production agent meets under an ordinary budget ($1-$5, 200k-1M
 tokens), through a running gateway with the official SDKs. Each test failed on the code it was written
-against. One is a known gap, marked `xfail(strict=True)` until fixed: tollgate holds too much for it
-(fewer searches are offered than the budget could pay for), never too little. A third finding,
-vector store search refused under a budget, is kept as designed: it is billed per search and may run a
-model (`rewrite_query`), so the refusal names the file_search tool of /v1/responses instead
-(tests/gateway/test_unguarded.py)."""
+against; each is fixed. One more finding, vector store search refused under a budget, is kept as
+designed: it is billed per search and may run a model (`rewrite_query`), so the refusal names the
+file_search tool of /v1/responses instead (tests/gateway/test_unguarded.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ from typing import Any
 
 import anthropic
 import openai
-import pytest
 
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.upstream import Reply, anthropic_message, openai_completion
@@ -78,8 +75,6 @@ async def test_web_fetch_with_a_content_limit_is_silently_removed_even_under_a_m
     assert [tool.get("name") for tool in sent.get("tools", [])] == ["web_fetch"], sent.get("tools")
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: input is held at the model's dearest input rate (1-hour cache "
-                                       "writes, long-context tier) whatever the request (over-held, never under-held)")
 async def test_sonnet_web_search_is_held_at_the_one_hour_cache_write_long_context_rate(
         gateway_factory: GatewayFactory) -> None:
     """An agent with a $1 budget asks claude-sonnet-4-5 (input $3/MTok) for up to 5 web searches on a 20 kB

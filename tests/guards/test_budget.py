@@ -37,8 +37,9 @@ def usd(limit: float | None, fixed: float = 1000 * 1e-6, per_unit: float = 4e-6)
         ({"usd": 2.0, "tokens": 5000}, PRICE, (tokens(5000.0), usd(2.0))),
         ({}, None, (tokens(None),)),  # unknown price without a USD budget: tokens only
         ({"tokens": 5000}, None, (tokens(5000.0),)),
-        # reservations use the highest tier, so the worst case is never under-reserved
-        ({"usd": 1.0}, TIERED, (tokens(None), usd(1.0, 1000 * 2e-6, 8e-6))),
+        # input at the tier the input bound reaches (1,000 tokens: below the long-context threshold); output
+        # at the highest tier, so the worst case is never under-reserved
+        ({"usd": 1.0}, TIERED, (tokens(None), usd(1.0, 1000 * 1e-6, 8e-6))),
         # a cache write costs more than plain input: the input bound is priced at it
         ({"usd": 1.0}, CACHE_WRITE, (tokens(None), usd(1.0, 1000 * 1.25e-6, 4e-6))),
     ],
@@ -357,3 +358,16 @@ def test_settlement_prices_usage_at_the_tier_the_answer_reports(tier: str | None
     r = Reservation("r", "run", 1, 1000, {"usd": 1.0, "tokens": 5000.0})
     actual = settlement(Usage(1000, 100), TIERS, r, service_tier=tier)
     assert actual["usd"] == pytest.approx(usd_)
+
+
+def test_input_past_a_tier_threshold_is_held_at_the_tier_rate() -> None:
+    decision = GUARD.before(ctx(call(input_bytes=300_000), policy(budget={"usd": 5.0}), price=TIERED))
+    assert decision.claims[1].fixed == pytest.approx(300_000 * 2e-6)
+
+
+@pytest.mark.parametrize(("cache_writes", "rate"), [(True, 1.25e-6), (False, 1e-6)])
+def test_a_request_that_writes_no_cache_is_not_held_at_the_cache_write_rate(cache_writes: bool, rate: float) -> None:
+    """Anthropic writes its prompt cache only where a `cache_control` marks it (`Call.cache_writes`)."""
+    the_call = dataclasses.replace(call(input_bytes=1000), cache_writes=cache_writes)
+    decision = GUARD.before(ctx(the_call, policy(budget={"usd": 5.0}), price=CACHE_WRITE))
+    assert decision.claims[1].fixed == pytest.approx(1000 * rate)
