@@ -120,8 +120,7 @@ class ModelPrice:
         token more than a text one). Audio input is always assumed possible: it arrives as `input_audio`
         parts, but also as an earlier spoken answer the request names by id, so the request does not tell
         reliably; and on an audio model most input that matters is audio."""
-        rates = (self.cache_write, self.cache_write_1h, self.input_audio)
-        return max([self.input.worst, *(r.worst for r in rates if r is not None)])
+        return self.input_rate(_ANY_TOKENS)
 
     def input_rate(self, tokens: int, *, cache_writes: bool = True) -> float:
         """Highest price one input token of a request billing `tokens` input tokens can cost: at the tier
@@ -202,6 +201,7 @@ def _rate(value: Any) -> Rate | None:
     return Rate(float(base) / _MTOK, tiers)
 
 
+_ANY_TOKENS = 2**62  # past every tier's threshold
 _UNLISTED = "*unlisted"
 """The cache's name for every service tier a model's prices do not list (all priced at its dearest)."""
 CACHE_MAX = 4096

@@ -488,3 +488,12 @@ def test_the_price_caches_stay_bounded_whatever_names_requests_send() -> None:
     for i in range(50):
         listed.lookup("gpt-4.1", "openai", service_tier=f"made-up-{i}")
     assert len(listed._cache) == 2  # the standard price and the one every unlisted tier shares
+
+
+def test_the_input_rate_follows_the_tier_the_tokens_reach_and_the_cache_writes_a_request_may_make() -> None:
+    price = ModelPrice(Rate(3e-6, ((200_000, 6e-6),)), Rate(15e-6), cache_write=Rate(3.75e-6, ((200_000, 7.5e-6),)),
+                       cache_write_1h=Rate(6e-6, ((200_000, 12e-6),)))
+    assert price.input_rate(20_000, cache_writes=False) == 3e-6
+    assert price.input_rate(300_000, cache_writes=False) == 6e-6
+    assert price.input_rate(20_000) == 6e-6  # a 1-hour cache write
+    assert price.input_rate(300_000) == price.worst_input == 12e-6
