@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,18 @@ class Harness:
         async with self.session.get(f"{self.admin_url}/admin/runs/{run_id}") as resp:
             assert resp.status == 200, await resp.text()
             return await resp.json()  # type: ignore[no-any-return]
+
+    async def settled(self, run_id: str, steps: int = 1, timeout: float = 5.0) -> dict[str, Any]:
+        """The run once `steps` steps are recorded and no reservation is open (a streamed step is recorded
+        after its last byte, which no client can await: poll the admin API)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            view = await self.run(run_id)
+            if len(view.get("steps") or []) >= steps and not view["reserved_usd"] and not view["reserved_tokens"]:
+                return view
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} never settled {steps} step(s): {view}")
+            await asyncio.sleep(0.02)
 
 
 def pytest_asyncio_loop_factories(

@@ -14,9 +14,6 @@ says what must hold.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -47,16 +44,6 @@ def an(h: Harness, run: str, agent: str = "bot") -> anthropic.AsyncAnthropic:
                                     default_headers={"x-tollgate-run-id": run, "x-tollgate-agent": agent})
 
 
-async def settled(h: Harness, run: str, steps: int = 1, timeout: float = 5.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    ok: Callable[[dict[str, Any]], bool] = lambda v: len(v.get("steps") or []) >= steps
-    while True:
-        view = await h.run(run)
-        if ok(view) and not view.get("reserved_usd"):
-            return view
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run} never settled {steps} step(s): {view}")
-        await asyncio.sleep(0.02)
 
 
 # -- billed /v1 paths the registry of `gateway/unguarded.py` misses -------------------------------------------
@@ -189,7 +176,7 @@ async def test_anthropic_fast_speed_is_reserved_and_settled_at_the_standard_rate
                                           speed="fast")
     sent = h.fake.seen[-1].json
     worst = genai("claude-opus-4-8", "anthropic", {"speed": "fast"}, input_tokens=0, output_tokens=sent["max_tokens"])
-    view = await settled(h, "fast-speed")
+    view = await h.settled("fast-speed")
     billed = genai("claude-opus-4-8", "anthropic", {"speed": "fast"}, input_tokens=1000, output_tokens=1000)
     assert worst <= 0.10 and view["spent_usd"] == pytest.approx(billed, rel=1e-6), (
         f"sent max_tokens {sent['max_tokens']} (worst ${worst:.4f} at the fast rate on a $0.10 budget); "
@@ -265,7 +252,7 @@ async def test_anthropic_usage_iterations_are_not_charged(gateway_factory: Gatew
     h.fake.queue(Reply(body=body))
     async with an(h, f"iter-{kind}") as client:
         await client.messages.create(model="claude-opus-4-8", max_tokens=100, messages=MSG)  # type: ignore[arg-type]
-    view = await settled(h, f"iter-{kind}")
+    view = await h.settled(f"iter-{kind}")
     billed = genai("claude-opus-4-8", "anthropic", input_tokens=150_010, output_tokens=4_005)
     assert view["spent_usd"] >= billed * 0.99, f"charged ${view['spent_usd']:.5f}, billed ${billed:.4f}"
 
@@ -326,7 +313,7 @@ async def test_gpt_4o_mini_image_tokens_exceed_the_image_bound(gateway_factory: 
         except openai.PermissionDeniedError:
             assert not h.fake.seen
             return
-    view = await settled(h, "mini-images")
+    view = await h.settled("mini-images")
     assert view["spent_usd"] <= 0.05, f"spent ${view['spent_usd']:.4f} of a $0.05 budget in one reserved call"
 
 
@@ -374,6 +361,6 @@ async def test_anthropic_tool_overhead_escapes_the_body_size_bound(gateway_facto
         except anthropic.PermissionDeniedError:
             assert not h.fake.seen
             return
-    view = await settled(h, "tool-overhead")
+    view = await h.settled("tool-overhead")
     used = view["input_tokens"] + view["output_tokens"]
     assert used <= 1000, f"body of {len(h.fake.seen[-1].body)} bytes; the run used {used} tokens of a 1,000-token budget"

@@ -10,9 +10,6 @@ and the audio token fields its OpenAI extractor reads).
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -38,16 +35,6 @@ def oa(h: Harness, run: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0, default_headers=headers(run))
 
 
-async def settled(h: Harness, run: str, steps: int = 1, timeout: float = 5.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    ok: Callable[[dict[str, Any]], bool] = lambda v: len(v.get("steps") or []) >= steps
-    while True:
-        view = await h.run(run)
-        if ok(view) and not view.get("reserved_usd"):
-            return view
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run} never settled {steps} step(s): {view}")
-        await asyncio.sleep(0.02)
 
 
 def genai(model: str, *, tier: str | None = None, **usage: int) -> float:
@@ -115,7 +102,7 @@ async def test_priority_tier_settled_at_priority_rate(gateway_factory: GatewayFa
     async with oa(h, "prio-settle") as client:
         await client.chat.completions.create(model="gpt-4o", messages=MSG,  # type: ignore[arg-type]
                                              max_completion_tokens=2000, service_tier="priority")
-    view = await settled(h, "prio-settle")
+    view = await h.settled("prio-settle")
     want = genai("gpt-4o", tier="priority", input_tokens=1000, output_tokens=1000)
     assert view["spent_usd"] == pytest.approx(want, rel=REL), f"spent {view['spent_usd']}, provider bills {want}"
 
@@ -133,7 +120,7 @@ async def test_flex_tier_settled_at_flex_rate(gateway_factory: GatewayFactory) -
     async with oa(h, "flex-settle") as client:
         await client.chat.completions.create(model="o3", messages=MSG,  # type: ignore[arg-type]
                                              max_completion_tokens=2000, service_tier="flex")
-    view = await settled(h, "flex-settle")
+    view = await h.settled("flex-settle")
     want = genai("o3", tier="flex", input_tokens=1000, output_tokens=1000)
     assert view["spent_usd"] == pytest.approx(want, rel=REL), f"spent {view['spent_usd']}, provider bills {want}"
 
@@ -184,7 +171,7 @@ async def test_audio_tokens_settled_at_audio_rates(gateway_factory: GatewayFacto
                                              modalities=["text", "audio"],
                                              audio={"voice": "alloy", "format": "wav"},
                                              max_completion_tokens=2000)
-    view = await settled(h, "audio-settle")
+    view = await h.settled("audio-settle")
     want = genai("gpt-audio", input_tokens=1000, output_tokens=1000, input_audio_tokens=800,
                  output_audio_tokens=600)
     assert view["spent_usd"] == pytest.approx(want, rel=REL), f"spent {view['spent_usd']}, provider bills {want}"

@@ -14,9 +14,6 @@ says what must hold.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -46,16 +43,6 @@ async def post_raw(h: Harness, body: dict[str, Any], run: str, path: str = "/v1/
         return resp.status, await resp.read()
 
 
-async def settled(h: Harness, run: str, steps: int = 1, timeout: float = 5.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    ok: Callable[[dict[str, Any]], bool] = lambda v: len(v.get("steps") or []) >= steps
-    while True:
-        view = await h.run(run)
-        if ok(view) and not view.get("reserved_usd") and not view.get("reserved_tokens"):
-            return view
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run} never settled {steps} step(s): {view}")
-        await asyncio.sleep(0.02)
 
 
 def with_output(output: list[Any], usage: tuple[int, int] = (10, 5)) -> dict[str, Any]:
@@ -145,7 +132,7 @@ async def test_web_search_offered_in_additional_tools_is_not_reserved(gateway_fa
     sent = h.fake.seen[-1].json
     # OpenAI runs at most `max_tool_calls` searches: the limit must be sent, and be one the budget pays for
     assert isinstance(sent.get("max_tool_calls"), int) and sent["max_tool_calls"] <= 1, sent.get("max_tool_calls")
-    view = await settled(h, "search-extra")
+    view = await h.settled("search-extra")
     assert view["spent_usd"] <= budget, f"spent ${view['spent_usd']:.4f} of a ${budget} budget"
 
 
@@ -196,7 +183,7 @@ async def test_computer_screenshots_are_not_bounded_as_images(gateway_factory: G
     status, _raw = await post_raw(h, body, "screens")
     if status != 200:
         return
-    view = await settled(h, "screens")
+    view = await h.settled("screens")
     spent = view["input_tokens"] + view["output_tokens"]
     assert spent <= budget, f"{spent} tokens spent on a {budget}-token budget (screenshots were not bounded)"
 
@@ -268,6 +255,6 @@ async def test_chat_assistant_audio_by_id_is_input_stored_upstream(gateway_facto
     if status != 200:
         assert status == 400 and h.fake.seen == [], (status, raw[:300])
         return
-    view = await settled(h, "audio-ref")
+    view = await h.settled("audio-ref")
     spent = view["input_tokens"] + view["output_tokens"]
     assert spent <= budget, f"{spent} tokens spent on a {budget}-token budget (stored audio was not bounded)"

@@ -4,28 +4,18 @@ fails on the reviewed code and shows one defect; its docstring says what, the im
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import anthropic
 import orjson
 
 from gateway.pricing import Pricer
-from tests.conftest import GatewayFactory, Harness
+from tests.conftest import GatewayFactory
 from tests.fakes.upstream import Reply, anthropic_message
 
 MODEL = "claude-opus-4-8"
 
 
-async def settled(h: Harness, run: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 5
-    while True:
-        view = await h.run(run)
-        if view.get("steps") and not view.get("reserved_usd"):
-            return view
-        assert time.monotonic() < deadline, view
-        await asyncio.sleep(0.02)
 
 
 # -- gateway.pricing: the lookup cache is keyed by a tier string the caller chooses ----------------------
@@ -136,5 +126,5 @@ async def test_anthropic_compaction_cannot_take_a_run_past_its_budget(gateway_fa
         except anthropic.BadRequestError:
             assert not h.fake.seen  # refused before it went upstream: acceptable
             return
-    view = await settled(h, "compact")
+    view = await h.settled("compact")
     assert view["spent_usd"] <= 0.30, f"a $0.30 budget settled at ${view['spent_usd']:.4f}"
