@@ -3,7 +3,8 @@
 Worst case of a step = input upper bound + output limit for each choice asked for (OpenAI's `n`). The
 input bound is the UTF-8 size of the request body: byte-level BPE tokenizers emit at most one token per
 byte, and the JSON framing around each message outweighs the few template tokens a chat format adds;
-plus `IMAGE_TOKENS` for each image part, whose tokens follow its pixels, not its bytes (a page of a PDF
+plus an image bound for each image part (`guards.bounds.image_tokens`: `IMAGE_TOKENS`, more on models
+that bill images more), whose tokens follow its pixels, not its bytes (a page of a PDF
 sent as base64 counts as `PDF_PAGE_IMAGES` images: the adapter counts its pages; one it cannot count is
 refused like a document named by URL).
 The output limit is the request's `max_tokens` or, when absent, what the remaining budget can pay for

@@ -76,7 +76,7 @@ def count_images(body: Mapping[str, Any], raw: bytes) -> int:
 
 
 PDF_PAGE_IMAGES = 2
-"""Image bounds (`guards.bounds.IMAGE_TOKENS`, 8,192 tokens each) one page of a PDF sent as base64 counts
+"""Image bounds (`guards.bounds.image_tokens`: 8,192 tokens each on most models) one page of a PDF sent as base64 counts
 as: Anthropic bills each page as an image of it plus its extracted text (1,500-3,000 tokens a page by its
 PDF support docs), so a page is bounded at one image for its picture and one image's worth for its text."""
 _PDF_PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z0-9#.+_-])")  # a page object, not the `/Pages` tree
