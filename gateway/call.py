@@ -184,8 +184,9 @@ class Call:
     # Interpreter containers, image generation; Anthropic's code execution): a USD budget refuses the request
     # (`guards.budget`)
     unpriced_tools: tuple[str, ...] = ()
-    # tools whose use makes the provider run model calls no reservation holds (Anthropic's advisor, a
-    # sub-inference on a model of its own): a USD or token budget refuses the request (`guards.budget`)
+    # tools whose use makes the provider bill what no reservation holds (Anthropic's advisor, a sub-inference
+    # on a model of its own; a hosted MCP server, whose tool list and results are read in as input of any
+    # size): a USD or token budget refuses the request (`guards.budget`)
     unreserved_tools: tuple[str, ...] = ()
     # why the request's cost cannot be bounded, one reason per request field (Anthropic's `thread`
     # continuation, its `fallbacks`): a USD or token budget refuses the request with them (`guards.budget`)

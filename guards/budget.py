@@ -14,7 +14,8 @@ Searches the provider runs and bills apart are held too, and Anthropic's web fet
 bills as input (`guards.bounds`), and the input the provider bills beyond the body (`Call.input_overhead`).
 What no reservation can hold is refused (a 400; the run goes on) rather than forwarded: under any budget,
 documents named instead of sent, request fields whose input or models live upstream (`Call.unbounded`)
-and tools whose uses are model calls of their own (`Call.unreserved_tools`); under a USD budget, tools
+and tools whose uses bill what no reservation holds (`Call.unreserved_tools`: model calls of their own,
+an MCP server's results read in as input); under a USD budget, tools
 billed apart at a cost tollgate cannot price (`Call.unpriced_tools`).
 An MCP tool execution (`execute_tool`) spends no tokens: it claims nothing from either budget.
 """
@@ -59,9 +60,11 @@ class BudgetGuard(BaseGuard):
             return Decision.reject(
                 self.name,
                 "input_unbounded",
-                f"the request offers {', '.join(ctx.call.unreserved_tools)}, whose uses the provider runs and "
-                "bills as model calls of their own (on the tool's model, over the whole conversation) that no "
-                "reservation holds, so the budget could be overspent; remove the tool or run this agent "
+                f"the request offers {', '.join(ctx.call.unreserved_tools)}, which the provider runs itself "
+                "and bills beyond what any reservation can hold (an advisor's uses are model calls of their "
+                "own over the whole conversation; a hosted MCP server's tool list and results are read into "
+                "the context as input of any size), so the budget could be overspent; remove the tool (or "
+                "call MCP servers through tollgate's MCP proxy, as the agent's own tools) or run this agent "
                 "without a budget",
             )
         if ctx.call.unpriced_tools and budget.usd is not None:

@@ -297,7 +297,8 @@ class AnthropicMessages:
         return unpriced_tools(body)
 
     def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
-        """`Call.unreserved_tools` of a body (as the allow-list left it): Anthropic's advisor."""
+        """`Call.unreserved_tools` of a body (as the allow-list left it): Anthropic's advisor, its MCP
+        connector."""
         return unreserved_tools(body)
 
     def ask_usage(self, body: dict[str, Any]) -> bool:

@@ -25,7 +25,10 @@ container per hour it runs (like the Responses API's `code_interpreter`). A USD 
 UNRESERVED_TOOLS = ("advisor_",)
 """Tool types whose use makes Anthropic run and bill model calls no reservation holds: each advisor use is
 a sub-inference on the tool's own `model` over the whole transcript, up to `max_uses` times (reported in
-`usage.iterations`, charged when settled). Any budget, USD or tokens, refuses them."""
+`usage.iterations`, charged when settled). Any budget, USD or tokens, refuses them, and the MCP connector
+(`mcp_servers`): Anthropic reads each server's tool list and every result into the context, input of any
+size."""
+MCP_CONNECTOR = "mcp_servers (the MCP connector)"
 
 FETCH_CONTENT_TOKENS = SEARCH_INPUT_TOKENS
 """The `max_content_tokens` a web fetch tool sent without one is given when tollgate limits the tools
@@ -133,9 +136,10 @@ def unpriced_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def unreserved_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """The types of the offered tools whose billed model calls no reservation holds (`UNRESERVED_TOOLS`),
-    sorted, for `Call.unreserved_tools`."""
-    return _types(body, UNRESERVED_TOOLS)
+    """The types of the offered tools whose billed use no reservation holds (`UNRESERVED_TOOLS`), sorted,
+    then `MCP_CONNECTOR` when the request has MCP servers, for `Call.unreserved_tools`."""
+    connector = (MCP_CONNECTOR,) if body.get("mcp_servers") else ()
+    return _types(body, UNRESERVED_TOOLS) + connector
 
 
 def offers_server_tools(body: Mapping[str, Any]) -> bool:

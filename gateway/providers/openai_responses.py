@@ -47,6 +47,7 @@ from gateway.providers.responses_tools import (
     search_limits,
     tool_name,
     unpriced_tools,
+    unreserved_tools,
 )
 from gateway.providers.sse import SseEvent, format_event
 
@@ -222,6 +223,7 @@ class OpenAIResponses:
             search_limits=search_limits(body, offered),
             search_preview=offers_preview_search(offered),
             unpriced_tools=unpriced_tools(offered),
+            unreserved_tools=unreserved_tools(offered),
             unbounded=_unbounded(body, items, raw),
             service_tier=service_tier(body),
         )
@@ -273,7 +275,7 @@ class OpenAIResponses:
         return unpriced_tools(offered_tools(body))
 
     def unreserved_tools(self, body: Mapping[str, Any]) -> tuple[str, ...]:
-        return ()
+        return unreserved_tools(offered_tools(body))
 
     def search_sizes(self, body: Mapping[str, Any]) -> tuple[int, ...]:
         return ()  # each search adds SEARCH_INPUT_TOKENS

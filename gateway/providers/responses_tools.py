@@ -8,7 +8,9 @@ allow-list does (`gateway.providers.responses_wire.filter_offers`).
 Tools are named for the allow-list by `name` (function and custom tools) or by `type` for the others.
 OpenAI runs a tool itself unless it is a function, a custom tool or one whose calls the agent runs
 (computer, local shell, shell, apply_patch); a `shell` with a hosted environment (`container_auto`, a
-`container_reference`) is OpenAI's to run, in a container billed per session.
+`container_reference`) is OpenAI's to run, in a container billed per session. A hosted `mcp` tool (a
+server or a connector OpenAI calls itself) reads the server's tool list and each result into the context:
+input of any size, which no reservation can hold (`unreserved_tools`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from gateway.providers.common import may_contain
 
 __all__ = [
     "AGENT_CALLS", "CALL_ITEMS", "UNPRICED_TOOLS", "call_name", "hosted", "item_type", "limit_hosted_calls",
-    "offered_tools", "offers_preview_search", "search_limits", "tool_name", "unpriced_tools",
+    "offered_tools", "offers_preview_search", "search_limits", "tool_name", "unpriced_tools", "unreserved_tools",
 ]
 
 # the call items the agent runs (judged by the guards), by item type: the allow-list name of their tool,
@@ -101,6 +103,12 @@ def unpriced_tools(offered: Iterable[Any]) -> tuple[str, ...]:
         elif _hosted_shell(tool):
             names.add("shell (hosted container)")
     return tuple(sorted(names))
+
+
+def unreserved_tools(offered: Iterable[Any]) -> tuple[str, ...]:
+    """Of the `offered_tools`, those whose use bills input no reservation can hold: a hosted `mcp` tool,
+    whose server's tool list and results OpenAI reads into the context, of any size."""
+    return ("mcp",) if any(item_type(t) == "mcp" for t in offered) else ()
 
 
 def offers_preview_search(offered: Iterable[Any]) -> bool:

@@ -354,12 +354,14 @@ async def test_a_call_approved_after_the_time_cap_does_not_run(gateway_factory: 
     """A `tools/call` is decided before the server sees it, the time cap among the guards. One parked for
     approval until after the run's time cap must not run when it is approved late: the check after the
     approval re-reads only whether the run is stopped, and no step has stopped it yet."""
-    h = await mcp_gateway(gateway_factory, files, caps={"seconds": 0.3})
+    # a cap wide enough for the second call to be parked before it passes on a loaded machine (at 0.3 s
+    # it once passed first, so the call was refused at once and never parked)
+    h = await mcp_gateway(gateway_factory, files, caps={"seconds": 1.0})
     async with mcp_client(h, "late") as client:
         assert not (await client.call_tool("read_file", {"path": "a"})).is_error  # the run's clock starts
         call = asyncio.create_task(client.call_tool("delete_file", {"path": "a"}))
         item = await pending_approval(h)
-        await asyncio.sleep(0.4)  # the time cap itself is what is being waited for
+        await asyncio.sleep(1.0)  # the time cap itself is what is being waited for
         async with h.session.post(f"{h.admin_url}/admin/approvals/{item['id']}",
                                   json={"decision": "approve", "by": "alice"}) as resp:
             assert resp.status == 200

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.providers.anthropic_tools import (
+    MCP_CONNECTOR,
     TOOL_USE_SYSTEM_PROMPT,
     input_overhead,
     offers_server_tools,
@@ -59,6 +60,17 @@ def test_tools_a_budget_cannot_hold(tools: list[Any], unpriced: tuple[str, ...],
                                     unreserved: tuple[str, ...]) -> None:
     assert unpriced_tools({"tools": tools}) == unpriced
     assert unreserved_tools({"tools": tools}) == unreserved
+
+
+@pytest.mark.parametrize(("body", "unreserved"), [
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "gh"}]}, (MCP_CONNECTOR,)),
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "gh"}], "tools": [ADVISOR]},
+     ("advisor_20260301", MCP_CONNECTOR)),
+    ({"mcp_servers": []}, ()), ({"mcp_servers": None}, ()),
+])
+def test_the_mcp_connector_bills_input_no_reservation_holds(body: dict[str, Any],
+                                                            unreserved: tuple[str, ...]) -> None:
+    assert unreserved_tools(body) == unreserved
 
 
 @pytest.mark.parametrize(("body", "offered"), [

@@ -15,6 +15,7 @@ from gateway.providers.responses_tools import (
     offers_preview_search,
     search_limits,
     unpriced_tools,
+    unreserved_tools,
 )
 
 FUNCTION = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
@@ -60,6 +61,21 @@ def test_which_tools_openai_runs(tool: dict[str, Any], runs: bool) -> None:
 def test_tools_billed_apart_at_a_cost_tollgate_cannot_bound(request_body: dict[str, Any],
                                                             unpriced: tuple[str, ...]) -> None:
     assert unpriced_tools(offered_tools(request_body)) == unpriced
+
+
+MCP = {"type": "mcp", "server_label": "wiki", "server_url": "https://mcp.example/mcp"}
+CONNECTOR = {"type": "mcp", "server_label": "mail", "connector_id": "connector_gmail"}
+
+
+@pytest.mark.parametrize(("request_body", "unreserved"), [
+    (body([FUNCTION, SEARCH]), ()),
+    (body([MCP]), ("mcp",)),
+    (body([FUNCTION], [CONNECTOR]), ("mcp",)),  # offered in an input item
+    (body([MCP, CONNECTOR, FUNCTION]), ("mcp",)),
+])
+def test_hosted_mcp_bills_input_no_reservation_holds(request_body: dict[str, Any],
+                                                     unreserved: tuple[str, ...]) -> None:
+    assert unreserved_tools(offered_tools(request_body)) == unreserved
 
 
 def test_searches_offered_in_input_items_are_limited_and_priced() -> None:
