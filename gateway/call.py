@@ -158,6 +158,10 @@ class Call:
     # input tokens the provider bills that the body does not carry (Anthropic's tool-use system prompt and
     # the definitions of its server tools): added to the body's bound
     input_overhead: int = 0
+    # ids of reasoning items the input names without their content (the Responses API), which OpenAI reads
+    # from storage and bills as input: emptied once held at what this gateway saw them cost
+    # (`gateway.reasoning.resolve`); any left are refused under a budget (`guards.budget`)
+    stored_reasoning: tuple[str, ...] = ()
     referenced_documents: int = 0  # documents named, not sent (by file id or URL): no bound is known
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str | None = None
@@ -216,3 +220,6 @@ class Answer:
     # `text` follows a tool the provider ran (Anthropic's server tools): it is the answer without what came
     # before, the request's prefill included
     after_provider_tool: bool = False
+    # ids of the answer's reasoning items (the Responses API): an agent may send them back by id
+    # (`gateway.reasoning`)
+    reasoning: tuple[str, ...] = ()

@@ -367,6 +367,8 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         return
     step.reservation = None
     if charged:
+        if answer is not None and answer.reasoning:
+            gw.reasoning.remember(answer)  # the agent may send them back by id: held at what they cost
         usage, tier = (answer.usage, answer.service_tier) if answer else (None, None)
         choices = step.call.params.choice_count or 1
         provider = step.route.provider.type  # sub-inferences on other models (Anthropic's advisor): their prices

@@ -13,7 +13,8 @@ choice may use all of it, and the provider bills them all, so a unit of it is re
 Searches the provider runs and bills apart are held too, and Anthropic's web fetches, whose content it
 bills as input (`guards.bounds`), and the input the provider bills beyond the body (`Call.input_overhead`).
 What no reservation can hold is refused (a 400; the run goes on) rather than forwarded: under any budget,
-documents named instead of sent, request fields whose input or models live upstream (`Call.unbounded`)
+documents named instead of sent, request fields whose input or models live upstream (`Call.unbounded`),
+reasoning items read from storage that this gateway did not relay (`Call.stored_reasoning`, `gateway.reasoning`)
 and tools whose uses bill what no reservation holds (`Call.unreserved_tools`: model calls of their own,
 an MCP server's results read in as input); under a USD budget, tools
 billed apart at a cost tollgate cannot price (`Call.unpriced_tools`).
@@ -56,6 +57,16 @@ class BudgetGuard(BaseGuard):
             return Decision.reject(self.name, "input_unbounded",
                                    f"{'; '.join(ctx.call.unbounded)} (under a budget, tollgate refuses what it "
                                    "cannot bound, since the budget could be overspent)")
+        if ctx.call.stored_reasoning and (budget.tokens is not None or budget.usd is not None):
+            return Decision.reject(
+                self.name,
+                "input_unbounded",
+                f"the input has {len(ctx.call.stored_reasoning)} reasoning item(s) OpenAI reads from storage "
+                "by id (no encrypted_content) that this gateway has not relayed, billed as input tollgate "
+                "cannot see, so the budget could be overspent; ask for include: "
+                "['reasoning.encrypted_content'] and send it back (OpenAI Agents SDK: "
+                "ModelSettings(store=False, response_include=['reasoning.encrypted_content']))",
+            )
         if ctx.call.unreserved_tools and (budget.tokens is not None or budget.usd is not None):
             return Decision.reject(
                 self.name,

@@ -122,29 +122,27 @@ def _input(body: Mapping[str, Any], limits: Limits) -> list[Any]:
     return value
 
 
-def _unbounded(body: Mapping[str, Any], items: list[Any], raw: bytes) -> tuple[str, ...]:
-    """What a budget cannot bound in this request (`Call.unbounded`: refused under one): reasoning items
-    whose content OpenAI fetches from storage by id, billed as input the body does not carry, and a
-    compaction inside the response, whose output `max_output_tokens` is not known to bound. One byte test,
-    then at most one walk of the input."""
+def _unbounded(body: Mapping[str, Any], items: list[Any], raw: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a budget cannot bound in this request: reasons (`Call.unbounded`: refused under one), for a
+    compaction inside the response, whose output `max_output_tokens` is not known to bound; and the ids of
+    reasoning items whose content OpenAI fetches from storage by id (`Call.stored_reasoning`: bounded only
+    when this gateway saw them answered, `gateway.reasoning`). One byte test, then at most one walk of the
+    input."""
     reasons = []
-    stored: list[int] = []
+    stored: list[str] = []
     trigger = False
     if may_contain(raw, b"reasoning", b"compaction_trigger"):
-        for index, item in enumerate(items):
+        for item in items:
             kind = item.get("type")  # every item is an object (`_input`)
             if kind == "reasoning" and not item.get("encrypted_content") and not item.get("content"):
-                stored.append(index)
+                item_id = item.get("id")
+                stored.append(item_id if isinstance(item_id, str) else "")  # no id: never seen, never held
             trigger = trigger or kind == "compaction_trigger"
-    if stored:
-        reasons.append(f"input items {stored[:10]} are reasoning OpenAI reads from storage by id (no "
-                       "encrypted_content), billed as input tollgate cannot see; ask for include: "
-                       "['reasoning.encrypted_content'] and send it back")
     if trigger or any(item_type(rule) == "compaction" for rule in _parts_of(body.get("context_management"))):
         reasons.append("a compaction inside the response (context_management, a compaction_trigger item) "
                        "has no output limit tollgate can hold; compact through /v1/responses/compact, which "
                        "tollgate reserves")
-    return tuple(reasons)
+    return tuple(reasons), tuple(stored)
 
 
 def _parts_of(value: Any) -> list[Any]:
@@ -203,6 +201,7 @@ class OpenAIResponses:
         if stream is not None and not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean", param="stream")
         images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
+        fields, stored_reasoning = _unbounded(body, items, raw)
         offered = offered_tools(body, raw)
         return Call(
             protocol="openai_responses",
@@ -224,7 +223,8 @@ class OpenAIResponses:
             search_preview=offers_preview_search(offered),
             unpriced_tools=unpriced_tools(offered),
             unreserved_tools=unreserved_tools(offered),
-            unbounded=_unbounded(body, items, raw),
+            unbounded=fields,
+            stored_reasoning=stored_reasoning,
             service_tier=service_tier(body),
         )
 
@@ -298,11 +298,15 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
     """The neutral answer of a response object: its messages' text and its call items."""
     texts: list[str] = []
     calls: list[ToolCall] = []
+    reasoning: list[str] = []
     hosted = web_searches = file_searches = 0
     for item in body.get("output") or ():
         kind = item_type(item)
         if kind == "message":
             texts.append(_message_text(item))
+        elif kind == "reasoning":
+            if isinstance(item.get("id"), str):
+                reasoning.append(item["id"])
         elif kind in CALL_ITEMS:
             calls.append(_call(item))
         elif kind in HOSTED_CALL_ITEMS:
@@ -322,6 +326,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         usage=usage,
         hosted_calls=hosted,
         service_tier=service_tier(body),  # a stream's final event carries the whole response, its tier too
+        reasoning=tuple(reasoning),
     )
 
 

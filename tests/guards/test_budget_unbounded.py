@@ -36,6 +36,9 @@ def with_fields(**fields: Any) -> Call:
     ({"unpriced_tools": ("code_execution_20250825",)}, {"usd": 1.0}, "code_execution_20250825"),
     ({"unpriced_tools": ("code_execution_20250825",)}, {"tokens": 10_000}, None),  # its tokens are in `usage`
     ({"unpriced_tools": ("code_execution_20250825",)}, {}, None),
+    ({"stored_reasoning": ("rs_1", "rs_2")}, {"usd": 1.0}, "2 reasoning item(s) OpenAI reads from storage"),
+    ({"stored_reasoning": ("rs_1",)}, {"tokens": 10_000}, "reasoning.encrypted_content"),
+    ({"stored_reasoning": ("rs_1",)}, {}, None),
 ])
 def test_what_no_reservation_holds_is_refused_under_a_budget(
     fields: dict[str, Any], budget: dict[str, Any], refused: str | None

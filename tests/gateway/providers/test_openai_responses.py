@@ -316,8 +316,9 @@ def test_parse_answer(
 ) -> None:
     hosted = sum(1 for item in body["output"] if item["type"] == "web_search_call")  # counted, not judged
     usage = Usage(10, 5, web_search_requests=hosted)  # billed apart, per call: counted from the items
+    reasoning = tuple(item["id"] for item in body["output"] if item["type"] == "reasoning")
     assert ADAPTER.parse_answer(body) == Answer("resp_fake", "gpt-4o-mini", text, calls, finish, usage,
-                                                hosted_calls=hosted)
+                                                hosted_calls=hosted, reasoning=reasoning)
     parsed = Response.model_validate(body)  # a real response, whose text the SDK reads the same
     assert parsed.output_text == text
 
@@ -956,18 +957,35 @@ def test_the_service_tier_asked_for_and_answered_streamed_too(sent: dict[str, An
 
 
 @pytest.mark.parametrize(("fields", "unbounded"), [
-    ({"input": [USER, REASONING, fc("a"), fc_out("a", "r")]}, "reasoning OpenAI reads from storage"),
-    ({"input": [USER, {**REASONING, "encrypted_content": "gAAAA"}]}, None),  # carried in the body
-    ({"input": [USER, {**REASONING, "content": [{"type": "reasoning_text", "text": "t"}]}]}, None),
     ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "compaction"),
     ({"input": [USER, {"type": "compaction_trigger"}]}, "compaction"),
     ({}, None),
 ])
 def test_what_a_budget_cannot_bound(fields: dict[str, Any], unbounded: str | None) -> None:
-    """Reasoning read from storage by id is input the body does not carry; a compaction inside the
-    response has no output limit tollgate can hold: `Call.unbounded` (refused under a budget)."""
+    """A compaction inside the response has no output limit tollgate can hold: `Call.unbounded` (refused
+    under a budget)."""
     call = parse(body_of(**fields))
     if unbounded is None:
         assert call.unbounded == ()
     else:
         assert len(call.unbounded) == 1 and unbounded in call.unbounded[0]
+
+
+@pytest.mark.parametrize(("items", "stored"), [
+    ([USER, REASONING, fc("a"), fc_out("a", "r")], ("rs_1",)),
+    ([USER, {**REASONING, "encrypted_content": "gAAAA"}], ()),  # carried in the body
+    ([USER, {**REASONING, "content": [{"type": "reasoning_text", "text": "t"}]}], ()),
+    ([USER, REASONING, {**REASONING, "id": "rs_2"}], ("rs_1", "rs_2")),
+    ([USER, {"type": "reasoning", "summary": []}], ("",)),  # no id: never seen, so never held
+    ([USER], ()),
+])
+def test_reasoning_read_from_storage_by_id(items: list[Any], stored: tuple[str, ...]) -> None:
+    """Input the body does not carry (`Call.stored_reasoning`: held at what the gateway saw it cost, else
+    refused under a budget), and the reasoning ids of an answer, which an agent may send back so."""
+    assert parse(body_of(input=items)).stored_reasoning == stored
+    assert parse(body_of(input=items)).unbounded == ()
+
+
+def test_an_answer_names_its_reasoning_items() -> None:
+    assert ADAPTER.parse_answer(response(REASONING_OUT, message_item("ok"))).reasoning == ("rs_1",)
+    assert ADAPTER.parse_answer(response(message_item("ok"))).reasoning == ()
