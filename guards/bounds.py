@@ -111,12 +111,6 @@ def search_limit(call: Call, price: ModelPrice | None, budget: Budget, run: RunS
     return limit if len(sent) < count or limit < max(sent) else None
 
 
-def searches_allowed(call: Call, price: ModelPrice | None, budget: Budget, run: RunState | None) -> int:
-    """Most billed searches the request lets the provider run once `search_limit` is sent (one unset and
-    not limited counts `SEARCHES_WHEN_UNSET`: a bound for the books)."""
-    return sum(uses for uses, _ in sized_uses(call, search_limit(call, price, budget, run)))
-
-
 def _held(run: RunState | None, counter: str) -> float:
     return run.used.get(counter, 0.0) + run.reserved.get(counter, 0.0) if run is not None else 0.0
 

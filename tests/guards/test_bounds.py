@@ -18,7 +18,7 @@ from guards.bounds import (
     input_bound,
     search_input,
     search_limit,
-    searches_allowed,
+    sized_uses,
 )
 from tests.guards.support import PRICE, call, run
 
@@ -105,7 +105,11 @@ def test_free_searches_are_not_limited_by_the_budget() -> None:
     ],
 )
 def test_searches_allowed(limits: tuple[int | None, ...], budget: dict[str, float], searches: int) -> None:
-    assert searches_allowed(call(input_bytes=1000, search_limits=limits), SEARCHING, Budget(**budget), None) == searches
+    """The searches held once `search_limit` is sent (`sized_uses`; one unset and not limited counts
+    `SEARCHES_WHEN_UNSET`)."""
+    the_call = call(input_bytes=1000, search_limits=limits)
+    uses = sized_uses(the_call, search_limit(the_call, SEARCHING, Budget(**budget), None))
+    assert sum(count for count, _ in uses) == searches
 
 
 def test_a_model_without_search_fees_still_holds_the_results_tokens() -> None:
