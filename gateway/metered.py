@@ -122,8 +122,9 @@ def parse_compact(body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
     items or files stored upstream) as `/v1/responses` reads it; it has no tools and no output limit."""
     _no_stream(body, "/v1/responses/compact")
     call = OpenAIResponses().parse_request(body, raw, limits)
+    # a compaction runs no tools: tool lists in its input items are context, billed as their bytes
     return replace(call, operation="chat", max_tokens=None, tools=(), tool_choice=None, tool_results=(),
-                   search_limits=())
+                   search_limits=(), unpriced_tools=(), unreserved_tools=())
 
 
 def embeddings_usage(usage: Any) -> Usage | None:

@@ -19,39 +19,45 @@ from dataclasses import replace
 from gateway.call import Answer, Call
 
 CAPACITY = 16_384
-"""Items remembered; the oldest are forgotten first (an agent sends back the latest turns' items)."""
+"""Items remembered; the least recently relayed or sent back are forgotten first (an agent sends every
+item of its run back on each call, so a run in progress keeps its own)."""
 
 
 class SeenReasoning:
-    """Output tokens of the response each reasoning item came from, by item id, at most `capacity` items."""
+    """The reasoning items relayed, by item id, each with the response it came in and that response's
+    output tokens, at most `capacity` items. All the items of one response together bill at most its
+    output tokens: items sent back are held once per response, not once per item."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         self._capacity = capacity
-        self._tokens: OrderedDict[str, int] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._items)
 
     def remember(self, answer: Answer) -> None:
-        """The answer's reasoning items, each bounded by the answer's output tokens. An answer without a
-        usage report bounds nothing: its items stay unknown."""
+        """The answer's reasoning items, bounded together by the answer's output tokens. An answer without
+        a usage report bounds nothing: its items stay unknown."""
         if not answer.reasoning or answer.usage is None:
             return
+        response = answer.reasoning[0]  # the response's key: ids are unique, `response_id` may be absent
         for item_id in answer.reasoning:
-            self._tokens[item_id] = answer.usage.output_tokens
-            self._tokens.move_to_end(item_id)
-        while len(self._tokens) > self._capacity:
-            self._tokens.popitem(last=False)
+            self._items[item_id] = (response, answer.usage.output_tokens)
+            self._items.move_to_end(item_id)
+        while len(self._items) > self._capacity:
+            self._items.popitem(last=False)
 
     def held(self, ids: Iterable[str]) -> int | None:
-        """The tokens the items may bill as input, or None when any of them was not seen."""
-        total = 0
+        """The tokens the items may bill as input (each response's output tokens once), or None when any of
+        them was not seen. Items found count as recently used."""
+        tokens: dict[str, int] = {}
         for item_id in ids:
-            tokens = self._tokens.get(item_id)
-            if tokens is None:
+            seen = self._items.get(item_id)
+            if seen is None:
                 return None
-            total += tokens
-        return total
+            self._items.move_to_end(item_id)
+            tokens[seen[0]] = seen[1]
+        return sum(tokens.values())
 
 
 def resolve(seen: SeenReasoning, call: Call) -> Call:
