@@ -159,8 +159,8 @@ class Call:
     # the definitions of its server tools): added to the body's bound
     input_overhead: int = 0
     # ids of reasoning items the input names without their content (the Responses API), which OpenAI reads
-    # from storage and bills as input: emptied once held at what this gateway saw them cost
-    # (`gateway.reasoning.resolve`); any left are refused under a budget (`guards.budget`)
+    # from storage and bills as input: emptied once held at what the run's answers said they cost
+    # (`guards.reasoning.resolve`); any left are refused under a budget (`guards.budget`)
     stored_reasoning: tuple[str, ...] = ()
     referenced_documents: int = 0  # documents named, not sent (by file id or URL): no bound is known
     tools: tuple[ToolSpec, ...] = ()
@@ -221,5 +221,5 @@ class Answer:
     # before, the request's prefill included
     after_provider_tool: bool = False
     # ids of the answer's reasoning items (the Responses API): an agent may send them back by id
-    # (`gateway.reasoning`)
+    # (`guards.reasoning`)
     reasoning: tuple[str, ...] = ()

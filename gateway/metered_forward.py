@@ -48,7 +48,6 @@ from gateway.pipeline import (
     upstream_request,
 )
 from gateway.proxy import GATEWAY, conclude, respond
-from gateway.reasoning import resolve
 from gateway.relay import relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
@@ -71,7 +70,7 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
         limits = gw.config.limits
         raw = await read_body(request, limits)
         body = parse_json(raw, limits)
-        call = resolve(gw.reasoning, meter.parse(body, raw, limits))  # compaction reads reasoning too
+        call = meter.parse(body, raw, limits)
         try:
             route = gw.router.route(call.model)
             if route.provider.type != "openai" or route.provider.engine != "http":

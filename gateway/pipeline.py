@@ -47,6 +47,7 @@ from guards.base import REASK, Add, Decision, StepContext
 from guards.bounds import MIN_OUTPUT_TOKENS, search_limit
 from guards.budget import USAGE_COUNTERS, settlement
 from guards.chain import GuardChain, Verdict
+from guards.reasoning import resolve as resolve_reasoning
 
 STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
@@ -133,6 +134,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         step.stop_reason = snapshot.stop_reason or "stopped"
         step.stop_detail = snapshot.stop_detail or f"the run is stopped ({step.stop_reason})"
         raise Stopped(step.stop_reason, step.stop_detail)
+    # reasoning items sent back by id are held at what the run's answers said they cost
+    step.call = resolve_reasoning(step.call, snapshot)
     # a re-ask is tollgate's own request, not a step of the agent: `reask` tells the guards so
     extra = {REASK: True} if step.attempts else {}
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, now, step.price, extra)
@@ -367,8 +370,6 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         return
     step.reservation = None
     if charged:
-        if answer is not None and answer.reasoning:
-            gw.reasoning.remember(answer)  # the agent may send them back by id: held at what they cost
         usage, tier = (answer.usage, answer.service_tier) if answer else (None, None)
         choices = step.call.params.choice_count or 1
         provider = step.route.provider.type  # sub-inferences on other models (Anthropic's advisor): their prices

@@ -47,7 +47,6 @@ from gateway.pricing import ModelPrice
 from gateway.providers.base import Adapter
 from gateway.providers.responses_tools import offered_tools, offers_preview_search
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
-from gateway.reasoning import resolve
 from gateway.relay import collect_stream, relay_stream
 from gateway.routing import Route
 from gateway.runtime import Gateway
@@ -78,7 +77,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         limits = gw.config.limits
         raw = await read_body(request, limits)
         body = parse_json(raw, limits)
-        call = resolve(gw.reasoning, adapter.parse_request(body, raw, limits))
+        call = adapter.parse_request(body, raw, limits)
         route = gw.router.route(call.model)
         if route.provider.type != adapter.provider_type:
             raise InvalidRequest(
@@ -300,7 +299,7 @@ def reask(gw: Gateway, step: Step, answer_text: str, instruction: str) -> None:
     """Rebuild the request from the agent's original body plus one instruction (never stacked)."""
     body = step.adapter.with_instruction(step.original, answer_text, instruction)
     raw = orjson.dumps(body)
-    step.call = resolve(gw.reasoning, step.adapter.parse_request(body, raw, gw.config.limits))
+    step.call = step.adapter.parse_request(body, raw, gw.config.limits)
     step.body, step.raw = dict(body), raw
     step.changed = True
     if step.outputs is not None:

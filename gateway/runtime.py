@@ -12,7 +12,6 @@ from gateway.identity import Identifier
 from gateway.keyed_lock import KeyedLocks, WriteMarks
 from gateway.pricing import Pricer
 from gateway.providers.base import Adapter
-from gateway.reasoning import SeenReasoning
 from gateway.routing import Router
 from gateway.store.base import Denial, RunStore
 from gateway.tools import ToolPolicy
@@ -45,7 +44,6 @@ class Gateway:
     shutting_down: bool = False
     run_locks: KeyedLocks = field(default_factory=KeyedLocks)  # per run: guard judgements that read history
     history_marks: WriteMarks = field(default_factory=WriteMarks)  # per run: this process's history writes
-    reasoning: SeenReasoning = field(default_factory=SeenReasoning)  # reasoning items relayed, by id
     guards: dict[str, list[tuple[StopCondition, str]]] = field(default_factory=dict)  # built at startup
     _chains: dict[str, GuardChain] = field(default_factory=dict)
     _tool_policies: dict[str, ToolPolicy] = field(default_factory=dict)

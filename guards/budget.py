@@ -14,7 +14,7 @@ Searches the provider runs and bills apart are held too, and Anthropic's web fet
 bills as input (`guards.bounds`), and the input the provider bills beyond the body (`Call.input_overhead`).
 What no reservation can hold is refused (a 400; the run goes on) rather than forwarded: under any budget,
 documents named instead of sent, request fields whose input or models live upstream (`Call.unbounded`),
-reasoning items read from storage that this gateway did not relay (`Call.stored_reasoning`, `gateway.reasoning`)
+reasoning items read from storage that no answer of the run relayed (`Call.stored_reasoning`, `guards.reasoning`)
 and tools whose uses bill what no reservation holds (`Call.unreserved_tools`: model calls of their own,
 an MCP server's results read in as input); under a USD budget, tools
 billed apart at a cost tollgate cannot price (`Call.unpriced_tools`).
@@ -28,8 +28,11 @@ from collections.abc import Callable, Mapping
 from gateway.call import Answer, Usage
 from gateway.pricing import ModelPrice
 from gateway.store.base import Claim, Reservation
-from guards.base import BaseGuard, Decision, StepContext
+from guards.base import BaseGuard, Decision, Push, StepContext
 from guards.bounds import IMAGE_TOKENS, input_bound, search_input, search_limit, sized_uses
+from guards.reasoning import KEEP as REASONING_KEEP
+from guards.reasoning import KEY as REASONING_KEY
+from guards.reasoning import entry as reasoning_entry
 
 __all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "PriceOf", "answer_usage", "settlement", "usage_cost"]
 
@@ -62,7 +65,7 @@ class BudgetGuard(BaseGuard):
                 self.name,
                 "input_unbounded",
                 f"the input has {len(ctx.call.stored_reasoning)} reasoning item(s) OpenAI reads from storage "
-                "by id (no encrypted_content) that this gateway has not relayed, billed as input tollgate "
+                "by id (no encrypted_content) that no answer of this run relayed, billed as input tollgate "
                 "cannot see, so the budget could be overspent; ask for include: "
                 "['reasoning.encrypted_content'] and send it back (OpenAI Agents SDK: "
                 "ModelSettings(store=False, response_include=['reasoning.encrypted_content']))",
@@ -121,6 +124,14 @@ class BudgetGuard(BaseGuard):
             per_unit = choices * price.worst_output(ctx.call.audio_output)
             claims.append(Claim("usd", fixed, per_unit, budget.usd, "budget_exhausted"))
         return Decision.allow(self.name, claims=tuple(claims))
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision:
+        """The answer's reasoning items go into the run's history with its output tokens: an agent may send
+        them back by id, held then at what they may bill (`guards.reasoning`)."""
+        line = reasoning_entry(answer) if answer.reasoning else None
+        if line is None:
+            return Decision.allow(self.name)
+        return Decision.allow(self.name, effects=(Push(REASONING_KEY, (line,), REASONING_KEEP),))
 
 
 USAGE_COUNTERS = frozenset({"usd", "tokens"})

@@ -126,7 +126,7 @@ def _unbounded(body: Mapping[str, Any], items: list[Any], raw: bytes) -> tuple[t
     """What a budget cannot bound in this request: reasons (`Call.unbounded`: refused under one), for a
     compaction inside the response, whose output `max_output_tokens` is not known to bound; and the ids of
     reasoning items whose content OpenAI fetches from storage by id (`Call.stored_reasoning`: bounded only
-    when this gateway saw them answered, `gateway.reasoning`). One byte test, then at most one walk of the
+    when an answer of the run relayed them, `guards.reasoning`). One byte test, then at most one walk of the
     input."""
     reasons = []
     stored: list[str] = []

@@ -1,10 +1,12 @@
-"""Reasoning items sent back by id (`gateway.reasoning`), through a running gateway: the OpenAI Agents
+"""Reasoning items sent back by id (`guards.reasoning`), through a running gateway: the OpenAI Agents
 SDK's default with a reasoning model runs its tool loop under a budget, each item held at the output
-tokens of the response that produced it; an item this gateway did not relay is still refused."""
+tokens of the response that produced it; an item no answer of the run relayed is still refused."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -15,6 +17,7 @@ from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import response_body, response_stream
 from tests.fakes.upstream import Reply, openai_compaction
+from tests.redis_fixture import RedisServer, redis_server  # noqa: F401 - a fixture
 
 MODEL = "gpt-5-mini"
 CLIENTS: list[openai.AsyncOpenAI] = []
@@ -141,3 +144,27 @@ async def test_a_compaction_holds_relayed_items_and_refuses_others(gateway_facto
                                   headers={"x-tollgate-run-id": "compact"}) as resp:
             assert resp.status == expected, await resp.text()
     assert h.fake.seen[-1].path == "/v1/responses/compact"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+async def test_items_relayed_by_one_sidecar_are_held_by_another_sharing_the_store(
+        gateway_factory: GatewayFactory, redis_server: RedisServer, tmp_path: Path,  # noqa: F811
+        backend: str) -> None:
+    """The items are in the run's history in the store: a second gateway on the same Redis (replicas), or
+    one restarted on the same SQLite file, holds them as the first would."""
+    state = ({"backend": "redis", "url": redis_server.url} if backend == "redis"
+             else {"backend": "sqlite", "path": str(tmp_path / "shared.db")})
+    run = f"shared-{uuid.uuid4().hex}"  # the Redis server is the session's
+    first = await gateway_factory(agents={"default": {"budget": {"usd": 1.0}}}, state=state)
+    first.fake.queue(Reply(body=with_reasoning(response_body("", calls=[("get_weather", "{}", "c1")], model=MODEL),
+                                               "rs_shared", 5)),
+                     Reply(body=response_body("ok", model=MODEL)))
+    assert (await post(first, run, turn()))[0] == 200
+    if backend == "sqlite":
+        await first.gateway.store.close()  # a restart: the file is all the next process has
+    second = await gateway_factory(agents={"default": {"budget": {"usd": 1.0}}}, state=state)
+    item = {"type": "reasoning", "id": "rs_shared", "summary": []}
+    status, body = await post(second, run, turn(item))
+    assert status == 200, body
+    status, body = await post(second, run, turn({**item, "id": "rs_never"}))
+    assert status == 400, body

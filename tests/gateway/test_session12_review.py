@@ -1,6 +1,6 @@
 """Review of 2c6d13c (hosted MCP under a budget) and a3a3a67 (reasoning items sent back by id): each test
 failed on those commits for the defect its docstring states, and passes since its fix (held once per
-response, least recently used forgotten first, a compaction offers no tools)."""
+response, kept in the run's own history, a compaction offers no tools)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from gateway.call import Answer, Usage
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import response_body
 from tests.fakes.upstream import Reply, openai_compaction
@@ -38,7 +37,7 @@ def turn(*extra: dict[str, Any], max_output: int = 50) -> dict[str, Any]:
 
 async def test_reasoning_items_of_one_response_are_held_once_not_once_each(
         gateway_factory: GatewayFactory) -> None:
-    """Defect: `SeenReasoning.held` adds the whole response's `output_tokens` for EVERY reasoning item of
+    """Defect: the first design's `held` added the whole response's `output_tokens` for EVERY reasoning item of
     that response. A response with k reasoning items (OpenAI interleaves one before each hosted call, e.g.
     reasoning / web_search_call / reasoning / web_search_call / reasoning / message) is then held k times
     over when the agent sends its items back by id, as the Agents SDK does on every later turn. Every item
@@ -67,40 +66,28 @@ async def test_reasoning_items_of_one_response_are_held_once_not_once_each(
                            f"which the budget left pays: {body}")
 
 
-async def test_an_item_the_run_keeps_sending_back_is_not_forgotten_first(
+async def test_an_item_the_run_keeps_sending_back_is_not_forgotten_for_other_runs(
         gateway_factory: GatewayFactory) -> None:
-    """Defect: `SeenReasoning` forgets in insertion order and `held` never refreshes an item it finds,
-    while its docstring assumes "an agent sends back the latest turns' items". The Agents SDK sends back
-    every reasoning item of the run's history on every turn, so a long-running run's FIRST item, which it
-    sends on each call, is the first one evicted once 16,384 items of other runs (the memory is one per
-    process, shared by every run and agent) were relayed after it; from then on every call of that run is
-    a 400 (its input always carries the item), though the item was looked up a moment ago. Expected: an
-    item held by a recent request stays remembered (least recently USED is evicted), so the active run
-    goes on.
+    """Defect (of the first design, one memory per process forgetting in insertion order): the Agents SDK
+    sends back every reasoning item of the run's history on every turn, so a long-running run's FIRST item
+    was evicted once 16,384 items of other runs were relayed after it; from then on every call of that run
+    was a 400 (its input always carries the item). Fixed by keeping each run's items in its own history in
+    the run store (`guards.reasoning`): other runs cannot make it forget them.
 
-    Here: turn 1 relays rs_first; other runs relay 16,000 items; turn 2 sends rs_first back (held) and
-    relays rs_second; other runs relay 1,000 more; turn 3 sends rs_first and rs_second back: refused."""
+    Here: turn 1 relays rs_first; another run is answered with 17,000 items; turn 2 sends rs_first back."""
     h = await gateway_factory(agents={"default": {"budget": {"usd": 5.0}}})
-    seen = h.gateway.reasoning
 
-    def other_runs(prefix: str, count: int) -> None:  # what the gateway relays to other agents meanwhile
-        seen.remember(Answer(reasoning=tuple(f"rs_{prefix}_{i}" for i in range(count)), usage=Usage(10, 20)))
-
-    def answer_with(item_id: str) -> Reply:
+    def answer_with(*item_ids: str) -> Reply:
         body = response_body("", calls=[("get_weather", "{}", "c1")], model=MODEL, usage=(50, 200))
-        body["output"].insert(0, reasoning(item_id))
+        body["output"][:0] = [reasoning(item_id) for item_id in item_ids]
         return Reply(body=body)
 
-    h.fake.queue(answer_with("rs_first"), answer_with("rs_second"),
+    h.fake.queue(answer_with("rs_first"), answer_with(*(f"rs_other_{i}" for i in range(17_000))),
                  Reply(body=response_body("Sunny.", model=MODEL, usage=(500, 5))))
     assert (await post(h, "long-run", turn()))[0] == 200
-    other_runs("a", 16_000)
+    assert (await post(h, "other-run", turn()))[0] == 200
     status, body = await post(h, "long-run", turn(reasoning("rs_first"), CALL, OUTPUT))
-    assert status == 200, body
-    other_runs("b", 1_000)
-    status, body = await post(h, "long-run", turn(reasoning("rs_first"), CALL, OUTPUT, reasoning("rs_second"),
-                                                  CALL, OUTPUT))
-    assert status == 200, f"rs_first was held by the previous call of this run, yet it is forgotten: {body}"
+    assert status == 200, f"rs_first was relayed in this run, yet it is forgotten: {body}"
 
 
 @pytest.mark.parametrize("budget", [{"usd": 1.0}, {"tokens": 1_000_000}])

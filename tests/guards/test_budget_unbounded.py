@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
-from gateway.call import Call, Usage
+from gateway.call import Answer, Call, Usage
 from gateway.pricing import ModelPrice, Rate
-from gateway.store.base import Reservation
+from gateway.store.base import Push, Reservation
 from guards.budget import BudgetGuard, settlement, usage_cost
+from guards.reasoning import KEEP as REASONING_KEEP
+from guards.reasoning import KEY as REASONING_KEY
 from tests.guards.support import PRICE, call, ctx, policy
 
 GUARD = BudgetGuard()
@@ -105,3 +107,12 @@ def test_settlement_charges_every_token_and_prices_other_models_apart() -> None:
 def test_settlement_follows_the_speed_the_answer_reports(tier: str | None, rates: tuple[float, float]) -> None:
     got = settlement(Usage(1000, 1000), FAST, RESERVED, service_tier=tier)
     assert got["usd"] == pytest.approx(1000 * rates[0] + 1000 * rates[1])
+
+
+def test_an_answers_reasoning_items_go_into_the_runs_history() -> None:
+    """What `guards.reasoning.resolve` reads when the agent sends them back by id."""
+    the_ctx = ctx(call(), policy(budget={"usd": 1.0}))
+    with_items = Answer(reasoning=("rs_1", "rs_2"), usage=Usage(10, 900))
+    assert GUARD.after(the_ctx, with_items).effects == (Push(REASONING_KEY, ("900 rs_1 rs_2",), REASONING_KEEP),)
+    assert GUARD.after(the_ctx, Answer(usage=Usage(10, 900))).effects == ()
+    assert GUARD.after(the_ctx, Answer(reasoning=("rs_1",))).effects == ()  # no usage: nothing bounds them
