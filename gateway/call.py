@@ -195,6 +195,8 @@ class Call:
     # why the request's cost cannot be bounded, one reason per request field (Anthropic's `thread`
     # continuation, its `fallbacks`): a USD or token budget refuses the request with them (`guards.budget`)
     unbounded: tuple[str, ...] = ()
+    # the request fields those reasons name (`thread` first): the refusal's `param`
+    unbounded_params: tuple[str, ...] = ()
     # the price tier asked for: OpenAI's service tier as sent (`auto`, `priority`, ...), Anthropic's `speed`
     # unless standard (`fast`); `gateway.pricing.reserved_tier` reads it
     service_tier: str | None = None

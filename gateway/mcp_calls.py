@@ -455,7 +455,7 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
         return
     if verdict.stop is not None:
         if verdict.stop.action == "reject":  # this call refused as a bad request; the run goes on
-            raise InvalidRequest(verdict.stop.detail)
+            raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)
         reason = verdict.stop.reason or "stopped"
         with uncut(step.flight):  # the stop is decided: recorded as the stop, whoever leaves meanwhile
             await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())

@@ -143,7 +143,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None:
         if verdict.stop.action == "reject":
-            raise InvalidRequest(verdict.stop.detail)
+            raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     call = step.call
     if step.output_bound is not None:  # a metered forwarded call: its path fixes the output it may bill
@@ -409,7 +409,7 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     step.decisions.extend(verdict.decisions)
     if verdict.stop is not None and verdict.stop.action == "reject":
         del step.extra[JUDGED]  # nothing of the answer was applied: what the provider ran is counted at the end
-        raise InvalidRequest(verdict.stop.detail)  # the answer is withheld, the run goes on (Decision.reject)
+        raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)  # withheld; the run goes on
     if verdict.stop is not None:
         if await _reset_since(gw, step):
             return  # judged on a history a reset cleared while the step was in flight: the fresh run goes on

@@ -35,6 +35,7 @@ class Decision:
     detail: str = ""
     claims: tuple[Claim, ...] = ()
     effects: tuple[Effect, ...] = ()
+    param: str | None = None  # a reject's request field at fault, named in the error (`InvalidRequest.param`)
 
     @classmethod
     def allow(cls, guard: str, *, claims: tuple[Claim, ...] = (), effects: tuple[Effect, ...] = ()) -> Decision:
@@ -47,10 +48,10 @@ class Decision:
         return cls(guard, "stop", reason, detail)
 
     @classmethod
-    def reject(cls, guard: str, reason: str, detail: str) -> Decision:
+    def reject(cls, guard: str, reason: str, detail: str, *, param: str | None = None) -> Decision:
         """Refuse this step as a bad request (400) without stopping the run: retrying cannot help,
-        but fixing the request or the config can."""
-        return cls(guard, "reject", reason, detail)
+        but fixing the request (`param`, when one field is at fault) or the config can."""
+        return cls(guard, "reject", reason, detail, param=param)
 
     @property
     def stopped(self) -> bool:

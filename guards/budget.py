@@ -59,7 +59,8 @@ class BudgetGuard(BaseGuard):
         if ctx.call.unbounded and (budget.tokens is not None or budget.usd is not None):
             return Decision.reject(self.name, "input_unbounded",
                                    f"{'; '.join(ctx.call.unbounded)} (under a budget, tollgate refuses what it "
-                                   "cannot bound, since the budget could be overspent)")
+                                   "cannot bound, since the budget could be overspent)",
+                                   param=ctx.call.unbounded_params[0] if ctx.call.unbounded_params else None)
         if ctx.call.stored_reasoning and (budget.tokens is not None or budget.usd is not None):
             return Decision.reject(
                 self.name,

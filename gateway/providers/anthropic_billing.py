@@ -54,6 +54,11 @@ UNBOUNDED_FIELDS: dict[str, str] = {
 """Request fields whose cost tollgate cannot bound, and why (`Call.unbounded`: any budget refuses them)."""
 
 
+def unbounded_params(reasons: tuple[str, ...]) -> tuple[str, ...]:
+    """The fields `unbounded_fields` gave `reasons` for, in `UNBOUNDED_FIELDS` order (`thread` first)."""
+    return tuple(field for field, reason in UNBOUNDED_FIELDS.items() if reason in reasons)
+
+
 def unbounded_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
     """Why the request's cost cannot be bounded, one reason per field (`UNBOUNDED_FIELDS`): a `thread`
     other than `{"type": "create"}` (which starts holding a conversation the body carries whole),

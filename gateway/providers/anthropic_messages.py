@@ -11,7 +11,13 @@ import orjson
 from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, digest
 from gateway.config import Limits
 from gateway.errors import BudgetHeld, GatewayError, InvalidRequest, error_code
-from gateway.providers.anthropic_billing import answer_tier, speed_tier, unbounded_fields, usage_from
+from gateway.providers.anthropic_billing import (
+    answer_tier,
+    speed_tier,
+    unbounded_fields,
+    unbounded_params,
+    usage_from,
+)
 from gateway.providers.anthropic_tools import (
     FETCH_CONTENT_TOKENS,
     SERVER_TOOLS,
@@ -136,7 +142,8 @@ class AnthropicMessages:
             input_overhead=input_overhead(body),
             unpriced_tools=unpriced_tools(body),
             unreserved_tools=unreserved_tools(body),
-            unbounded=unbounded_fields(body),
+            unbounded=(unbounded := unbounded_fields(body)),
+            unbounded_params=unbounded_params(unbounded) if unbounded else (),
             service_tier=speed_tier(body),
         )
 
@@ -327,7 +334,12 @@ def _prefill(messages: list[Any]) -> str:
 
 
 def _error(error: GatewayError) -> dict[str, Any]:
-    return {"type": error.anthropic_type, "message": error.message, "code": error_code(error)}
+    body: dict[str, Any] = {"type": error.anthropic_type, "message": error.message, "code": error_code(error)}
+    if error.status == 400 and error.param == "thread":
+        # Anthropic's own answer to a thread it cannot continue: the SDK's threaded loops (its tool runner)
+        # then send the turn again unthreaded, with the whole conversation, which tollgate can bound
+        body["details"] = {"error_code": "thread_unsupported_request", "unsupported": []}
+    return body
 
 
 _NESTED_USAGE = frozenset({"cache_creation", "server_tool_use", "iterations", "speed"})

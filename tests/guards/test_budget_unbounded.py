@@ -116,3 +116,10 @@ def test_an_answers_reasoning_items_go_into_the_runs_history() -> None:
     assert GUARD.after(the_ctx, with_items).effects == (Push(REASONING_KEY, ("900 rs_1 rs_2",), REASONING_KEEP),)
     assert GUARD.after(the_ctx, Answer(usage=Usage(10, 900))).effects == ()
     assert GUARD.after(the_ctx, Answer(reasoning=("rs_1",))).effects == ()  # no usage: nothing bounds them
+
+
+def test_a_refusal_names_the_first_field_at_fault() -> None:
+    decision = GUARD.before(ctx(with_fields(unbounded=(THREAD, FALLBACKS), unbounded_params=("thread", "fallbacks")),
+                                policy(budget={"usd": 1.0})))
+    assert (decision.action, decision.param) == ("reject", "thread")
+    assert GUARD.before(ctx(with_fields(unbounded=(THREAD,)), policy(budget={"usd": 1.0}))).param is None

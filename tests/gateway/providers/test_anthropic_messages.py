@@ -215,6 +215,15 @@ def test_error_body_and_event(error: GatewayError, kind: str, code: str, sdk: bo
     assert event.raw == b"event: error\ndata: " + body + b"\n\n"
 
 
+def test_a_refused_thread_is_anthropics_thread_unsupported_request() -> None:
+    """The SDK's threaded loops (its tool runner) send the turn again unthreaded on this error."""
+    body = ADAPTER.error_body(InvalidRequest("'thread' continues a conversation", param="thread"))
+    parsed = ErrorResponse.model_validate_json(body)
+    assert parsed.error.type == "invalid_request_error"
+    assert orjson.loads(body)["error"]["details"] == {"error_code": "thread_unsupported_request", "unsupported": []}
+    assert "details" not in orjson.loads(ADAPTER.error_body(InvalidRequest("bad", param="fallbacks")))["error"]
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(anthropic_messages, "time", SimpleNamespace(time=lambda: 1_700_000_000.25))
