@@ -1,7 +1,8 @@
 """Tool allow-lists on model calls: shape the offered tools, judge the proposed calls (pure).
 
-The model only sees allowed tools. A `tool_choice` that forces a disallowed tool is refused before
-the upstream is called (403 `tool_not_allowed`; the agent asked, so the run is not stopped). A
+The model only sees allowed tools. A `tool_choice` that forces a disallowed tool, or requires a call
+when no offered tool is allowed, is refused before the upstream is called (403 `tool_not_allowed`; the
+agent asked, so the run is not stopped). A
 proposed call of a disallowed tool is a violation: `on_violation: reject` stops the run; `drop`
 removes the call from the answer, and when nothing else is left the model is re-asked once.
 """
@@ -42,12 +43,25 @@ class ToolVerdict:
 
 
 def shape_tools(policy: ToolPolicy, call: Call, body: dict[str, Any]) -> bool:
-    """Filter the offered tools; refuse a forced disallowed tool. True when the body changed."""
+    """Filter the offered tools; refuse a forced disallowed tool, and a choice that requires some call
+    when no offered tool is left. True when the body changed."""
     if not policy.restricted:
         return False
     if call.tool_choice is not None and not policy.allowed(call.tool_choice):
         raise ToolNotAllowed(f"tool_choice forces a tool outside the allow-list: {refusal_detail(call.tool_choice)}")
-    return filter_request_tools(call.protocol, body, policy.allowed)
+    offered = bool(body.get("tools"))
+    forced = _requires_a_call(body.get("tool_choice"))
+    changed = filter_request_tools(call.protocol, body, policy.allowed)
+    if forced and offered and not body.get("tools"):
+        # sent on without tools the model would answer in text to an agent that asked for a call
+        raise ToolNotAllowed("tool_choice requires a tool call, and the allow-list leaves none of the offered "
+                             "tools")
+    return changed
+
+
+def _requires_a_call(choice: Any) -> bool:
+    """OpenAI's `required` (Chat Completions, Responses), Anthropic's `{"type": "any"}`."""
+    return choice == "required" or (isinstance(choice, dict) and choice.get("type") == "any")
 
 
 def judge_tools(policy: ToolPolicy, answer: Answer) -> ToolVerdict | None:

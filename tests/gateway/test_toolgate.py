@@ -81,14 +81,25 @@ def test_shape_tools_filters_offered_tools(protocol: str, names: list[str], chan
 @pytest.mark.parametrize(
     ("protocol", "extra"),
     [
-        ("openai", {"tool_choice": "required", "parallel_tool_calls": False}),
-        ("anthropic", {"tool_choice": {"type": "any"}}),
+        ("openai", {"tool_choice": "auto", "parallel_tool_calls": False}),
+        ("anthropic", {"tool_choice": {"type": "auto"}}),
     ],
 )
 def test_no_tool_left_removes_tool_choice_too(protocol: str, extra: dict[str, Any]) -> None:
     body = body_for(protocol, ["delete"], **extra)
     assert shape_tools(policy(), parse(protocol, body), body) is True
     assert set(body) & {"tools", "tool_choice", "parallel_tool_calls"} == set()
+
+
+@pytest.mark.parametrize(("protocol", "choice"), [("openai", "required"), ("anthropic", {"type": "any"})])
+def test_a_choice_requiring_a_call_with_no_tool_left_is_refused(protocol: str, choice: Any) -> None:
+    """Sent on without tools, the model would answer in text to an agent that asked for a call."""
+    body = body_for(protocol, ["delete", "drop"], tool_choice=choice)
+    with pytest.raises(ToolNotAllowed, match="requires a tool call"):
+        shape_tools(policy(), parse(protocol, body), body)
+    kept = body_for(protocol, ["delete", "search"], tool_choice=choice)
+    assert shape_tools(policy(), parse(protocol, kept), kept) is True  # a tool is left: it may be called
+    assert offered(protocol, kept) == ["search"]
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])

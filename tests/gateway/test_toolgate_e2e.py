@@ -68,6 +68,22 @@ async def test_forced_disallowed_tool_choice_is_403_without_upstream(gateway_fac
     assert (await h.run("force"))["status"] == "active"  # the agent asked: not a model violation
 
 
+async def test_a_required_call_with_no_allowed_tool_is_403_without_upstream(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents=policy())
+    async with oa(h.url, "required") as c:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS[1:2],  # type: ignore[call-overload]
+                                            tool_choice="required")
+    assert info.value.body["code"] == "tool_not_allowed"  # type: ignore[index]
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers={"x-tollgate-run-id": "required"}) as ac:
+        with pytest.raises(anthropic.PermissionDeniedError):
+            await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG,  # type: ignore[call-overload]
+                                     tools=AN_TOOLS[1:], tool_choice={"type": "any"})
+    assert h.fake.seen == []
+    assert (await h.run("required"))["status"] == "active"
+
+
 async def test_reject_stops_the_run(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents=policy("reject"))
     h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("delete_db", "{}")])))
