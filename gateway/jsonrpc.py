@@ -137,7 +137,8 @@ def gateway_error(rpc_id: RequestId | None, exc: GatewayError) -> tuple[int, dic
         code = INVALID_REQUEST
     else:
         code = UPSTREAM_FAILED
-    return exc.status, error_message(rpc_id, code, f"{name}: {exc.message}", {"code": name})
+    data = {"code": name} if exc.param is None else {"code": name, "param": exc.param}
+    return exc.status, error_message(rpc_id, code, f"{name}: {exc.message}", data)
 
 
 HANDSHAKE_VERSIONS = frozenset({"2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"})

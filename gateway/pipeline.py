@@ -237,7 +237,7 @@ async def _rejudge(gw: Gateway, step: Step, ctx: StepContext, verdict: Verdict) 
         return again
     step.decisions.append(again.stop)
     if again.stop.action == "reject":
-        raise InvalidRequest(again.stop.detail)
+        raise InvalidRequest(again.stop.detail, param=again.stop.param)
     await stop_run(gw, step, again.stop.reason or "stopped", again.stop.detail)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.call import Answer, Call, ToolCall
 from gateway.errors import ToolNotAllowed
-from gateway.providers.tool_wire import filter_request_tools
+from gateway.providers.tool_wire import filter_request_tools, offers_tools
 from gateway.tools import ToolPolicy, refusal_detail
 
 TOOL_NOT_ALLOWED = "tool_not_allowed"
@@ -49,10 +49,10 @@ def shape_tools(policy: ToolPolicy, call: Call, body: dict[str, Any]) -> bool:
         return False
     if call.tool_choice is not None and not policy.allowed(call.tool_choice):
         raise ToolNotAllowed(f"tool_choice forces a tool outside the allow-list: {refusal_detail(call.tool_choice)}")
-    offered = bool(body.get("tools"))
     forced = _requires_a_call(body.get("tool_choice"))
+    offered = forced and offers_tools(call.protocol, body)
     changed = filter_request_tools(call.protocol, body, policy.allowed)
-    if forced and offered and not body.get("tools"):
+    if offered and not offers_tools(call.protocol, body):
         # sent on without tools the model would answer in text to an agent that asked for a call
         raise ToolNotAllowed("tool_choice requires a tool call, and the allow-list leaves none of the offered "
                              "tools")

@@ -128,8 +128,12 @@ class BudgetGuard(BaseGuard):
 
     def after(self, ctx: StepContext, answer: Answer) -> Decision:
         """The answer's reasoning items go into the run's history with its output tokens: an agent may send
-        them back by id, held then at what they may bill (`guards.reasoning`)."""
-        line = reasoning_entry(answer) if answer.reasoning else None
+        them back by id, held then at what they may bill (`guards.reasoning`). Without a budget nothing
+        refuses them: nothing is written."""
+        if not answer.reasoning:
+            return Decision.allow(self.name)
+        budget = ctx.policy.budget
+        line = reasoning_entry(ctx.call, answer) if budget.usd is not None or budget.tokens is not None else None
         if line is None:
             return Decision.allow(self.name)
         return Decision.allow(self.name, effects=(Push(REASONING_KEY, (line,), REASONING_KEEP),))

@@ -25,10 +25,11 @@ KEEP = 1000
 sends back items of older answers sends their content (`include: ["reasoning.encrypted_content"]`)."""
 
 
-def entry(answer: Answer) -> str | None:
+def entry(call: Call, answer: Answer) -> str | None:
     """The history entry of an answer's reasoning items: its output tokens, then the item ids, separated by
-    spaces. None when it has none, or no usage report bounds them (they stay unknown)."""
-    if not answer.reasoning or answer.usage is None:
+    spaces. None when it has none, when no usage report bounds them (they stay unknown), or when the request
+    asked OpenAI not to store its output (`store: false`: no item of it can be read back by id)."""
+    if not answer.reasoning or answer.usage is None or call.raw.get("store") is False:
         return None
     ids = [item_id for item_id in answer.reasoning if item_id and not any(c.isspace() for c in item_id)]
     return f"{answer.usage.output_tokens} {' '.join(ids)}" if ids else None

@@ -14,6 +14,7 @@ import orjson
 
 from gateway.providers import responses_wire
 from gateway.providers.openai_functions import LEGACY, proposed
+from gateway.providers.responses_tools import offered_tools
 from gateway.providers.responses_tools import tool_name as _responses_tool_name
 from gateway.providers.sse import SseParser, format_event
 
@@ -70,6 +71,21 @@ OTHER_OFFERS: dict[str, Callable[[dict[str, Any], Allowed], bool]] = {
     "anthropic": _filter_mcp_servers,
     "openai_responses": responses_wire.filter_offers,
 }
+
+
+OTHER_OFFERED: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+    "openai": lambda body: bool(body.get("functions")),
+    "anthropic": lambda body: bool(body.get("mcp_servers")),
+    "openai_responses": lambda body: bool(offered_tools(body)),
+}
+"""Whether a request offers tools outside `tools`, per protocol (what `OTHER_OFFERS` filters)."""
+
+
+def offers_tools(protocol: str, body: Mapping[str, Any]) -> bool:
+    """The request offers the model any tool: `tools`, OpenAI's legacy `functions`, Anthropic's MCP
+    connector, the tool lists of the Responses API's input items."""
+    other = OTHER_OFFERED.get(protocol)
+    return bool(body.get("tools")) or (other is not None and other(body))
 
 
 def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) -> bool:

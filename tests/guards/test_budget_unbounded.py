@@ -116,6 +116,8 @@ def test_an_answers_reasoning_items_go_into_the_runs_history() -> None:
     assert GUARD.after(the_ctx, with_items).effects == (Push(REASONING_KEY, ("900 rs_1 rs_2",), REASONING_KEEP),)
     assert GUARD.after(the_ctx, Answer(usage=Usage(10, 900))).effects == ()
     assert GUARD.after(the_ctx, Answer(reasoning=("rs_1",))).effects == ()  # no usage: nothing bounds them
+    unbudgeted = ctx(call(), policy(caps={"llm_calls": 10}))
+    assert GUARD.after(unbudgeted, with_items).effects == ()  # nothing refuses them: nothing written
 
 
 def test_a_refusal_names_the_first_field_at_fault() -> None:

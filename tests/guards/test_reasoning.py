@@ -28,7 +28,13 @@ def call(*ids: str, overhead: int = 0) -> Call:
     (answer("rs 1"), None),
 ])
 def test_entry(the_answer: Answer, line: str | None) -> None:
-    assert entry(the_answer) == line
+    assert entry(call(), the_answer) == line
+
+
+def test_no_entry_for_a_request_whose_output_openai_does_not_store() -> None:
+    stored = dataclasses.replace(call(), raw={"store": True})
+    assert entry(stored, answer("rs_1")) == "700 rs_1"
+    assert entry(dataclasses.replace(call(), raw={"store": False}), answer("rs_1")) is None
 
 
 ENTRIES = ["700 rs_1 rs_2", "50 rs_3", "9000 rs_4 rs_5 rs_6"]
