@@ -34,6 +34,7 @@ from gateway.identity import Identity
 from gateway.metered import Meter, MeteredAdapter, answer_of, guards_for, output_bound
 from gateway.observe import begin_step, start_span, step_span
 from gateway.observe_forward import refused_call
+from gateway.output_limits import whole_limit
 from gateway.pipeline import (
     base_headers,
     echo_headers,
@@ -86,7 +87,10 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
                              output_billed=meter.output != "none")
     step = Step(adapter, identity, call, route, body, raw, price=price)
-    step.output_bound = output_bound(meter, call, output_limit(step))
+    limit = output_limit(step)
+    if meter.output == "model_limit" and not (price is not None and price.max_output_tokens):
+        limit = whole_limit(route.model, limit)  # nothing sent holds a compaction: the model's whole limit
+    step.output_bound = output_bound(meter, call, limit)
     step.guards = GuardChain(guards_for(meter, step.output_bound), lambda name: _guard_error(gw, name))
     begin_step(gw, step, request.headers)
     response: web.StreamResponse | None = None

@@ -303,7 +303,8 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
     for item in body.get("output") or ():
         kind = item_type(item)
         if kind == "message":
-            texts.append(_message_text(item))
+            if item.get("phase") != "commentary":  # what the model says before its calls: not the answer
+                texts.append(_message_text(item))
         elif kind == "reasoning":
             if isinstance(item.get("id"), str):
                 reasoning.append(item["id"])
@@ -365,6 +366,7 @@ class ResponsesStreamReader:
         self._final: Answer | None = None
         self._text: list[str] = []
         self._calls: dict[int, ToolCall] = {}
+        self._commentary: set[str] = set()  # message items of `phase: commentary`: not the answer's text
         self._chars = 0
         self._hosted = 0
         self.holding = False
@@ -410,6 +412,8 @@ class ResponsesStreamReader:
                 self.holding = True
             elif not self.holding:
                 self.shown_items += 1
+            if item.get("phase") == "commentary" and isinstance(item.get("id"), str):
+                self._commentary.add(item["id"])
         elif kind == "response.output_item.done" and isinstance(item, Mapping):
             if item_type(item) in CALL_ITEMS:
                 call = _call(item)
@@ -420,9 +424,10 @@ class ResponsesStreamReader:
         elif kind == "response.output_text.delta":
             delta = data.get("delta")
             if isinstance(delta, str):
-                self._text.append(delta)
                 self._chars += len(delta)
-                self.delta = delta
+                if data.get("item_id") not in self._commentary:
+                    self._text.append(delta)
+                    self.delta = delta
         return self._relay(event)
 
     def _finish(self, response: Any) -> None:

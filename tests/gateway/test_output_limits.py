@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.output_limits import KNOWN_LIMITS, known_limit
+from gateway.output_limits import KNOWN_LIMITS, known_limit, whole_limit
 
 
 @pytest.mark.parametrize(("model", "limit"), [
@@ -22,3 +22,12 @@ def test_known_limits(model: str, limit: int | None) -> None:
 def test_every_known_limit_is_below_the_providers_default() -> None:
     """Only models the default would make fail are listed: a larger limit would only raise reservations."""
     assert all(limit < 32_768 for limit in KNOWN_LIMITS.values())
+
+
+@pytest.mark.parametrize(("model", "limit"), [
+    ("gpt-5", 128_000), ("gpt-5-mini-2025-08-07", 128_000), ("gpt-5-chat-latest", 16_384), ("o3", 100_000),
+    ("o1-mini", 65_536), ("gpt-4.1-mini", 32_768), ("gpt-4o", 16_384), ("llama-3.1-70b", 32_768),
+])
+def test_a_compaction_is_held_at_the_models_whole_limit(model: str, limit: int) -> None:
+    """What `/v1/responses/compact` reserves (it takes no limit): the model's known one, else the default."""
+    assert whole_limit(model, 32_768) == limit

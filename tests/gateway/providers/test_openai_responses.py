@@ -989,3 +989,19 @@ def test_reasoning_read_from_storage_by_id(items: list[Any], stored: tuple[str, 
 def test_an_answer_names_its_reasoning_items() -> None:
     assert ADAPTER.parse_answer(response(REASONING_OUT, message_item("ok"))).reasoning == ("rs_1",)
     assert ADAPTER.parse_answer(response(message_item("ok"))).reasoning == ()
+
+
+def test_commentary_before_calls_is_not_the_answers_text() -> None:
+    """A `phase: commentary` message (what the model says before its calls) is relayed, not judged."""
+    commentary = {**message_item("I'll look.", "msg_c"), "phase": "commentary"}
+    final = {**message_item("Done.", "msg_f"), "phase": "final_answer"}
+    assert ADAPTER.parse_answer(response(commentary, call_item("get"))).text == ""
+    assert ADAPTER.parse_answer(response(commentary, final)).text == "Done."
+    raws = response_stream([], calls=[("get", "{}", "call_1")])
+    added = {"type": "response.output_item.added", "output_index": 0, "item": {**commentary, "content": []}}
+    delta = {"type": "response.output_text.delta", "item_id": "msg_c", "output_index": 0, "content_index": 0,
+             "delta": "I'll look.", "logprobs": []}
+    raws[2:2] = [b"event: " + str(e["type"]).encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in (added, delta)]
+    reader, _ = relay(raws)
+    assert reader.answer().text == ""
+    assert [c.name for c in reader.answer().tool_calls] == ["get"]
