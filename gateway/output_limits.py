@@ -24,6 +24,7 @@ KNOWN_LIMITS: Final[dict[str, int]] = {
     "gpt-4o*": 16_384,  # gpt-4o, gpt-4o-mini, their audio, search and realtime variants
     "chatgpt-4o*": 16_384,
     "gpt-5-chat*": 16_384,
+    "gpt-5.*-chat*": 16_384,  # gpt-5.1-chat-latest, gpt-5.2-chat-latest, ...
     "gpt-4-turbo*": 4_096,
     "gpt-4-*-preview": 4_096,
     "gpt-4": 8_192,
@@ -34,9 +35,12 @@ KNOWN_LIMITS: Final[dict[str, int]] = {
 
 LARGER_LIMITS: Final[dict[str, int]] = {
     # OpenAI's model pages; first match wins, after `KNOWN_LIMITS` (gpt-5-chat is lower)
+    "gpt-5-pro*": 272_000,
+    "gpt-5.*-pro*": 272_000,
     "gpt-5*": 128_000,
     "codex-mini*": 100_000,
     "o1-mini*": 65_536,
+    "o1-preview*": 32_768,
     "o1*": 100_000,
     "o3*": 100_000,
     "o4-mini*": 100_000,

@@ -10,6 +10,7 @@ reservation when the stream broke or carried no usage.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from aiohttp import web
@@ -113,10 +114,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
     if failure is None and broken is not None and not unfinished(answer):
         failure = broken  # the answer's text, not a preamble, broke its constraint
+    text_judged = False  # an answer of calls alone is not held to the text constraints (unless they are dropped)
     if failure is None and checkers and not (answer.tool_calls and not answer.text) and not unfinished(answer):
-        problems = [v for v in (c.finish() for c in checkers) if v is not None]
-        if problems:
-            failure = OutputNonconforming(f"the streamed answer breaks its constraint: {problems[0].message}")
+        text_judged = True
+        failure = _text_failure(checkers)
     try:
         if failure is not None:
             step.error_type = failure.code
@@ -133,6 +134,11 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
                     answer = step.answer = without(answer, tools.names)
                     step.extra["tools_dropped"] = len(tools.denied)
+                    if checkers and not text_judged and not answer.tool_calls and not unfinished(answer):
+                        # what is left is the answer now (commentary before the calls is none of it)
+                        dropped = _text_failure(checkers)
+                        if dropped is not None:
+                            raise dropped
                 # the held calls reach the agent only with arguments their tools' schemas accept; a
                 # stream cannot be re-asked once it started (`stream_check: buffer` can)
                 verdict = judge_tool_arguments(step.call, answer)
@@ -204,3 +210,11 @@ def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
     if step.identity.policy.on_stop == "message":
         return step.adapter.stream_stop_tail(step.call, reader, stop.reason, stop.message)
     return step.adapter.error_event(stop)
+
+
+def _text_failure(checkers: Sequence[IncrementalChecker]) -> OutputNonconforming | None:
+    """The error of an answer whose streamed text breaks a constraint once complete, else None."""
+    problems = [v for v in (c.finish() for c in checkers) if v is not None]
+    if problems:
+        return OutputNonconforming(f"the streamed answer breaks its constraint: {problems[0].message}")
+    return None
