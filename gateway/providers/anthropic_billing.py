@@ -50,6 +50,9 @@ UNBOUNDED_FIELDS: dict[str, str] = {
     "context_management": "a 'context_management' compaction edit makes Anthropic summarize the context in a "
                           "sampling of its own, on top of the answer, whose output no limit tollgate sends "
                           "bounds; send the request without it (or compact the context yourself)",
+    "compaction": "a 'compaction' request makes Anthropic summarize the conversation in a sampling of its own, "
+                  "reported apart from the answer's usage, whose output no limit tollgate sends bounds; compact "
+                  "the context yourself, or run this agent without a budget",
 }
 """Request fields whose cost tollgate cannot bound, and why (`Call.unbounded`: any budget refuses them)."""
 
@@ -63,7 +66,8 @@ def unbounded_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
     """Why the request's cost cannot be bounded, one reason per field (`UNBOUNDED_FIELDS`): a `thread`
     other than `{"type": "create"}` (which starts holding a conversation the body carries whole),
     `fallbacks` other than none or an empty list (`"default"` too: the server picks the models), and a
-    compaction among the `context_management` edits (clearing edits only lower the input: they pass)."""
+    compaction among the `context_management` edits (clearing edits only lower the input: they pass), and a
+    compaction request (a top-level `compaction`)."""
     reasons: list[str] = []
     thread = body.get("thread")
     if thread is not None and not (isinstance(thread, Mapping) and thread.get("type") == "create"):
@@ -75,6 +79,8 @@ def unbounded_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
     if isinstance(edits, list) and any(isinstance(e, Mapping) and str(e.get("type", "")).startswith("compact")
                                        for e in edits):
         reasons.append(UNBOUNDED_FIELDS["context_management"])
+    if body.get("compaction") is not None:
+        reasons.append(UNBOUNDED_FIELDS["compaction"])
     return tuple(reasons)
 
 

@@ -123,6 +123,8 @@ def parse(**fields: Any) -> Any:
     ({"speed": "fast"}, {"service_tier": "fast"}),
     ({"speed": "standard"}, {"service_tier": None}),
     ({"thread": CONTINUE}, {"unbounded": (UNBOUNDED_FIELDS["thread"],), "unbounded_params": ("thread",)}),
+    ({"compaction": {"type": "summarize"}},
+     {"unbounded": (UNBOUNDED_FIELDS["compaction"],), "unbounded_params": ("compaction",)}),
     ({"fallbacks": "default", "thread": CONTINUE},
      {"unbounded": (UNBOUNDED_FIELDS["thread"], UNBOUNDED_FIELDS["fallbacks"]),
       "unbounded_params": ("thread", "fallbacks")}),
