@@ -25,7 +25,14 @@ from gateway.providers.common import (
     token_count,
     usage_detail,
 )
-from gateway.providers.openai_functions import LEGACY, forced_function, functions, proposed
+from gateway.providers.openai_functions import (
+    LEGACY,
+    call_fields,
+    forced_function,
+    functions,
+    proposed,
+    tool_spec,
+)
 from gateway.providers.sse import SseEvent, format_event
 
 DONE = b"data: [DONE]\n\n"
@@ -35,23 +42,31 @@ MAX_CHOICES = 128  # OpenAI's bound on `n`; each choice is reserved, so a wild `
 def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
     specs: list[ToolSpec] = []
     for index, tool in enumerate(raw_tools):
-        fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise InvalidRequest(f"tools[{index}] must be {{type: function, function: {{name, ...}}}}", param="tools")
-        params = fn.get("parameters")
-        specs.append(ToolSpec(fn["name"], fn.get("description"), params if isinstance(params, Mapping) else None))
+        spec = tool_spec(tool)
+        if spec is None or not isinstance(spec.get("name"), str):
+            raise InvalidRequest(f"tools[{index}] must be {{type: function, function: {{name, ...}}}} or "
+                                 "{type: custom, custom: {name, ...}}", param="tools")
+        if tool.get("type") == "custom":
+            continue  # free-text input, not JSON arguments: nothing for `outputs.judge` to validate
+        params = spec.get("parameters")
+        specs.append(ToolSpec(spec["name"], spec.get("description"), params if isinstance(params, Mapping) else None))
     return tuple(specs)
 
 
 def _tool_choice(value: Any) -> str | None:
+    """The tool a `tool_choice` forces by name (a function or a custom tool), or None."""
     if isinstance(value, Mapping):
-        fn = value.get("function")
-        if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
-            return str(fn["name"])
-        raise InvalidRequest("tool_choice must name a function", param="tool_choice")
+        if value.get("type") == "allowed_tools" and isinstance(value.get("allowed_tools"), Mapping):
+            return None  # a subset of the tools, filtered by the allow-list (`gateway.providers.tool_wire`)
+        spec = tool_spec(value)
+        if spec is not None and isinstance(spec.get("name"), str):
+            return str(spec["name"])
+        raise InvalidRequest("tool_choice must name a function or a custom tool, or be allowed_tools",
+                             param="tool_choice")
     if value is None or value in ("auto", "none", "required"):
         return None
-    raise InvalidRequest("tool_choice must be auto, none, required or a function", param="tool_choice")
+    raise InvalidRequest("tool_choice must be auto, none, required, allowed_tools or name a tool",
+                         param="tool_choice")
 
 
 def _forced(body: Mapping[str, Any]) -> str | None:
@@ -138,8 +153,8 @@ class OpenAIChat:
                 content = message.get("content")
                 others.append(content if isinstance(content, str) else "")
             for tc in message.get("tool_calls") or ():
-                fn = tc.get("function") or {}
-                calls.append(ToolCall(str(tc.get("id", "")), str(fn.get("name", "")), str(fn.get("arguments", ""))))
+                name, arguments = call_fields(tc)
+                calls.append(ToolCall(str(tc.get("id", "")), name, arguments))
             legacy = proposed(message)
             if legacy is not None:
                 calls.append(ToolCall("", *legacy))
@@ -365,10 +380,14 @@ class OpenAIStreamReader:
             for tc in delta.get("tool_calls") or ():
                 self.holding = True
                 slot = self._calls.setdefault((index, int(tc.get("index") or 0)), ["", "", ""])
-                fn = tc.get("function") or {}
+                fn = tool_spec(tc)
+                if fn is None:
+                    if tc.get("function") is not None or tc.get("custom") is not None:
+                        raise ValueError("a streamed tool call's function is not an object")
+                    fn = {}
                 slot[0] = slot[0] or str(tc.get("id") or "")
                 slot[1] += str(fn.get("name") or "")
-                args = fn.get("arguments")
+                args = fn.get("arguments", fn.get("input"))
                 if isinstance(args, str):
                     slot[2] += args
                     self._chars += len(args)

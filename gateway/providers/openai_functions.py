@@ -52,3 +52,25 @@ def proposed(message: Mapping[str, Any]) -> tuple[str, str] | None:
         return None
     args = fn.get("arguments")
     return str(fn.get("name") or ""), args if isinstance(args, str) else ""
+
+
+def tool_spec(value: Any) -> Mapping[str, Any] | None:
+    """The object naming a Chat Completions tool, a forced choice or a call: `function`, or `custom` for a
+    custom (free-text) tool (a streamed call's later deltas carry no `type`); None when it has neither."""
+    if not isinstance(value, Mapping):
+        return None
+    spec = value.get("custom") if value.get("type") == "custom" else value.get("function")
+    if spec is None and "type" not in value:
+        spec = value.get("custom")
+    return spec if isinstance(spec, Mapping) else None
+
+
+def call_fields(call: Mapping[str, Any]) -> tuple[str, str]:
+    """A Chat Completions tool call's (name, arguments): a function's JSON arguments, a custom tool's text.
+    Raises TypeError for a `function` or `custom` that is not an object (a malformed answer)."""
+    spec = tool_spec(call)
+    if spec is None:
+        if call.get("function") is not None or call.get("custom") is not None:
+            raise TypeError("a tool call's function is not an object")
+        spec = {}
+    return str(spec.get("name", "")), str(spec.get("arguments", spec.get("input", "")) or "")

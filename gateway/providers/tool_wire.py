@@ -12,8 +12,9 @@ from typing import Any
 
 import orjson
 
+from gateway.errors import ToolNotAllowed
 from gateway.providers import responses_wire
-from gateway.providers.openai_functions import LEGACY, proposed
+from gateway.providers.openai_functions import LEGACY, proposed, tool_spec
 from gateway.providers.responses_tools import offered_tools
 from gateway.providers.responses_tools import tool_name as _responses_tool_name
 from gateway.providers.sse import SseParser, format_event
@@ -22,8 +23,30 @@ Allowed = Callable[[str], bool]
 
 
 def _openai_tool_name(tool: Any) -> str:
-    fn = tool.get("function") if isinstance(tool, Mapping) else None
-    return str(fn.get("name", "")) if isinstance(fn, Mapping) else ""
+    spec = tool_spec(tool)
+    return str(spec.get("name", "")) if spec is not None else ""
+
+
+def _filter_allowed_tools(body: dict[str, Any], allowed: Allowed) -> bool:
+    """Chat Completions' `tool_choice: {type: allowed_tools, allowed_tools: {mode, tools}}`."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return False
+    subset = choice.get("allowed_tools")
+    listed = subset.get("tools") if isinstance(subset, Mapping) else None
+    if not isinstance(subset, Mapping) or not isinstance(listed, list):
+        return False
+    kept = [t for t in listed if allowed(_openai_tool_name(t))]
+    if len(kept) == len(listed):
+        return False
+    if kept:
+        body["tool_choice"] = {**choice, "allowed_tools": {**subset, "tools": kept}}
+    elif subset.get("mode") == "required":
+        raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
+                             + ", ".join(sorted(_openai_tool_name(t) for t in listed)))
+    else:
+        body["tool_choice"] = "none"
+    return True
 
 
 def _anthropic_tool_name(tool: Any) -> str:
@@ -33,13 +56,15 @@ def _anthropic_tool_name(tool: Any) -> str:
 
 
 def _filter_functions(body: dict[str, Any], allowed: Allowed) -> bool:
-    """OpenAI's legacy `functions`, as `tools`: a function not allowed is not offered."""
+    """OpenAI's legacy `functions`, as `tools`: a function not allowed is not offered; and an
+    `allowed_tools` choice loses the tools the agent may not use (one requiring only those is refused)."""
+    changed = _filter_allowed_tools(body, allowed)
     offered = body.get("functions")
     if not isinstance(offered, list) or not offered:
-        return False
+        return changed
     kept = [f for f in offered if isinstance(f, Mapping) and allowed(str(f.get("name", "")))]
     if len(kept) == len(offered):
-        return False
+        return changed
     if kept:
         body["functions"] = kept
     else:
@@ -123,7 +148,7 @@ def _drop_openai(body: dict[str, Any], names: frozenset[str]) -> bool:
             if choice.get("finish_reason") == "function_call":
                 choice["finish_reason"] = "stop"
         calls = message.get("tool_calls") or []
-        kept = [c for c in calls if (c.get("function") or {}).get("name") not in names]
+        kept = [c for c in calls if _openai_tool_name(c) not in names]
         if calls and len(kept) != len(calls):
             if kept:
                 message["tool_calls"] = kept
@@ -187,7 +212,7 @@ def _openai_call_names(chunks: list[tuple[bytes, dict[str, Any] | None]]) -> dic
                 key = (int(choice.get("index") or 0), LEGACY)
                 names[key] = names.get(key, "") + legacy[0]
             for tc in (choice.get("delta") or {}).get("tool_calls") or ():
-                name = (tc.get("function") or {}).get("name")
+                name = (tool_spec(tc) or {}).get("name")
                 if name:
                     key = (int(choice.get("index") or 0), int(tc.get("index") or 0))
                     names[key] = names.get(key, "") + name

@@ -111,7 +111,7 @@ def test_parse_request(fields: dict[str, Any], expected: dict[str, Any]) -> None
         # every choice is reserved: a wild n would stop the run on its budget, so it is refused instead
         ({"n": 129}, None, InvalidRequest, "n", "'n' must be an integer from 1 to 128"),
         ({"n": 2**63}, None, InvalidRequest, "n", "'n' must be an integer from 1 to 128"),
-        ({"tool_choice": "any"}, None, InvalidRequest, "tool_choice", "auto, none, required or a func"),
+        ({"tool_choice": "any"}, None, InvalidRequest, "tool_choice", "auto, none, required, allowed_tools or name a tool"),
         ({"tool_choice": {"type": "function"}}, None, InvalidRequest, "tool_choice", "must name a function"),
         ({"tool_choice": {"function": {"name": 1}}}, None, InvalidRequest, "tool_choice", "must name a func"),
     ],
@@ -378,3 +378,16 @@ def test_a_spoken_answer_named_by_id_cannot_be_bounded(messages: list[Any], unbo
     call = ADAPTER.parse_request(orjson.loads(raw), raw, Limits())
     assert bool(call.unbounded) is unbounded
     assert not unbounded or "audio.id" in call.unbounded[0]
+
+
+def test_custom_tools_are_offered_forced_and_called_by_name() -> None:
+    """A custom tool takes free text: it has no parameter schema to hold its calls to (not in `tools`)."""
+    custom = {"type": "custom", "custom": {"name": "code_exec", "format": {"type": "text"}}}
+    call = parse(body_of(tools=[custom], tool_choice={"type": "custom", "custom": {"name": "code_exec"}}))
+    assert (call.tools, call.tool_choice) == ((), "code_exec")
+    subset = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [custom]}}
+    assert parse(body_of(tools=[custom], tool_choice=subset)).tool_choice is None
+    message = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]}
+    answer = ADAPTER.parse_answer({"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]})
+    assert answer.tool_calls == (ToolCall("c1", "code_exec", "print(1)"),)

@@ -147,3 +147,13 @@ def test_events_without_data_are_relayed(raw: bytes) -> None:
     step = reader.feed(event)
     assert (step.out, step.done, reader.complete) == (raw, False, False)
     assert reader.answer() == Answer()
+
+
+def test_a_streamed_custom_tool_call_is_read_by_its_name_and_input() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    first = {"index": 0, "id": "c1", "type": "custom", "custom": {"name": "code_", "input": "print("}}
+    reader.feed(sse(chunk([{"index": 0, "delta": {"tool_calls": [first]}, "finish_reason": None}])))
+    rest = {"index": 0, "custom": {"name": "exec", "input": "1)"}}
+    reader.feed(sse(chunk([{"index": 0, "delta": {"tool_calls": [rest]}, "finish_reason": "tool_calls"}])))
+    [call] = reader.answer().tool_calls
+    assert (call.id, call.name, call.arguments) == ("c1", "code_exec", "print(1)")

@@ -13,6 +13,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import TypeAdapter
 
+from gateway.errors import ToolNotAllowed
 from gateway.providers.sse import SseParser, format_event
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls, filter_request_tools
 
@@ -277,3 +278,45 @@ def test_drop_stream_calls_anthropic(raw: bytes, names: set[str], expected: byte
 def test_drop_stream_calls_anthropic_keeps_what_it_cannot_read() -> None:
     raw = b": comment\n\n" + b"event: x\ndata: {oops\n\n" + b"data: [1]\n\n"
     assert drop_stream_calls("anthropic", raw, frozenset({"a"})) == raw
+
+
+CUSTOM = {"type": "custom", "custom": {"name": "code_exec", "description": "runs code"}}
+
+
+def allowed_tools(mode: str, *names: str) -> dict[str, Any]:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+@pytest.mark.parametrize(("body", "allowed", "after"), [
+    ({"tools": [*OPENAI, CUSTOM]}, {"search"}, {"tools": OPENAI[:1]}),  # a custom tool is named by `custom.name`
+    ({"tools": [*OPENAI, CUSTOM]}, {"code_exec"}, {"tools": [CUSTOM]}),
+    ({"tools": OPENAI, "tool_choice": allowed_tools("required", "search", "delete")}, {"search"},
+     {"tools": OPENAI[:1], "tool_choice": allowed_tools("required", "search")}),
+    ({"tools": OPENAI, "tool_choice": allowed_tools("auto", "delete")}, {"search"},
+     {"tools": OPENAI[:1], "tool_choice": "none"}),
+])
+def test_chat_custom_tools_and_allowed_tools_choices(body: dict[str, Any], allowed: set[str],
+                                                    after: dict[str, Any]) -> None:
+    shaped = copy.deepcopy(body)
+    assert filter_request_tools("openai", shaped, allowed.__contains__) is True
+    assert shaped == after
+
+
+def test_chat_allowed_tools_requiring_only_refused_tools_is_refused() -> None:
+    body = {"tools": OPENAI, "tool_choice": allowed_tools("required", "delete")}
+    with pytest.raises(ToolNotAllowed, match="delete"):
+        filter_request_tools("openai", body, {"search"}.__contains__)
+
+
+def test_chat_custom_calls_are_dropped_by_name_streamed_or_not() -> None:
+    calls = [{"id": "c1", "type": "custom", "custom": {"name": "code_exec", "input": "rm -rf /"}},
+             {"id": "c2", "type": "function", "function": {"name": "search", "arguments": "{}"}}]
+    body: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "tool_calls",
+                         "message": {"role": "assistant", "content": None, "tool_calls": copy.deepcopy(calls)}}]}
+    assert drop_calls("openai", body, frozenset({"code_exec"})) is True
+    assert body["choices"][0]["message"]["tool_calls"] == calls[1:]
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, **calls[0]}]}, "finish_reason": None}]}
+    raw = format_event(orjson.dumps(chunk))
+    assert b"code_exec" not in drop_stream_calls("openai", raw, frozenset({"code_exec"}))
