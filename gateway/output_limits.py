@@ -50,20 +50,18 @@ LARGER_LIMITS: Final[dict[str, int]] = {
 (`/v1/responses/compact`) takes none, so it is reserved at the model's whole limit (`whole_limit`)."""
 
 
+def _first_match(table: dict[str, int], model: str) -> int | None:
+    name = model.lower()
+    return next((limit for pattern, limit in table.items() if fnmatchcase(name, pattern)), None)
+
+
 @lru_cache(maxsize=1024)  # model names come from requests: bounded
 def known_limit(model: str) -> int | None:
     """The output limit of `model` when `KNOWN_LIMITS` lists it (below the providers' default), or None."""
-    name = model.lower()
-    return next((limit for pattern, limit in KNOWN_LIMITS.items() if fnmatchcase(name, pattern)), None)
+    return _first_match(KNOWN_LIMITS, model)
 
 
 @lru_cache(maxsize=1024)
-def larger_limit(model: str) -> int | None:
-    """The output limit of `model` when `LARGER_LIMITS` lists it (above the providers' default), or None."""
-    name = model.lower()
-    return next((limit for pattern, limit in LARGER_LIMITS.items() if fnmatchcase(name, pattern)), None)
-
-
 def whole_limit(model: str, default: int) -> int:
     """The most output `model` can emit when no limit is sent: its known limit, else `default`."""
-    return known_limit(model) or larger_limit(model) or default
+    return known_limit(model) or _first_match(LARGER_LIMITS, model) or default

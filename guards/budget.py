@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from gateway.call import Answer, Usage
+from gateway.config import Budget
 from gateway.pricing import ModelPrice
 from gateway.store.base import Claim, Reservation
 from guards.base import BaseGuard, Decision, Push, StepContext
@@ -47,8 +48,9 @@ class BudgetGuard(BaseGuard):
         if ctx.call.operation == "execute_tool":
             return Decision.allow(self.name)
         budget = ctx.policy.budget
+        budgeted = _has_budget(budget)
         documents = ctx.call.referenced_documents
-        if documents and (budget.tokens is not None or budget.usd is not None):
+        if documents and budgeted:
             return Decision.reject(
                 self.name,
                 "input_unbounded",
@@ -56,12 +58,12 @@ class BudgetGuard(BaseGuard):
                 "cannot be counted (encrypted, not a PDF), whose size tollgate cannot bound, so the budget "
                 "could be overspent; send their content instead",
             )
-        if ctx.call.unbounded and (budget.tokens is not None or budget.usd is not None):
+        if ctx.call.unbounded and budgeted:
             return Decision.reject(self.name, "input_unbounded",
                                    f"{'; '.join(ctx.call.unbounded)} (under a budget, tollgate refuses what it "
                                    "cannot bound, since the budget could be overspent)",
                                    param=ctx.call.unbounded_params[0] if ctx.call.unbounded_params else None)
-        if ctx.call.stored_reasoning and (budget.tokens is not None or budget.usd is not None):
+        if ctx.call.stored_reasoning and budgeted:
             return Decision.reject(
                 self.name,
                 "input_unbounded",
@@ -71,7 +73,7 @@ class BudgetGuard(BaseGuard):
                 "['reasoning.encrypted_content'] and send it back (OpenAI Agents SDK: "
                 "ModelSettings(store=False, response_include=['reasoning.encrypted_content']))",
             )
-        if ctx.call.unreserved_tools and (budget.tokens is not None or budget.usd is not None):
+        if ctx.call.unreserved_tools and budgeted:
             return Decision.reject(
                 self.name,
                 "input_unbounded",
@@ -132,8 +134,7 @@ class BudgetGuard(BaseGuard):
         refuses them: nothing is written."""
         if not answer.reasoning:
             return Decision.allow(self.name)
-        budget = ctx.policy.budget
-        line = reasoning_entry(ctx.call, answer) if budget.usd is not None or budget.tokens is not None else None
+        line = reasoning_entry(ctx.call, answer) if _has_budget(ctx.policy.budget) else None
         if line is None:
             return Decision.allow(self.name)
         return Decision.allow(self.name, effects=(Push(REASONING_KEY, (line,), REASONING_KEEP),))
@@ -141,6 +142,11 @@ class BudgetGuard(BaseGuard):
 
 USAGE_COUNTERS = frozenset({"usd", "tokens"})
 """Claimed counters whose settlement follows the provider's usage; any other claim is a count per step."""
+
+
+def _has_budget(budget: Budget) -> bool:
+    """A USD or token budget: what no reservation can hold is refused under either."""
+    return budget.tokens is not None or budget.usd is not None
 
 
 def _f(value: float | None) -> float | None:

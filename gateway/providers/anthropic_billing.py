@@ -1,7 +1,7 @@
 """What Anthropic bills a Messages call for beyond its top-level token counts, read from the wire (pure).
 
 A request: the price tier it asks for (fast mode, `speed: "fast"`, bills fast-mode rates: `speed_tier`)
-and the fields whose cost tollgate cannot bound, refused under a budget (`unbounded_fields`). An answer:
+and the fields whose cost tollgate cannot bound, refused under a budget (`unbounded_params`). An answer:
 its usage (`usage_from`), counting the sub-inferences Anthropic reports only in `usage.iterations`, and the
 speed it was billed at (`answer_tier`). Field names follow the anthropic SDK 2.15 types (`BetaUsage`,
 `BetaIterationsUsage`, `MessageCreateParams.speed`, `.thread`, `.fallbacks`).
@@ -57,31 +57,31 @@ UNBOUNDED_FIELDS: dict[str, str] = {
 """Request fields whose cost tollgate cannot bound, and why (`Call.unbounded`: any budget refuses them)."""
 
 
-def unbounded_params(reasons: tuple[str, ...]) -> tuple[str, ...]:
-    """The fields `unbounded_fields` gave `reasons` for, in `UNBOUNDED_FIELDS` order (`thread` first)."""
-    return tuple(field for field, reason in UNBOUNDED_FIELDS.items() if reason in reasons)
+def unbounded_reasons(fields: tuple[str, ...]) -> tuple[str, ...]:
+    """Why the request's cost cannot be bounded, one reason per field `unbounded_params` found."""
+    return tuple(UNBOUNDED_FIELDS[field] for field in fields)
 
 
-def unbounded_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
-    """Why the request's cost cannot be bounded, one reason per field (`UNBOUNDED_FIELDS`): a `thread`
+def unbounded_params(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The request fields whose cost cannot be bounded (`UNBOUNDED_FIELDS`), `thread` first: a `thread`
     other than `{"type": "create"}` (which starts holding a conversation the body carries whole),
     `fallbacks` other than none or an empty list (`"default"` too: the server picks the models), and a
     compaction among the `context_management` edits (clearing edits only lower the input: they pass), and a
     compaction request (a top-level `compaction`)."""
-    reasons: list[str] = []
+    fields: list[str] = []
     thread = body.get("thread")
     if thread is not None and not (isinstance(thread, Mapping) and thread.get("type") == "create"):
-        reasons.append(UNBOUNDED_FIELDS["thread"])
+        fields.append("thread")
     if body.get("fallbacks") not in (None, []):
-        reasons.append(UNBOUNDED_FIELDS["fallbacks"])
+        fields.append("fallbacks")
     management = body.get("context_management")
     edits = management.get("edits") if isinstance(management, Mapping) else None
     if isinstance(edits, list) and any(isinstance(e, Mapping) and str(e.get("type", "")).startswith("compact")
                                        for e in edits):
-        reasons.append(UNBOUNDED_FIELDS["context_management"])
+        fields.append("context_management")
     if body.get("compaction") is not None:
-        reasons.append(UNBOUNDED_FIELDS["compaction"])
-    return tuple(reasons)
+        fields.append("compaction")
+    return tuple(fields)
 
 
 def _counts(usage: Mapping[str, Any]) -> Usage:

@@ -14,8 +14,8 @@ from gateway.errors import BudgetHeld, GatewayError, InvalidRequest, error_code
 from gateway.providers.anthropic_billing import (
     answer_tier,
     speed_tier,
-    unbounded_fields,
     unbounded_params,
+    unbounded_reasons,
     usage_from,
 )
 from gateway.providers.anthropic_tools import (
@@ -112,6 +112,7 @@ class AnthropicMessages:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
         stop = body.get("stop_sequences")  # a list in Anthropic's API (a bare string is not one)
         images, documents = input_parts(body, raw)  # a PDF is billed per page: bounded like images
+        unbounded = unbounded_params(body)
         params = RequestParams(
             temperature=opt_number(body, "temperature"),
             top_p=opt_number(body, "top_p"),
@@ -142,8 +143,8 @@ class AnthropicMessages:
             input_overhead=input_overhead(body),
             unpriced_tools=unpriced_tools(body),
             unreserved_tools=unreserved_tools(body),
-            unbounded=(unbounded := unbounded_fields(body)),
-            unbounded_params=unbounded_params(unbounded) if unbounded else (),
+            unbounded=unbounded_reasons(unbounded),
+            unbounded_params=unbounded,
             service_tier=speed_tier(body),
         )
 

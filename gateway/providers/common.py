@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gateway.config import Limits
-from gateway.errors import InvalidRequest, RequestTooLarge
+from gateway.errors import InvalidRequest, RequestTooLarge, ToolNotAllowed
 
 
 def json_depth_ok(value: Any, limit: int) -> bool:
@@ -332,3 +332,19 @@ def request_basics(
     elif not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", param="stream")
     return model, messages, raw_tools, stream
+
+
+def allowed_subset(listed: list[Any], mode: Any, allowed: Callable[[str], bool],
+                   name_of: Callable[[Any], str]) -> list[Any] | None:
+    """The tools of an `allowed_tools` tool choice (OpenAI's APIs) the allow-list keeps: `listed` itself
+    when it keeps all, None when it keeps none and the choice lets the model answer without a call (the
+    choice becomes `none`). Raises ToolNotAllowed when it keeps none and the choice requires a call."""
+    kept = [tool for tool in listed if allowed(name_of(tool))]
+    if len(kept) == len(listed):
+        return listed
+    if kept:
+        return kept
+    if mode == "required":
+        raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
+                             + ", ".join(sorted(name_of(tool) for tool in listed)))
+    return None

@@ -28,6 +28,7 @@ from gateway.providers.common import (
 from gateway.providers.openai_functions import (
     LEGACY,
     call_fields,
+    call_spec,
     forced_function,
     functions,
     proposed,
@@ -380,11 +381,7 @@ class OpenAIStreamReader:
             for tc in delta.get("tool_calls") or ():
                 self.holding = True
                 slot = self._calls.setdefault((index, int(tc.get("index") or 0)), ["", "", ""])
-                fn = tool_spec(tc)
-                if fn is None:
-                    if tc.get("function") is not None or tc.get("custom") is not None:
-                        raise ValueError("a streamed tool call's function is not an object")
-                    fn = {}
+                fn = call_spec(tc)
                 slot[0] = slot[0] or str(tc.get("id") or "")
                 slot[1] += str(fn.get("name") or "")
                 args = fn.get("arguments", fn.get("input"))

@@ -65,12 +65,19 @@ def tool_spec(value: Any) -> Mapping[str, Any] | None:
     return spec if isinstance(spec, Mapping) else None
 
 
-def call_fields(call: Mapping[str, Any]) -> tuple[str, str]:
-    """A Chat Completions tool call's (name, arguments): a function's JSON arguments, a custom tool's text.
-    Raises TypeError for a `function` or `custom` that is not an object (a malformed answer)."""
+def call_spec(call: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Chat Completions tool call's `function` (or `custom`), empty when it has neither (a streamed
+    delta may carry only its index). Raises ValueError for one that is not an object (a malformed answer)."""
     spec = tool_spec(call)
     if spec is None:
         if call.get("function") is not None or call.get("custom") is not None:
-            raise TypeError("a tool call's function is not an object")
-        spec = {}
+            raise ValueError("a tool call's function is not an object")
+        return {}
+    return spec
+
+
+def call_fields(call: Mapping[str, Any]) -> tuple[str, str]:
+    """A Chat Completions tool call's (name, arguments): a function's JSON arguments, a custom tool's text.
+    Raises ValueError as `call_spec`."""
+    spec = call_spec(call)
     return str(spec.get("name", "")), str(spec.get("arguments", spec.get("input", "")) or "")

@@ -201,7 +201,7 @@ class OpenAIResponses:
         if stream is not None and not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean", param="stream")
         images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
-        fields, stored_reasoning = _unbounded(body, items, raw)
+        unbounded_reasons, stored_reasoning = _unbounded(body, items, raw)
         offered = offered_tools(body, raw)
         return Call(
             protocol="openai_responses",
@@ -223,7 +223,7 @@ class OpenAIResponses:
             search_preview=offers_preview_search(offered),
             unpriced_tools=unpriced_tools(offered),
             unreserved_tools=unreserved_tools(offered),
-            unbounded=fields,
+            unbounded=unbounded_reasons,
             stored_reasoning=stored_reasoning,
             service_tier=service_tier(body),
         )

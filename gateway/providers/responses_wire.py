@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import ToolNotAllowed
+from gateway.providers.common import allowed_subset
 from gateway.providers.responses_tools import CALL_ITEMS, call_name, item_type, tool_name
 from gateway.providers.sse import SseParser, format_event
 
@@ -45,16 +45,10 @@ def filter_offers(body: dict[str, Any], allowed: Callable[[str], bool]) -> bool:
             body["input"], changed = shaped, True
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and item_type(choice) == "allowed_tools" and isinstance(choice.get("tools"), list):
-        kept = [t for t in choice["tools"] if allowed(tool_name(t))]
-        if len(kept) != len(choice["tools"]):
+        kept = allowed_subset(choice["tools"], choice.get("mode"), allowed, tool_name)
+        if kept is not choice["tools"]:
             changed = True
-            if kept:
-                body["tool_choice"] = {**choice, "tools": kept}
-            elif choice.get("mode") == "required":
-                raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
-                                     + ", ".join(sorted(tool_name(t) for t in choice["tools"])))
-            else:
-                body["tool_choice"] = "none"
+            body["tool_choice"] = {**choice, "tools": kept} if kept is not None else "none"
     return changed
 
 

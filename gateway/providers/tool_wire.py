@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import ToolNotAllowed
 from gateway.providers import responses_wire
+from gateway.providers.common import allowed_subset
 from gateway.providers.openai_functions import LEGACY, proposed, tool_spec
 from gateway.providers.responses_tools import offered_tools
 from gateway.providers.responses_tools import tool_name as _responses_tool_name
@@ -36,16 +36,10 @@ def _filter_allowed_tools(body: dict[str, Any], allowed: Allowed) -> bool:
     listed = subset.get("tools") if isinstance(subset, Mapping) else None
     if not isinstance(subset, Mapping) or not isinstance(listed, list):
         return False
-    kept = [t for t in listed if allowed(_openai_tool_name(t))]
-    if len(kept) == len(listed):
+    kept = allowed_subset(listed, subset.get("mode"), allowed, _openai_tool_name)
+    if kept is listed:
         return False
-    if kept:
-        body["tool_choice"] = {**choice, "allowed_tools": {**subset, "tools": kept}}
-    elif subset.get("mode") == "required":
-        raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
-                             + ", ".join(sorted(_openai_tool_name(t) for t in listed)))
-    else:
-        body["tool_choice"] = "none"
+    body["tool_choice"] = {**choice, "allowed_tools": {**subset, "tools": kept}} if kept is not None else "none"
     return True
 
 

@@ -18,7 +18,8 @@ from gateway.providers.anthropic_billing import (
     UNBOUNDED_FIELDS,
     answer_tier,
     speed_tier,
-    unbounded_fields,
+    unbounded_params,
+    unbounded_reasons,
     usage_from,
 )
 from gateway.providers.anthropic_messages import AnthropicMessages
@@ -81,7 +82,7 @@ CONTINUE = {"type": "continue", "previous_message_id": "msg_01"}
     ({"context_management": ["compact"]}, ()),
 ])
 def test_unbounded_fields(fields: dict[str, Any], reasons: tuple[str, ...]) -> None:
-    assert unbounded_fields(fields) == reasons
+    assert unbounded_reasons(unbounded_params(fields)) == reasons
 
 
 ADVISED = Usage(150_000, 4_000)
