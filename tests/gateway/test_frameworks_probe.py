@@ -4,49 +4,21 @@ the defect its docstring states, and passes since its fix."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import anthropic
 import pytest
-from anthropic import beta_async_tool
 
-from tests.conftest import GatewayFactory, Harness
+from tests.conftest import GatewayFactory
 from tests.fakes.upstream import Reply, anthropic_message, anthropic_stream
-
-PRICING = {"claude-*": {"input_per_mtok": 1.0, "output_per_mtok": 5.0}}
-CLAUDE = "claude-sonnet-4-5"
-RAN: list[str] = []
-CLIENTS: list[anthropic.AsyncAnthropic] = []
-
-
-def an(h: Harness, run: str) -> anthropic.AsyncAnthropic:
-    client = anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
-                                      default_headers={"x-tollgate-run-id": run})
-    CLIENTS.append(client)
-    return client
-
-
-@pytest.fixture(autouse=True)
-async def _clear() -> AsyncIterator[None]:
-    RAN.clear()
-    yield
-    while CLIENTS:
-        await CLIENTS.pop().close()
-
-
-@beta_async_tool
-async def get_weather(city: str) -> str:
-    """The weather in a city."""
-    RAN.append(f"get_weather:{city}")
-    return f"sunny in {city}"
-
-
-@beta_async_tool
-async def delete_all() -> str:
-    """Delete everything."""
-    RAN.append("delete_all")
-    return "deleted"
+from tests.gateway.anthropic_runner import (  # noqa: F401 - runner_clients: a fixture
+    CLAUDE,
+    PRICING,
+    RAN,
+    an,
+    delete_all,
+    get_weather,
+    runner_clients,
+)
 
 
 @pytest.mark.parametrize("stream", [False, True])
