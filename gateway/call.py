@@ -14,13 +14,15 @@ from typing import Any, Literal
 
 import orjson
 
+from gateway import exact_json
+
 Protocol_ = Literal["openai", "anthropic", "openai_responses", "mcp"]
 
 
 def canonical_json(value: Any) -> bytes:
     """Canonical JSON bytes: sorted keys, no whitespace, a number with an integral value written as an
     integer (`1`, `1.0` and `1e0` are one JSON value). Equal values give equal bytes."""
-    return orjson.dumps(_integral(value), option=orjson.OPT_SORT_KEYS)
+    return exact_json.dumps(_integral(value), sort_keys=True)
 
 
 def _integral(value: Any) -> Any:

@@ -28,8 +28,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-import orjson
-
+from gateway import exact_json
 from gateway.config import Timeouts
 from gateway.errors import StateUnavailable
 from gateway.store.base import RunStore, WriteClaim
@@ -89,7 +88,7 @@ class WriteLease:
         """Record the response the agent gets as the call's result (without its body when it is larger
         than `MAX_RECORDED_BYTES`). Raises StateUnavailable: the claim is still held, and `close(ran=True)`
         hands the result to the background retries."""
-        body = orjson.dumps(outcome)
+        body = exact_json.dumps(outcome)
         self._owed = (body if len(body) <= MAX_RECORDED_BYTES else None,)
         await self._finish(self._owed[0])
 
@@ -177,7 +176,7 @@ class ResultCache:
         if future is not None and not future.done():
             future.set_result(outcome)
         if record:
-            size = len(orjson.dumps(outcome))
+            size = len(exact_json.dumps(outcome))
             if size > self._max_bytes:
                 return
             old = self._done.pop(key, None)

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from gateway import exact_json
 from gateway.call import canonical_json
 from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, RequestTimeout, RequestTooLarge
 from gateway.providers.common import json_depth_ok
@@ -66,7 +67,7 @@ class Message:
 def parse_message(raw: bytes, max_depth: int) -> Message:
     """Parse and check one message. Raises BadMessage (parse error, batch, or invalid shape)."""
     try:
-        body = orjson.loads(raw)
+        body = exact_json.loads(raw)  # an argument of 2**70 reaches the server as that integer
     except orjson.JSONDecodeError as exc:
         raise BadMessage(f"body is not valid JSON: {exc}", PARSE_ERROR) from None
     if isinstance(body, list):
@@ -80,6 +81,8 @@ def parse_message(raw: bytes, max_depth: int) -> Message:
     rpc_id = body.get("id")
     if "id" in body and (isinstance(rpc_id, bool) or not isinstance(rpc_id, str | int)):
         raise BadMessage('"id" must be a string or an integer')
+    if isinstance(rpc_id, int) and not -(2**63) <= rpc_id < 2**64:
+        raise BadMessage('an integer "id" must fit in 64 bits')
     method = body.get("method")
     if "method" in body:
         if not isinstance(method, str) or not method:
@@ -214,6 +217,16 @@ def is_final_result(result: Mapping[str, Any]) -> bool:
 
 
 # -- SSE -----------------------------------------------------------------------------------------------
+
+
+def without_resumption(raw: bytes) -> bytes:
+    """An SSE event without its `id` and `retry` fields: a client given no event id cannot resume the
+    stream behind tollgate's back (a resumed stream would bring the response unjudged)."""
+    if b"id" not in raw and b"retry" not in raw:
+        return raw
+    lines = raw.splitlines(keepends=True)
+    kept = [ln for ln in lines if ln.partition(b":")[0].rstrip(b"\r\n") not in (b"id", b"retry")]
+    return raw if len(kept) == len(lines) else b"".join(kept)
 
 
 def replace_event_data(raw: bytes, data: bytes) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import exact_json
 from gateway.approvals import queue_of
 from gateway.errors import GatewayError, ShuttingDown
 from gateway.identity import RUN_ID_HEADER
@@ -85,7 +86,7 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
             if not message.is_request:
                 raise BadMessage("tools/call must be a request (with an id), not a notification")
             return await call_tool(mcp, message, len(raw))
-        upstream = await mcp.open("POST", orjson.dumps(message.body))
+        upstream = await mcp.open("POST", exact_json.dumps(message.body))
         if message.method == "tools/list" and message.is_request:
             return await relay(mcp, upstream, message.id, _list_filter(mcp))
         return await relay(mcp, upstream, None, None)

@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import exact_json
 from gateway.approvals import Approval, queue_of
 from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
 from gateway.errors import (
@@ -51,6 +52,7 @@ from gateway.errors import (
     Stopped,
     ToolNotAllowed,
     UpstreamError,
+    UpstreamUnavailable,
     WriteInProgress,
 )
 from gateway.http1_wire import Sending
@@ -109,6 +111,8 @@ class ToolStep:
     unknown: bool = False  # cut after it was sent and before its answer: it may have run
     not_run: bool = False  # the server's answer says the tool did not run (a JSON-RPC error, a 4xx, input needed)
     carried: bool = False  # its count went to an identical retry (once, however the call ended)
+    replayed: bool = False  # answered with the recorded result of an identical call (it did not run now)
+    lost: GatewayError | None = None  # the server's stream ended without a response to the call
 
     @property
     def sent(self) -> bool:
@@ -173,7 +177,9 @@ async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Fligh
                         failure, started_wall, qualified=qualified, started=started)
         raise
     flight.recording = True  # the outcome is decided: its client leaving now must not cut the recording
-    await _conclude(mcp, message, tool, step, run, refused, response.status,
+    if step is not None and step.lost is not None:  # the agent got it as a JSON-RPC error on the stream
+        refused = step.lost
+    await _conclude(mcp, message, tool, step, run, refused, refused.status if refused else response.status,
                     CLIENT_LEFT if flight.client_left else None, started_wall, qualified=qualified, started=started)
     return response
 
@@ -191,7 +197,7 @@ async def _conclude(
     await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
                         outcome=step.response if step else None, refused=refused, stop=stop,
                         started_wall=started_wall, approved_by=step.approved_by if step else None,
-                        failure=failure)
+                        failure=failure, replayed=step is not None and step.replayed)
 
 
 def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
@@ -242,10 +248,10 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
     cache = state_of(mcp.gw).results
     recorded = cache.recorded(key)
     if recorded is not None:
-        return _replay(mcp, message, recorded)
+        return _replay(step, recorded)
     leader, future = cache.begin(key)
     if not leader:
-        return _replay(mcp, message, await asyncio.shield(future))
+        return _replay(step, await asyncio.shield(future))
     lease = WriteLease(mcp.gw.store, mcp.identity.agent, key, lease_for(mcp.server.timeouts))
     try:
         found = await _claim(step, lease)
@@ -254,8 +260,8 @@ async def _idempotent(step: ToolStep, run: RunState | None) -> web.StreamRespons
                 raise DuplicateToolCall(f"{step.qualified} already ran in this run with these arguments; its result "
                                         "was not recorded (too large, or the run store failed while it was "
                                         "recorded), so it is not run again")
-            step.outcome, step.record = orjson.loads(found.result), True
-            return _replay(mcp, message, step.outcome)
+            step.outcome, step.record = exact_json.loads(found.result), True
+            return _replay(step, step.outcome)
         if run is not None and key[2] in run.lists.get(LEGACY_WRITES, ()):
             raise DuplicateToolCall(f"{step.qualified} already ran in this run with these arguments (recorded by an "
                                     "earlier version of tollgate, without its result), so it is not run again")
@@ -319,8 +325,10 @@ async def _record_write(step: ToolStep) -> None:
         step.unguarded = True
 
 
-def _replay(mcp: McpRequest, message: Message, outcome: Outcome) -> web.Response:
+def _replay(step: ToolStep, outcome: Outcome) -> web.Response:
+    mcp, message = step.mcp, step.message
     assert message.id is not None
+    step.replayed = True
     headers = {**mcp.headers, "x-tollgate-idempotent-replay": "true"}
     body = replayed(outcome, message.id, mcp.request.headers.get("MCP-Protocol-Version"))
     return web.Response(body=body, content_type="application/json", headers=headers)
@@ -403,7 +411,10 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         await record_tool_step(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started)
         return response
 
-    return await relay(mcp, upstream, message.id, judge)
+    response = await relay(mcp, upstream, message.id, judge)
+    if step.response is None and upstream.status < 300:  # relay ended the stream with an error for the call
+        step.lost = UpstreamUnavailable("the MCP server's stream ended without a response to the call")
+    return response
 
 
 async def _current(step: ToolStep) -> RunState | None:

@@ -14,19 +14,22 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import exact_json
 from gateway.config import McpServer
 from gateway.errors import GatewayError, UpstreamUnavailable
 from gateway.http1_wire import Sending
 from gateway.idempotency import ResultCache
 from gateway.identity import Identity
-from gateway.jsonrpc import RequestId, replace_event_data
-from gateway.providers.sse import SseParser
+from gateway.jsonrpc import RequestId, gateway_error, replace_event_data, without_resumption
+from gateway.providers.sse import SseEvent, SseParser, format_event
 from gateway.runtime import Gateway
 from gateway.tools import ToolPolicy, mcp_tool_name
 from gateway.upstream import UpstreamResponse, answer_headers, forwardable
 
 SERVICE = "mcp"
 DRAIN_AFTER_ANSWER_S = 0.2  # an SSE answer read on after its response (a server ends it at once), for its connection
+RESUME_DELAY_MS = 1000  # before resuming a stream whose server gave no `retry` (the MCP SDK's default)
+MAX_RESUMES = 3  # attempts in a row to resume a request's stream that bring no new event
 MAX_SCHEMAS = 4096
 Transform = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -76,15 +79,21 @@ class McpRequest:
         return (self.identity.run_id, self.identity.agent, self.server_name,
                 self.request.headers.get("Mcp-Session-Id", ""), str(number) if number is not None else repr(rpc_id))
 
-    async def open(self, method: str, body: bytes | None, sending: Sending | None = None) -> UpstreamResponse:
+    async def open(
+        self, method: str, body: bytes | None, sending: Sending | None = None, *, resume_after: str | None = None
+    ) -> UpstreamResponse:
         """Send the request on to the MCP server (through `gateway.upstream`, the one network seam).
         `sending` learns whether the request may have reached the server, for a caller cancelled
-        meanwhile."""
+        meanwhile. `resume_after`: a GET resuming a stream after that event id (`Last-Event-ID`)."""
         drop = frozenset({"authorization", "x-api-key"}) if self.gw.config.keyed else frozenset()
         headers = forwardable(self.request.headers, drop=drop)  # repeated fields forwarded as they came
         headers.update(self.server.headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
+        if resume_after is not None:
+            headers.popall("Content-Type", None)
+            headers["Accept"] = "text/event-stream"
+            headers["Last-Event-ID"] = resume_after
         return await self.gw.upstream.open(method, self.server.url, headers, body, self.server.timeouts, sending)
 
 
@@ -133,13 +142,13 @@ async def relay(
         if judged and _json_kind(kind):
             data = await _read_limited(upstream, mcp.gw.config.limits.max_body_bytes)
             try:
-                message = orjson.loads(data)
+                message = exact_json.loads(data)
             except orjson.JSONDecodeError:
                 message = None
             if transform is None or not _is_response(message, rpc_id):
                 raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the request")
             changed = await transform(message)
-            data = data if changed is message else orjson.dumps(changed)
+            data = data if changed is message else exact_json.dumps(changed)
             headers = answer_headers(upstream.headers, mcp.headers)
             return web.Response(status=upstream.status, body=data, headers=headers)
         if judged and kind != "text/event-stream":
@@ -164,29 +173,96 @@ async def relay(
         upstream.release()
 
 
+@dataclass(slots=True)
+class _Resumption:
+    """Where a request's event stream can be resumed from (the SSE `Last-Event-ID` rules)."""
+
+    last_id: str | None = None
+    retry_ms: int | None = None
+    failures: int = 0  # reconnections in a row that brought no new event
+
+    def saw(self, event: SseEvent) -> None:
+        if event.id is not None:
+            if event.id and event.id != self.last_id:  # the stream moved on: it is worth resuming again
+                self.failures = 0
+            self.last_id = event.id or None  # an empty id resets it: the stream cannot be resumed
+        if event.retry is not None:
+            self.retry_ms = event.retry
+
+
 async def _relay_events(
     mcp: McpRequest, upstream: UpstreamResponse, out: web.StreamResponse, rpc_id: RequestId | None,
     transform: Transform | None, client: bool,
 ) -> None:
-    parser = SseParser(mcp.gw.config.limits.max_body_bytes)
+    """Relay events until the response to `rpc_id`. A server may end a request's stream before the
+    response and let the client resume it (`Last-Event-ID`, MCP "Resumability and Redelivery"):
+    tollgate resumes it itself, so the response still comes on the judged stream; the client is given
+    no event ids, so it never resumes one around tollgate. A stream that ends for good without the
+    response ends with a JSON-RPC error for `rpc_id`, and raises."""
+    resumption = _Resumption() if rpc_id is not None else None
+    current = upstream
     answered = False
-    async for chunk in upstream.chunks():
-        for event in parser.feed(chunk):
-            part, answered = await _event(event.raw, event.data, rpc_id, transform)
-            client = client and await _write(out, part)  # a client gone: still read to the response
-            if answered:
+    try:
+        while True:
+            parser = SseParser(mcp.gw.config.limits.max_body_bytes)
+            async for chunk in current.chunks():
+                for event in parser.feed(chunk):
+                    if resumption is not None:
+                        resumption.saw(event)
+                    part, answered = await _event(event.raw, event.data, rpc_id, transform)
+                    if resumption is not None:
+                        part = without_resumption(part)
+                    client = client and await _write(out, part)  # a client gone: still read to the response
+                    if answered:
+                        break
+                if answered:
+                    break
+            if answered or resumption is None:
                 break
+            if current is not upstream:
+                current.release()
+            current = await _resume(mcp, resumption)
+        if client:
+            await _end(out)  # the request's stream has done its job: the client needs nothing after it
         if answered:
-            break
-    if client:
-        await _end(out)  # the request's stream has done its job: the client needs nothing after it
-    if answered:
-        # drain what the server still sends, so its connection returns to the pool; a server holding the
-        # stream open after the response gets its connection closed instead (the call is answered)
-        with contextlib.suppress(TimeoutError, GatewayError):
-            async with asyncio.timeout(DRAIN_AFTER_ANSWER_S):
-                async for _ in upstream.chunks():
-                    pass
+            # drain what the server still sends, so its connection returns to the pool; a server holding
+            # the stream open after the response gets its connection closed instead (the call is answered)
+            with contextlib.suppress(TimeoutError, GatewayError):
+                async with asyncio.timeout(DRAIN_AFTER_ANSWER_S):
+                    async for _ in current.chunks():
+                        pass
+    except (GatewayError, ValueError) as exc:
+        if client and rpc_id is not None and not answered:  # the client learns it, in its own format
+            failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
+            if await _write(out, format_event(orjson.dumps(gateway_error(rpc_id, failure)[1]), "message")):
+                await _end(out)
+        raise
+    finally:
+        if current is not upstream:
+            current.release()
+
+
+async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
+    """The stream resumed after its last event (after the server's `retry` delay, at most the idle
+    timeout). Raises UpstreamUnavailable when it cannot be: no event id, or `MAX_RESUMES` attempts in a
+    row that brought nothing new."""
+    while True:
+        if resumption.last_id is None:
+            raise UpstreamUnavailable("the MCP server ended the stream without a response to the request")
+        if resumption.failures >= MAX_RESUMES:
+            raise UpstreamUnavailable(f"the MCP server ended the stream without a response, and {MAX_RESUMES} "
+                                      "attempts to resume it brought nothing")
+        resumption.failures += 1
+        delay_ms = RESUME_DELAY_MS if resumption.retry_ms is None else resumption.retry_ms
+        await asyncio.sleep(min(delay_ms / 1000, mcp.server.timeouts.idle))
+        upstream = await mcp.open("GET", None, resume_after=resumption.last_id)
+        kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if upstream.status == 200 and kind == "text/event-stream":
+            return upstream
+        upstream.release()
+        if 400 <= upstream.status < 500:  # the server will not resume it (no session, no event store)
+            raise UpstreamUnavailable(f"the MCP server ended the stream without a response and refused to "
+                                      f"resume it ({upstream.status})")
 
 
 async def _event(
@@ -196,13 +272,13 @@ async def _event(
     if transform is None or not data:
         return raw, False
     try:
-        message = orjson.loads(data)
+        message = exact_json.loads(data.encode())
     except orjson.JSONDecodeError:  # what a client might still read must not pass unjudged
         raise UpstreamUnavailable("the MCP server sent an event whose data is not JSON") from None
     if not _is_response(message, rpc_id):
         return raw, False
     changed = await transform(message)
-    return (raw if changed is message else replace_event_data(raw, orjson.dumps(changed))), rpc_id is not None
+    return (raw if changed is message else replace_event_data(raw, exact_json.dumps(changed))), rpc_id is not None
 
 
 async def _prepare(out: web.StreamResponse, request: web.Request) -> bool:

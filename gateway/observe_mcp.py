@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import orjson
 from opentelemetry.context import Context
 
+from gateway import exact_json
 from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
 from gateway.errors import GatewayError
 from gateway.ledger import Ledger, LedgerEntry
@@ -92,24 +92,24 @@ def start_tool_span(mcp: McpRequest, message: Message, tool: str, epoch: int) ->
     the body to forward: the request with the span's trace context in `params._meta` (mcp.md)."""
     telemetry = telemetry_of(mcp.gw)
     if telemetry is None:
-        return None, orjson.dumps(message.body)
+        return None, exact_json.dumps(message.body)
     span = _open_tool(telemetry, mcp, message, tool, epoch, None)
     if telemetry.capture_content:
         span.capture_input(_tool_call(message, tool), mcp.gw.services["redactor"])
     meta = message.params.get("_meta", {})
     if not isinstance(meta, dict):
-        return span, orjson.dumps(message.body)  # not ours to repair: the server judges it
+        return span, exact_json.dumps(message.body)  # not ours to repair: the server judges it
     traced: dict[str, Any] = dict(meta)
     inject_meta_context(traced, span.context)
     if traced == meta:
-        return span, orjson.dumps(message.body)
+        return span, exact_json.dumps(message.body)
     body = {**message.body, "params": {**message.params, "_meta": traced}}
-    return span, orjson.dumps(body)
+    return span, exact_json.dumps(body)
 
 
 def _tool_call(message: Message, tool: str) -> Call:
     arguments = message.params.get("arguments")
-    text = orjson.dumps(arguments if arguments is not None else {}).decode()
+    text = exact_json.dumps(arguments if arguments is not None else {}).decode()
     return Call(protocol="mcp", operation="execute_tool", model="", tool_call=ToolCall(str(message.id), tool, text))
 
 
@@ -126,7 +126,7 @@ def _answer(outcome: Mapping[str, Any] | None, message: Message) -> tuple[Answer
         return None, None
     is_error = result.get("isError") is True
     content = result.get("content")
-    text = orjson.dumps(content).decode() if content is not None else ""
+    text = exact_json.dumps(content).decode() if content is not None else ""
     return Answer(is_error=is_error, tool_result=ToolResult(str(message.id), text, is_error)), None
 
 
@@ -143,6 +143,7 @@ async def end_tool_span(
     started_wall: float,
     approved_by: str | None = None,
     failure: str | None = None,
+    replayed: bool = False,
 ) -> None:
     """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
     replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
@@ -185,7 +186,7 @@ async def end_tool_span(
         span.error(rpc_code, None, upstream=True)
     if stopped_now and (run is None or not run.stopped):
         metrics.run_stopped(stop or "stopped")
-    decision = _tool_decision(outcome, refused, stop, failure)
+    decision = _tool_decision(outcome, refused, stop, failure, replayed=replayed)
     metrics.tool_call(decision)
     if answer is not None and telemetry.capture_content:
         span.capture_output(answer, gw.services["redactor"])
@@ -212,7 +213,8 @@ def _detail(refused: GatewayError | None, approved_by: str | None, failure: str 
 
 
 def _tool_decision(
-    outcome: Mapping[str, Any] | None, refused: GatewayError | None, stop: str | None, failure: str | None = None
+    outcome: Mapping[str, Any] | None, refused: GatewayError | None, stop: str | None, failure: str | None = None,
+    *, replayed: bool = False,
 ) -> str:
     if stop:
         return "rejected" if stop == "tool_not_allowed" else "stopped"
@@ -220,4 +222,5 @@ def _tool_decision(
         return {"approval_denied": "denied", "approval_timeout": "denied"}.get(refused.code, "refused")
     if outcome is not None:
         return "executed"
-    return "error" if failure is not None else "replayed"
+    # nothing judged: a recorded result given again, else the server answered no JSON-RPC response (a 5xx)
+    return "replayed" if replayed and failure is None else "error"

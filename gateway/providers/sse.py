@@ -15,10 +15,14 @@ class SseEvent:
     raw: bytes  # the event's bytes including its terminating blank line
     event: str | None
     data: str
+    id: str | None = None  # its `id` field (the last one), when it has one
+    retry: int | None = None  # its `retry` field (reconnection delay, ms), when valid
 
 
 def _parse(raw: bytes) -> SseEvent:
     event: str | None = None
+    event_id: str | None = None
+    retry: int | None = None
     data: list[str] = []
     text = raw.decode("utf-8", "replace")
     if "\r" in text:
@@ -33,7 +37,11 @@ def _parse(raw: bytes) -> SseEvent:
             data.append(value)
         elif name == "event":
             event = value
-    return SseEvent(raw, event, "\n".join(data))
+        elif name == "id" and "\0" not in value:  # the SSE spec ignores an id holding NUL
+            event_id = value
+        elif name == "retry" and value.isascii() and value.isdigit():
+            retry = int(value)
+    return SseEvent(raw, event, "\n".join(data), event_id, retry)
 
 
 class SseParser:

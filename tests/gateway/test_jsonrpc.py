@@ -30,6 +30,7 @@ from gateway.jsonrpc import (
     replace_event_data,
     replayed,
     result_content,
+    without_resumption,
 )
 
 
@@ -42,6 +43,8 @@ from gateway.jsonrpc import (
         (b'{"jsonrpc": "1.0", "id": 1, "method": "ping"}', -32600, '"jsonrpc" must be "2.0"'),
         (b'{"jsonrpc": "2.0", "id": null, "method": "ping"}', -32600, '"id" must be'),
         (b'{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', -32600, '"id" must be'),
+        (b'{"jsonrpc": "2.0", "id": 18446744073709551616, "method": "ping"}', -32600, "fit in 64 bits"),
+        (b'{"jsonrpc": "2.0", "id": -9223372036854775809, "method": "ping"}', -32600, "fit in 64 bits"),
         (b'{"jsonrpc": "2.0", "id": 1, "method": ""}', -32600, '"method" must be'),
         (b'{"jsonrpc": "2.0", "id": 1, "method": "x", "params": 3}', -32600, '"params" must be'),
         (b'{"jsonrpc": "2.0", "id": 1, "result": {}, "error": {}}', -32600, "exactly one"),
@@ -133,6 +136,26 @@ def test_result_content_ignores_server_stamps() -> None:
 def test_replace_event_data_keeps_the_other_fields() -> None:
     raw = b"event: message\r\nid: 42\r\ndata: {\"a\":\r\ndata: 1}\r\n\r\n"
     assert replace_event_data(raw, b'{"b":2}') == b'event: message\nid: 42\ndata: {"b":2}\n\n'
+
+
+def test_integers_beyond_64_bits_are_read_exactly() -> None:
+    message = parse_message(b'{"jsonrpc": "2.0", "id": 18446744073709551615, "method": "tools/call", "params": '
+                            b'{"arguments": {"n": 1180591620717411303425, "s": "12345678901234567890123"}}}', 8)
+    assert message.id == 2**64 - 1
+    assert message.params["arguments"] == {"n": 2**70 + 1, "s": "12345678901234567890123"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "out"),
+    [
+        (b"id: 5\nretry: 10\ndata: \n\n", b"data: \n\n"),  # a priming event: nothing left to resume with
+        (b"event: message\r\nid: 7\r\ndata: {}\r\n\r\n", b"event: message\r\ndata: {}\r\n\r\n"),
+        (b"id\ndata: a\n\n", b"data: a\n\n"),  # a field without a colon is a field all the same
+        (b"identity: 3\ndata: {\"id\": 1}\n\n", b"identity: 3\ndata: {\"id\": 1}\n\n"),  # not the id field
+    ],
+)
+def test_without_resumption_drops_the_id_and_retry_fields(raw: bytes, out: bytes) -> None:
+    assert without_resumption(raw) == out
 
 
 async def test_approval_queue_decides_once_times_out_and_denies_on_cancel() -> None:

@@ -82,3 +82,8 @@ def test_an_event_ending_in_a_cr_is_complete_at_once() -> None:
     assert parser.tail() == b""
     cr_only = SseParser()
     assert [e.data for e in cr_only.feed(b"data: a\r\rdata: [DONE]\r\r")] == ["a", "[DONE]"]  # nothing held back
+
+
+def test_id_and_retry_fields_are_read() -> None:
+    events = SseParser().feed(b"id: e1\nretry: 250\ndata: x\n\nid: a\0b\nretry: soon\ndata: y\n\nid\ndata: z\n\n")
+    assert [(e.id, e.retry) for e in events] == [("e1", 250), (None, None), ("", None)]
