@@ -207,8 +207,13 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         except BaseException:  # the client left (cancelled) while the call was queued, connecting or sent
             step.extra["sent"] = sending.started is not False
             raise
-        # several choices (`n`) interleave in one stream: checked as a whole, like `stream_check: buffer`
-        incremental = plan is None or (plan.stream_check != "buffer" and (step.call.params.choice_count or 1) == 1)
+        # several choices (`n`) interleave in one stream: checked as a whole, like `stream_check: buffer`.
+        # Without a text constraint, `buffer` still holds a stream that offers tools: their calls'
+        # arguments are judged, and a held stream can be re-asked
+        if plan is None:
+            incremental = step.identity.policy.output.stream_check != "buffer" or not step.call.tools
+        else:
+            incremental = plan.stream_check != "buffer" and (step.call.params.choice_count or 1) == 1
         if step.call.stream and upstream.status < 300 and incremental:
             return await relay_stream(gw, step, request, upstream)
         if step.call.stream and upstream.status < 300:

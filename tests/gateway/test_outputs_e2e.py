@@ -173,6 +173,22 @@ async def test_stream_buffer_mode_reasks(gateway_factory: GatewayFactory) -> Non
     assert len(h.fake.seen) == 2
 
 
+async def test_stream_buffer_mode_reasks_tool_arguments_without_a_text_grammar(gateway_factory: GatewayFactory) -> None:
+    """`stream_check: buffer` holds a stream that only offers tools too: a call whose arguments break
+    its tool's schema is re-asked (LangChain's default structured output, a forced tool, streamed)."""
+    h = await gateway_factory(agents={"default": {"output": {"stream_check": "buffer", "retries": 1}}})
+    tools = [{"type": "function", "function": {"name": "get", "parameters": SCHEMA}}]
+    h.fake.queue(Reply(chunks=openai_stream([], tool_calls=[tool_call("get", '{"answer": "x"}')])),
+                 Reply(chunks=openai_stream([], tool_calls=[tool_call("get", '{"answer": 1}')])))
+    async with client(h.url, "buf-tools") as c:
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=tools,  # type: ignore[arg-type]
+                                                 stream=True)
+        args = "".join([tc.function.arguments or "" async for ch in stream if ch.choices
+                        for tc in ch.choices[0].delta.tool_calls or () if tc.function])
+    assert orjson.loads(args) == {"answer": 1}
+    assert len(h.fake.seen) == 2 and "invalid arguments" in h.fake.seen[1].json["messages"][-1]["content"]
+
+
 async def test_invalid_tool_arguments_openai_and_anthropic(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents={"default": {"output": {"retries": 1}}})
     tools = [{"type": "function", "function": {"name": "get", "parameters": SCHEMA}}]
