@@ -20,7 +20,12 @@ from grammars.compile import Constraint, compile_async
 from grammars.library import GrammarLibrary
 from grammars.native import native_is_exact, native_params, validation_spec
 from grammars.reask import reask_instruction
-from grammars.requests import request_constraints, responses_constraints, strip_guided_fields
+from grammars.requests import (
+    anthropic_constraints,
+    request_constraints,
+    responses_constraints,
+    strip_guided_fields,
+)
 from grammars.spec import ConstraintSpec, Violation
 from grammars.tool_args import validate_tool_arguments
 
@@ -32,6 +37,7 @@ _VLLM = ("vllm", "vllm-legacy")
 _FROM_BODY: dict[str, Callable[[Mapping[str, Any]], tuple[ConstraintSpec, ...]]] = {
     "openai": request_constraints,
     "openai_responses": responses_constraints,
+    "anthropic": anthropic_constraints,
 }
 
 
@@ -40,6 +46,8 @@ def _native_in_body(call: Call, dialect: str) -> tuple[bool, bool]:
     form, and whether that form fixes the output exactly, key order included: OpenAI's only in strict
     mode; vLLM's only in the fields of the generation the dialect names (the other one's it ignores)."""
     raw = call.raw
+    if call.protocol == "anthropic":  # Anthropic constrains to the schema; no claim on key order
+        return True, False
     if call.protocol == "openai_responses":
         text: Mapping[str, Any] = raw["text"] if isinstance(raw.get("text"), Mapping) else {}
         fmt: Mapping[str, Any] = text["format"] if isinstance(text.get("format"), Mapping) else {}

@@ -1,4 +1,5 @@
-"""Constraints a chat-completions request brings itself.
+"""Constraints a request brings itself (Chat Completions here; the Responses API's `text.format` and
+Anthropic's structured outputs below).
 
 Recognised fields (OpenAI and vLLM wire):
 - `response_format`: `{"type": "json_schema", "json_schema": {"name", "schema", ...}}` (no `schema`
@@ -81,6 +82,32 @@ def responses_constraints(body: Mapping[str, Any]) -> tuple[ConstraintSpec, ...]
     if not isinstance(schema, Mapping | bool):
         raise _bad("text.format.schema", "must be an object")
     return (json_schema_spec(_plain(schema), name),)
+
+
+def anthropic_constraints(body: Mapping[str, Any]) -> tuple[ConstraintSpec, ...]:
+    """The constraint an Anthropic Messages request asks for: structured outputs' `output_config.format`
+    (or the beta's top-level `output_format`), `{"type": "json_schema", "schema": {...}}`."""
+    specs: list[ConstraintSpec] = []
+    config = body.get("output_config")
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise _bad("output_config", "must be an object")
+        if config.get("format") is not None:
+            specs.append(_anthropic_format("output_config.format", config["format"]))
+    if body.get("output_format") is not None:
+        specs.append(_anthropic_format("output_format", body["output_format"]))
+    return tuple({spec.key: spec for spec in specs}.values())
+
+
+def _anthropic_format(field: str, fmt: Any) -> ConstraintSpec:
+    if not isinstance(fmt, Mapping):
+        raise _bad(field, "must be an object")
+    if fmt.get("type") != "json_schema":
+        raise _bad(f"{field}.type", f"{fmt.get('type')!r} is not supported (json_schema)")
+    schema = fmt.get("schema")
+    if not isinstance(schema, Mapping):
+        raise _bad(f"{field}.schema", "must be an object")
+    return json_schema_spec(_plain(schema), None)
 
 
 def strip_guided_fields(body: Mapping[str, Any]) -> dict[str, Any]:

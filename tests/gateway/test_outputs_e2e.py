@@ -189,6 +189,30 @@ async def test_stream_buffer_mode_reasks_tool_arguments_without_a_text_grammar(g
     assert len(h.fake.seen) == 2 and "invalid arguments" in h.fake.seen[1].json["messages"][-1]["content"]
 
 
+async def test_anthropic_structured_outputs_are_validated_and_reasked(gateway_factory: GatewayFactory) -> None:
+    """Anthropic's own structured outputs (`output_config.format`, the beta's `output_format`) are the
+    request's constraint: forwarded as sent, the answer validated and re-asked, a stream cut."""
+    h = await gateway_factory(agents={"default": {"output": {"retries": 1}}})
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    h.fake.queue(Reply(body=anthropic_message('{"answer": "x"}')), Reply(body=anthropic_message('{"answer": 4}')))
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        result = await ac.messages.create(model="claude-sonnet-4-5", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
+                                          extra_body={"output_config": {"format": fmt}})
+        assert result.content[0].text == '{"answer": 4}'  # type: ignore[union-attr]
+        assert [s.json["output_config"] for s in h.fake.seen] == [{"format": fmt}] * 2
+        h.fake.queue(Reply(chunks=anthropic_stream(['{"answer": "', 'x"}'])))
+        with pytest.raises(anthropic.APIStatusError) as info:
+            async with ac.messages.stream(model="claude-sonnet-4-5", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
+                                          extra_body={"output_format": fmt}) as stream:
+                async for _ in stream:
+                    pass
+        assert info.value.body["error"]["code"] == "output_nonconforming"  # type: ignore[index]
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await ac.messages.create(model="claude-sonnet-4-5", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
+                                     extra_body={"output_config": {"format": {"type": "regex"}}})
+        assert "output_config.format.type" in bad.value.message
+
+
 async def test_invalid_tool_arguments_openai_and_anthropic(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents={"default": {"output": {"retries": 1}}})
     tools = [{"type": "function", "function": {"name": "get", "parameters": SCHEMA}}]

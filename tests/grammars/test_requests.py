@@ -9,6 +9,7 @@ import pytest
 from gateway.errors import InvalidGrammar
 from grammars.requests import (
     VLLM_ONLY_FIELDS,
+    anthropic_constraints,
     grammar_kind,
     request_constraints,
     responses_constraints,
@@ -202,4 +203,36 @@ def test_responses_constraints(body: dict[str, Any], expected: tuple[ConstraintS
 def test_responses_constraints_malformed(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidGrammar) as caught:
         responses_constraints(body)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, ()),
+        ({"output_config": {"effort": "low"}}, ()),  # other settings of output_config are no constraint
+        ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}, (json_schema_spec(SCHEMA),)),
+        ({"output_format": {"type": "json_schema", "schema": SCHEMA}}, (json_schema_spec(SCHEMA),)),  # the beta's
+        ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+          "output_format": {"type": "json_schema", "schema": SCHEMA}}, (json_schema_spec(SCHEMA),)),
+        ({"output_config": {"format": None}, "output_format": None}, ()),
+    ],
+)
+def test_anthropic_constraints(body: dict[str, Any], expected: tuple[ConstraintSpec, ...]) -> None:
+    assert anthropic_constraints(body) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"output_config": "json"}, "output_config"),
+        ({"output_config": {"format": "json"}}, "output_config.format"),
+        ({"output_config": {"format": {"type": "regex", "schema": SCHEMA}}}, "output_config.format.type"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+        ({"output_format": {"type": "json_schema", "schema": "{}"}}, "output_format.schema"),
+    ],
+)
+def test_anthropic_constraints_malformed(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidGrammar) as caught:
+        anthropic_constraints(body)
     assert caught.value.param == param
