@@ -10,7 +10,9 @@ the streaming grammar may be weaker than the schema (syntax only, or keywords ll
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Final
 
 import llguidance as llg
 
@@ -20,6 +22,11 @@ from grammars.spec import Violation
 _JSON_WS = " \t\n\r"
 _JSON_WS_BYTES = b" \t\n\r"
 _BACKSLASH, _SLASH, _LETTER_B = 0x5C, 0x2F, 0x62
+_NUMBER_CHARS: Final = frozenset("0123456789+-.eE")
+_NUMBER_STARTS: Final = b"-0123456789"
+# A prefix of a JSON number (RFC 8259 `number`), the empty one included.
+_NUMBER_PREFIX: Final = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*|(?:\.[0-9]+)?[eE][+-]?[0-9]*)?)?")
+_ESCAPE: Final = re.compile(r"\\.", re.DOTALL)
 
 
 class IncrementalChecker:
@@ -97,7 +104,7 @@ class IncrementalChecker:
             # A complete document followed by whitespace: fine, as long as nothing else follows.
             self._trailing = True
             return self._only_whitespace(text[pos:], base + pos)
-        if self._fallback is not None and self._respelled(base + pos):
+        if self._fallback is not None and (self._respelled(base + pos) or self._renumbered(base + pos)):
             return self._degrade()
         self.violation = engine.failure(self._matcher, text, pos, base)
         return False
@@ -127,14 +134,41 @@ class IncrementalChecker:
         text = "".join(self._parts)[: pos + 2]
         return text[pos : pos + 1] == "\\" or "\\u" in text or "\\/" in text or "\x7f" in text
 
+    def _renumbered(self, pos: int) -> bool:
+        """Whether the refused character `pos` may belong to another spelling of a number the schema
+        grammar wants: a schema grammar takes one spelling of a number while JSON Schema judges its
+        value (llguidance's bounded numbers have no exponent, its integers no `4.0`, its const and
+        enum numbers one spelling only; `-0.0` is 0).
+
+        Narrow on purpose: the character must extend the number the output is writing (outside any
+        string) into a JSON number prefix, and a refused first character must be one where the
+        grammar itself would start a number. Anything else (a quote where a number belongs, a letter
+        in a string) still cuts the stream. Runs once per stream, at its first refusal."""
+        text = "".join(self._parts)
+        if text[pos : pos + 1] not in _NUMBER_CHARS:
+            return False
+        start = pos
+        while start and text[start - 1] in _NUMBER_CHARS:
+            start -= 1
+        if not _NUMBER_PREFIX.fullmatch(text, start, pos + 1):
+            return False
+        # The exact grammar took the output up to `pos`, so it is a JSON prefix in which escapes only
+        # occur in strings: an odd number of quotes outside escapes means `pos` is inside a string.
+        if _ESCAPE.sub("", text[:start]).count('"') % 2:
+            return False
+        if start < pos:
+            return True  # the grammar took the number's first characters: it wants a number here
+        mask = self._matcher.compute_bitmask()  # the matcher waits just before the refused character
+        return any(mask[b >> 3] >> (b & 7) & 1 for b in _NUMBER_STARTS)
+
     def _degrade(self) -> bool:
         """Switch from the schema grammar to JSON syntax only, replaying the output so far.
 
         Why: a schema grammar matches enum/const values, property names and patterns byte for byte,
         while JSON may spell the same string with escapes (a "\\u00e9" for "é", "\\/" for "/"); an
         escaped property name even reads as an extra property, which breaks the key order later.
-        Rather than cut an answer that may be valid, check syntax from here on; the final verdict
-        is jsonschema's."""
+        Numbers likewise have many spellings (`1e-05`, `4.0`, `-0.0`). Rather than cut an answer that
+        may be valid, check syntax from here on; the final verdict is jsonschema's."""
         assert self._fallback is not None
         self._matcher = self._fallback.deep_copy()
         self._fallback = None

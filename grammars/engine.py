@@ -56,6 +56,7 @@ def tokenizer() -> llg.LLTokenizer:
 def grammar_for(kind: str, source: str) -> str:
     """The llguidance grammar for a non-JSON kind (regex, lark, gbnf, choice). Raises ValueError."""
     if kind == "regex":
+        _check_regex(source)
         return llg.LLMatcher.grammar_from_regex(source)
     if kind == "lark":
         return llg.LLMatcher.grammar_from_lark(source)
@@ -65,6 +66,21 @@ def grammar_for(kind: str, source: str) -> str:
         options = json.loads(source)
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
     raise ValueError(f"no llguidance grammar for kind {kind!r}")
+
+
+def _check_regex(source: str) -> None:
+    """Raise ValueError for a regex ending in an escape that escapes nothing (`[0-9]+\\`).
+
+    Why: `grammar_from_regex` wraps the regex in a Lark `/.../` literal and silently drops such a
+    backslash, so the grammar would mean something else (a lone `\\` becomes "empty output only")
+    where Rust's regex, RE2 and Python's `re` all refuse it. Everything else is left to llguidance's
+    own parser (Rust `regex` syntax, not Python's)."""
+    trailing = len(source) - len(source.rstrip("\\"))
+    if trailing % 2:
+        raise ValueError(
+            f"invalid regex {source!r}: it ends in an incomplete escape sequence (a lone trailing "
+            "backslash; write \\\\ for a literal backslash)"
+        )
 
 
 def grammar_for_schema(schema: dict[str, object]) -> str:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import itertools
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Final
 
 import jsonschema
@@ -74,9 +76,36 @@ def _additional_properties(validator: Validator, additional: Any, instance: Any,
             yield ValidationError(f"Additional properties are not allowed ({listed} {verb} unexpected)")
 
 
+def _multiple_of(validator: Validator, multiple: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    """`multipleOf` on the decimal values the JSON spelled. jsonschema divides binary floats, so
+    `0.3` is "not a multiple of 0.1" (0.3 / 0.1 = 2.9999999999999996)."""
+    if not validator.is_type(instance, "number") or not validator.is_type(multiple, "number"):
+        return  # bools are not numbers (is_type); a non-number multipleOf fails check_schema first
+    if not _is_multiple(instance, multiple):
+        yield ValidationError(f"{instance!r} is not a multiple of {multiple}")
+
+
+def _is_multiple(instance: float, multiple: float) -> bool:
+    """Whether `instance` is an integer times `multiple` (> 0), exactly. A non-finite float (JSON has
+    none; a caller's own value might) is a multiple of nothing."""
+    if isinstance(instance, int) and isinstance(multiple, int):
+        return instance % multiple == 0  # the common case, exact and cheap
+    if isinstance(instance, float) and not math.isfinite(instance):
+        return False
+    return (_decimal(instance) / _decimal(multiple)).denominator == 1
+
+
+def _decimal(number: float) -> Fraction:
+    """The exact value of the decimal a float was read from: its repr is the shortest decimal that
+    reads back as the same float, so `0.1` is 1/10, not the binary float's 3602879701896397/2**55.
+    Exponents stay small (a float's repr has at most 3 exponent digits), so the Fraction does too."""
+    return Fraction(repr(number)) if isinstance(number, float) else Fraction(number)
+
+
 # jsonschema's own keywords, with patterns run on model output in linear time (grammars.regexes)
+# and multipleOf decided on decimals
 _BOUNDED: Final = {"pattern": _pattern, "patternProperties": _pattern_properties,
-                   "additionalProperties": _additional_properties}
+                   "additionalProperties": _additional_properties, "multipleOf": _multiple_of}
 _DRAFTS: Final[dict[str, type[Validator]]] = {
     uri.rstrip("#"): jsonschema.validators.extend(cls, _BOUNDED)
     for cls in (

@@ -357,3 +357,67 @@ def test_a_summary_names_the_broken_schema_rules() -> None:
     violation = compile_constraint(spec).validate('{"age": "x"}')
     assert violation is not None and violation.redacted == "breaks schema rule(s) properties/age/type"
     assert "'x'" in violation.message
+
+
+BOUNDED = {"type": "number", "minimum": 0, "maximum": 1}
+
+
+def field(schema: dict[str, object]) -> ConstraintSpec:
+    return json_schema_spec({"type": "object", "properties": {"x": schema, "y": {"type": "string"}},
+                             "required": ["x"], "additionalProperties": False})
+
+
+@pytest.mark.parametrize(
+    ("schema", "parts", "verdict"),
+    [
+        # llguidance's bounded numbers have no exponent; jsonschema judges the value
+        (BOUNDED, ['{"x": 1', "e-05}"], None),
+        (BOUNDED, ['{"x": 5', "e-1}"], None),
+        (BOUNDED, ['{"x": 1E-5, "y": "a"}'], None),
+        (BOUNDED, ['{"x": 0.1e1}'], None),
+        (BOUNDED, ['{"x": -0.0}'], None),
+        ({"type": "number", "exclusiveMinimum": 0}, ['{"x": 5e-1}'], None),
+        ({"type": "number", "minimum": 0}, ['{"x": -', "0}"], None),
+        # integers are numbers with a zero fraction
+        ({"type": "integer", "minimum": 1}, ['{"x": 4', ".0}"], None),
+        ({"type": "integer"}, ['{"x": 4e2}'], None),
+        ({"type": "integer", "maximum": 100}, ['{"x": 40.00}'], None),
+        # const and enum numbers have one spelling in the grammar, many in JSON
+        ({"const": 1}, ['{"x": 1.0}'], None),
+        ({"const": 100}, ['{"x": 1e2}'], None),
+        ({"enum": [1.0, 2]}, ['{"x": 2.0}'], None),
+        # not cut mid-number (a later exponent could still make it valid), but the verdict refuses it
+        (BOUNDED, ['{"x": 2', "}"], Violation("at x: 2 is greater than the maximum of 1")),
+        ({"type": "integer"}, ['{"x": 1.5}'], Violation("at x: 1.5 is not of type 'integer'")),
+        ({"enum": [1.0, 2]}, ['{"x": 3.0}'], Violation("at x: 3.0 is not one of [1.0, 2]")),
+    ],
+)
+def test_native_check_tolerates_respelled_numbers(
+    schema: dict[str, object], parts: list[str], verdict: Violation | None
+) -> None:
+    assert feed_all(field(schema), parts, native=True) == (None, verdict)
+
+
+@pytest.mark.parametrize(
+    ("schema", "parts", "bad_chunk", "offset"),
+    [
+        (BOUNDED, ['{"x": ', '"0.5"}'], 1, 6),  # a string where a number belongs
+        ({"type": "integer"}, ['{"x": 4 ', "5}"], 1, 8),  # a second number after a complete one
+        ({"type": "integer"}, ['{"x": tru', "e}"], 0, 6),  # a literal where a number belongs
+        ({"type": "number"}, ['{"x": 1, "y": 2}'], 0, 14),  # a number where a string belongs
+        ({"type": "number"}, ['{"x": 1, "y1', '": "a"}'], 0, 11),  # a digit in a property name
+        ({"enum": [1]}, ['{"x": 1', ', "y": "a"}', "x"], 2, 18),  # after the document
+    ],
+)
+def test_native_check_still_cuts_what_no_number_spelling_saves(
+    schema: dict[str, object], parts: list[str], bad_chunk: int, offset: int
+) -> None:
+    first_bad, verdict = feed_all(field(schema), parts, native=True)
+    assert first_bad == bad_chunk
+    assert verdict is not None and verdict.offset == offset
+
+
+def test_a_digit_in_a_string_literal_still_cuts() -> None:
+    spec = json_schema_spec({"type": "object", "properties": {"x": {"enum": ["a1"]}}})
+    first_bad, verdict = feed_all(spec, ['{"x": "a', '2e"}'], native=True)
+    assert (first_bad, verdict) == (1, Violation("at char 8: unexpected '2'; expected '1'", 8))

@@ -217,18 +217,25 @@ def test_grammar_validate(spec: ConstraintSpec, text: str, expected: Violation |
     [
         (
             ConstraintSpec("regex", "a(?=b)"),
-            'regex: at 1(8): invalid regex "a(?=b)" (in regex): regex parse '
-            "error: a(?=b) error: look-around, including look-ahead and look-behind, is not supported",
+            ('regex: at 1(8): invalid regex "a(?=b)" (in regex): regex parse '
+            "error: a(?=b) error: look-around, including look-ahead and look-behind, is not supported"),
         ),
         (
             ConstraintSpec("regex", "(a)\\1"),
-            'regex: at 1(8): invalid regex "(a)\\\\1" (in regex): regex parse '
-            "error: (a)\\1 error: backreferences are not supported",
+            ('regex: at 1(8): invalid regex "(a)\\\\1" (in regex): regex parse '
+            "error: (a)\\1 error: backreferences are not supported"),
         ),
         (
             ConstraintSpec("regex", "["),
-            'regex: at 1(8): invalid regex "[" (in regex): regex parse error: '
-            "[ error: unclosed character class",
+            ('regex: at 1(8): invalid regex "[" (in regex): regex parse error: '
+            "[ error: unclosed character class"),
+        ),
+        (
+            ConstraintSpec("regex", "[0-9]+\\"),
+            (
+                "regex: invalid regex '[0-9]+\\\\': it ends in an incomplete escape sequence (a lone "
+                "trailing backslash; write \\\\ for a literal backslash)"
+            ),
         ),
         (ConstraintSpec("lark", "start: foo"), 'lark: at 1(8): unknown name: "foo"'),
         (
@@ -239,8 +246,8 @@ def test_grammar_validate(spec: ConstraintSpec, text: str, expected: Violation |
         (ConstraintSpec("choice", '["a", 1]'), "choice: options must be a non-empty JSON array of strings"),
         (
             ConstraintSpec("choice", "yes|no"),
-            "choice: options must be a JSON array of strings (not valid JSON: unexpected character, "
-            "expected a JSON value at char 0)",
+            ("choice: options must be a JSON array of strings (not valid JSON: unexpected character, "
+            "expected a JSON value at char 0)"),
         ),
         (
             ConstraintSpec("json_schema", '{"type": "foo"}'),
@@ -264,8 +271,8 @@ def test_grammar_validate(spec: ConstraintSpec, text: str, expected: Violation |
         ),
         (
             ConstraintSpec("json_schema", "{bad"),
-            "json_schema: the schema is not valid JSON: "
-            "unexpected character, expected a string key at char 1",
+            ("json_schema: the schema is not valid JSON: "
+            "unexpected character, expected a string key at char 1"),
         ),
     ],
 )

@@ -67,3 +67,17 @@ def test_grammar_for_unknown_kind() -> None:
 def test_tokenizer_is_built_once() -> None:
     assert engine.tokenizer() is engine.tokenizer()
     assert engine.tokenizer().vocab_size == 257
+
+
+@pytest.mark.parametrize("source", ["\\", "[0-9]+\\", "a\\\\\\", "(a\\"])
+def test_a_regex_ending_in_a_lone_backslash_is_refused(source: str) -> None:
+    # llguidance would silently drop the backslash and compile another regex
+    with pytest.raises(ValueError, match="incomplete escape sequence"):
+        engine.grammar_for("regex", source)
+
+
+@pytest.mark.parametrize(("source", "text"), [("a\\\\", "a\\"), ("x\\\\\\\\", "x\\\\"), ("\\d+", "12")])
+def test_escaped_trailing_backslashes_still_compile(source: str, text: str) -> None:
+    matcher, error = engine.build_matcher(engine.grammar_for("regex", source))
+    assert matcher is not None, error
+    assert engine.check_complete(matcher, text) is None

@@ -107,8 +107,8 @@ def test_schema_key_order_is_kept() -> None:
         (
             {"guided_json": "{nope"},
             "guided_json",
-            "guided_json is a string but not valid JSON: "
-            "unexpected character, expected a string key at char 1",
+            ("guided_json is a string but not valid JSON: "
+            "unexpected character, expected a string key at char 1"),
         ),
         (
             {"guided_json": 3},

@@ -190,3 +190,40 @@ def test_unevaluated_properties_with_pattern_properties_is_refused() -> None:
         build_check({"patternProperties": {"^(a+)+$": {}}, "unevaluatedProperties": False})
     assert "unevaluatedProperties" in info.value.message
     assert build_check({"properties": {"a": {}}, "unevaluatedProperties": False}).check_value({"b": 1}) is not None
+
+
+@pytest.mark.parametrize(
+    ("multiple", "document", "ok"),
+    [
+        (0.1, 0.3, True),  # 0.3 / 0.1 is 2.9999999999999996 in binary floats
+        (0.1, 0.7, True),
+        (0.01, 19.99, True),
+        (0.1, 0.35, False),
+        (0.1, 3, True),
+        (0.5, 2.5, True),
+        (0.5, 2.25, False),
+        (3, 9, True),
+        (3, 10, False),
+        (3, 9.0, True),
+        (2, 1e300, True),  # 10**300, exactly
+        (3, 1e300, False),
+        (0.1, 1e308, True),  # jsonschema's float quotient overflows here
+        (1e-300, 3e-300, True),
+        (7, 2**80 * 7, True),  # integers of any size
+        (7, 2**80 * 7 + 1, False),
+        (0.1, True, True),  # a boolean is not a number: multipleOf does not apply
+        (0.1, float("inf"), False),  # JSON has no infinity; a caller's own value is a multiple of nothing
+    ],
+)
+def test_multiple_of_is_decided_on_decimals(multiple: float, document: Any, ok: bool) -> None:
+    violation = build_check({"multipleOf": multiple}).check_value(document)
+    if ok:
+        assert violation is None
+    else:
+        assert violation == Violation(f"at <root>: {document!r} is not a multiple of {multiple}")
+
+
+def test_multiple_of_applies_in_every_draft() -> None:
+    draft4 = build_check({"$schema": "http://json-schema.org/draft-04/schema#", "multipleOf": 0.1})
+    assert draft4.check("0.3") is None
+    assert draft4.check("0.35") == Violation("at <root>: 0.35 is not a multiple of 0.1")
