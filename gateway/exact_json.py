@@ -19,11 +19,17 @@ _LONG_NUMBER = re.compile(rb"\d{19}")
 
 
 def loads(raw: bytes) -> Any:
-    """orjson's parse (raises orjson.JSONDecodeError as it does), with integers of any size exact."""
+    """orjson's parse (raises orjson.JSONDecodeError as it does), with integers of any size exact.
+    A document nested too deeply for the standard parser (it recurses per level, up to Python's limit
+    of ~1000; orjson reads 1024) keeps orjson's reading, such an integer a float: every caller refuses
+    that depth (`limits.max_json_depth`) before it forwards anything."""
     value = orjson.loads(raw)
     if _LONG_NUMBER.search(raw) is None:
         return value
-    return json.loads(raw)  # orjson accepted it: the stricter parser judged, this one only reads it
+    try:
+        return json.loads(raw)  # orjson accepted it: the stricter parser judged, this one only reads it
+    except RecursionError:
+        return value
 
 
 def dumps(value: Any, *, sort_keys: bool = False) -> bytes:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gateway import exact_json
 from gateway.approvals import queue_of
-from gateway.errors import GatewayError, ShuttingDown
+from gateway.errors import GatewayError, ShuttingDown, UpstreamUnavailable
 from gateway.identity import RUN_ID_HEADER
 from gateway.jsonrpc import (
     BadMessage,
@@ -56,7 +56,7 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
             return await _post(mcp)
         if request.method in ("GET", "DELETE"):
             upstream = await mcp.open(request.method, None)
-            return await relay(mcp, upstream, None, _list_filter(mcp) if request.method == "GET" else None)
+            return await relay(mcp, upstream, None, _no_responses if request.method == "GET" else None)
         headers["Allow"] = "GET, POST, DELETE"
         return web.Response(status=405, headers=headers)
     except GatewayError as exc:
@@ -94,9 +94,15 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
         return _error(exc, message.id, mcp.headers)
 
 
+async def _no_responses(message: dict[str, Any]) -> dict[str, Any]:
+    """A GET stream carries responses only when a client resumes a request's stream there, which
+    tollgate's clients cannot do (it gives them no event ids): one would reach the agent unjudged."""
+    raise UpstreamUnavailable("the MCP server sent a JSON-RPC response on its GET stream (a request's "
+                              "stream resumed around tollgate); the stream is ended")
+
+
 def _list_filter(mcp: McpRequest) -> Transform:
-    """Filters every `tools/list`-shaped result (also on GET streams, which may replay a POST's
-    events on resumption) and remembers the kept tools' input schemas."""
+    """Filters a `tools/list` result and remembers the kept tools' input schemas."""
     state = state_of(mcp.gw)
 
     def seen(tool: str, schema: Any) -> None:

@@ -21,6 +21,7 @@ from gateway.http1_wire import Sending
 from gateway.idempotency import ResultCache
 from gateway.identity import Identity
 from gateway.jsonrpc import RequestId, gateway_error, replace_event_data, without_resumption
+from gateway.providers.common import json_depth_ok
 from gateway.providers.sse import SseEvent, SseParser, format_event
 from gateway.runtime import Gateway
 from gateway.tools import ToolPolicy, mcp_tool_name
@@ -147,6 +148,7 @@ async def relay(
                 message = None
             if transform is None or not _is_response(message, rpc_id):
                 raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the request")
+            _check_depth(message, mcp.gw.config.limits.max_json_depth)
             changed = await transform(message)
             data = data if changed is message else exact_json.dumps(changed)
             headers = answer_headers(upstream.headers, mcp.headers)
@@ -200,6 +202,7 @@ async def _relay_events(
     no event ids, so it never resumes one around tollgate. A stream that ends for good without the
     response ends with a JSON-RPC error for `rpc_id`, and raises."""
     resumption = _Resumption() if rpc_id is not None else None
+    depth = mcp.gw.config.limits.max_json_depth
     current = upstream
     answered = False
     try:
@@ -209,7 +212,7 @@ async def _relay_events(
                 for event in parser.feed(chunk):
                     if resumption is not None:
                         resumption.saw(event)
-                    part, answered = await _event(event.raw, event.data, rpc_id, transform)
+                    part, answered = await _event(event.raw, event.data, rpc_id, transform, depth)
                     if resumption is not None:
                         part = without_resumption(part)
                     client = client and await _write(out, part)  # a client gone: still read to the response
@@ -254,7 +257,8 @@ async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
                                       "attempts to resume it brought nothing")
         resumption.failures += 1
         delay_ms = RESUME_DELAY_MS if resumption.retry_ms is None else resumption.retry_ms
-        await asyncio.sleep(min(delay_ms / 1000, mcp.server.timeouts.idle))
+        # capped before dividing: `retry` is any run of digits, too large for a float
+        await asyncio.sleep(min(delay_ms, int(mcp.server.timeouts.idle * 1000)) / 1000)
         upstream = await mcp.open("GET", None, resume_after=resumption.last_id)
         kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
         if upstream.status == 200 and kind == "text/event-stream":
@@ -266,7 +270,7 @@ async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
 
 
 async def _event(
-    raw: bytes, data: str, rpc_id: RequestId | None, transform: Transform | None
+    raw: bytes, data: str, rpc_id: RequestId | None, transform: Transform | None, depth: int
 ) -> tuple[bytes, bool]:
     """The event to relay, and whether it was the response to `rpc_id` (never for a GET stream)."""
     if transform is None or not data:
@@ -276,9 +280,19 @@ async def _event(
     except orjson.JSONDecodeError:  # what a client might still read must not pass unjudged
         raise UpstreamUnavailable("the MCP server sent an event whose data is not JSON") from None
     if not _is_response(message, rpc_id):
+        if rpc_id is not None and _is_response(message, None):
+            # SDK clients take any response on a request's stream as its answer (they rewrite its id)
+            raise UpstreamUnavailable("the MCP server sent a response to another request on this request's stream")
         return raw, False
+    _check_depth(message, depth)
     changed = await transform(message)
     return (raw if changed is message else replace_event_data(raw, exact_json.dumps(changed))), rpc_id is not None
+
+
+def _check_depth(message: dict[str, Any], limit: int) -> None:
+    """A response to judge nests no deeper than a request may (`limits.max_json_depth`): judging walks it."""
+    if not json_depth_ok(message, limit):
+        raise UpstreamUnavailable(f"the MCP server's response nests deeper than {limit} levels")
 
 
 async def _prepare(out: web.StreamResponse, request: web.Request) -> bool:

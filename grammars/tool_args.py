@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
+from gateway import exact_json
 from gateway.errors import InvalidGrammar
 from grammars.compile import LRU, object_check
 from grammars.spec import Violation, parse_json
@@ -31,7 +32,8 @@ def _key(parameters: Mapping[str, Any]) -> str:
     """The cache key of a schema: its JSON as the agent sent it (agents resend the same tools each
     step; the same schema with its keys in another order only compiles twice)."""
     try:
-        return orjson.dumps(parameters if isinstance(parameters, dict) else dict(parameters)).decode()
+        # exactly: an MCP server's schema may hold an integer beyond 64 bits (`maximum`)
+        return exact_json.dumps(parameters if isinstance(parameters, dict) else dict(parameters)).decode()
     except (TypeError, orjson.JSONEncodeError) as exc:
         raise InvalidGrammar(f"tool parameters: not a JSON schema: {exc}") from exc
 
@@ -44,7 +46,7 @@ def _compile(key: str) -> SchemaCheck | str:
     if hit is not None:
         return hit
     try:
-        check: SchemaCheck | str = build_check(orjson.loads(key))
+        check: SchemaCheck | str = build_check(exact_json.loads(key.encode()))
     except InvalidGrammar as exc:
         check = exc.message
     _CHECKS.put(key, check)

@@ -31,3 +31,11 @@ def test_dumps_writes_big_integers_exactly_and_orjsons_bytes_otherwise() -> None
     assert exact_json.dumps({"b": 2**70, "a": "é"}, sort_keys=True) == '{"a":"é","b":1180591620717411303424}'.encode()
     assert exact_json.dumps({"b": 1, "a": [1.5, None]}) == orjson.dumps({"b": 1, "a": [1.5, None]})
     assert exact_json.loads(exact_json.dumps({"n": -(2**80)})) == {"n": -(2**80)}
+
+
+def test_loads_too_deep_for_the_standard_parser_keeps_orjsons_reading() -> None:
+    raw = b"[" * 1000 + b"12345678901234567890123" + b"]" * 1000  # orjson reads 1024 levels, json ~1000
+    value = exact_json.loads(raw)
+    for _ in range(1000):
+        value = value[0]
+    assert value == orjson.loads(b"12345678901234567890123")  # a float: every caller refuses this depth

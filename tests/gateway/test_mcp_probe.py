@@ -565,9 +565,11 @@ async def test_an_input_required_round_trip_is_one_tool_call(gateway_factory: Ga
         assert (run["status"], run["tool_calls"]) == ("active", 1), run
 
 
-async def test_the_get_stream_relays_notifications_and_filters_replayed_tool_lists(
+async def test_the_get_stream_relays_notifications_and_ends_at_a_replayed_response(
     gateway_factory: GatewayFactory,
 ) -> None:
+    """A response on the GET stream is a request's stream resumed around tollgate (which gives its
+    clients no event ids to do so): it would reach the agent unjudged, so the stream ends before it."""
     async with raw_server() as srv:
         srv.get_events = [
             {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"},
@@ -580,8 +582,7 @@ async def test_the_get_stream_relays_notifications_and_filters_replayed_tool_lis
         assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
         assert headers.get("x-tollgate-run-id") == "r1"
         events = [orjson.loads(line[5:]) for line in data.splitlines() if line.startswith(b"data:")]
-        assert [e.get("method") for e in events] == ["notifications/tools/list_changed", "ping", None], events
-        assert [t["name"] for t in events[2]["result"]["tools"]] == ["read_file"]
+        assert [e.get("method") for e in events] == ["notifications/tools/list_changed", "ping"], events
 
 
 async def test_arguments_are_checked_against_schemas_listed_on_a_later_page(gateway_factory: GatewayFactory) -> None:
