@@ -227,3 +227,5 @@ class Answer:
     # ids of the answer's reasoning items (the Responses API): an agent may send them back by id
     # (`guards.reasoning`)
     reasoning: tuple[str, ...] = ()
+    # the model refused (OpenAI's `refusal` in place of content; Anthropic says so in `stop_reason`)
+    refused: bool = False

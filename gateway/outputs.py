@@ -221,14 +221,21 @@ def unfinished(answer: Answer) -> bool:
     return any(reason in PAUSED for reason in answer.finish_reasons)
 
 
+def held_to_text(answer: Answer) -> bool:
+    """Whether the answer's text is held to the text constraints: not a paused turn, nor a refusal
+    (OpenAI's `refusal`, Anthropic's `stop_reason: refusal`), which the SDKs surface as such and which a
+    re-ask cannot change (Anthropic: the refused turn must be removed before the conversation goes on)."""
+    return not (answer.refused or "refusal" in answer.finish_reasons or unfinished(answer))
+
+
 def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
     """The first violation of the answer: tool arguments against their declared schemas, then text
-    against every constraint. An answer that only calls tools, or a paused turn (`unfinished`), is not
+    against every constraint. An answer that only calls tools, a paused turn or a refusal (`held_to_text`), is not
     held to the text constraints."""
     verdict = judge_tool_arguments(call, answer)
     if verdict is not None:
         return verdict
-    if plan is None or unfinished(answer):
+    if plan is None or not held_to_text(answer):
         return None
     # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
     # only calls tools (no text, with calls in the answer) is not held to the text constraints

@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
 from gateway.observe import ledger_stop_now, step_span
-from gateway.outputs import judge_tool_arguments, unfinished
+from gateway.outputs import held_to_text, judge_tool_arguments
 from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
@@ -112,10 +112,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         return out
     if failure is None and not reader.complete:
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
-    if failure is None and broken is not None and not unfinished(answer):
+    if failure is None and broken is not None and held_to_text(answer):
         failure = broken  # the answer's text, not a preamble, broke its constraint
     text_judged = False  # an answer of calls alone is not held to the text constraints (unless they are dropped)
-    if failure is None and checkers and not (answer.tool_calls and not answer.text) and not unfinished(answer):
+    if failure is None and checkers and not (answer.tool_calls and not answer.text) and held_to_text(answer):
         text_judged = True
         failure = _text_failure(checkers)
     try:
@@ -134,7 +134,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
                     answer = step.answer = without(answer, tools.names)
                     step.extra["tools_dropped"] = len(tools.denied)
-                    if checkers and not text_judged and not answer.tool_calls and not unfinished(answer):
+                    if checkers and not text_judged and not answer.tool_calls and held_to_text(answer):
                         # what is left is the answer now (commentary before the calls is none of it)
                         dropped = _text_failure(checkers)
                         if dropped is not None:

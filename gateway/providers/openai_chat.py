@@ -146,11 +146,13 @@ class OpenAIChat:
         others: list[str] = []
         calls: list[ToolCall] = []
         reasons: list[str] = []
+        refused = False
         for index, choice in enumerate(body.get("choices") or ()):
             message = choice.get("message") or {}
             if index == 0:
                 text = message.get("content") or ""
-            else:
+                refused = _refuses(message) and not text  # a refusal instead of an answer
+            elif not (_refuses(message) and not message.get("content")):  # a refusal has no text to judge
                 content = message.get("content")
                 others.append(content if isinstance(content, str) else "")
             for tc in message.get("tool_calls") or ():
@@ -170,6 +172,7 @@ class OpenAIChat:
             usage=usage_from(body.get("usage")),
             other_texts=tuple(others),
             service_tier=service_tier(body),
+            refused=refused,
         )
 
     def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> OpenAIStreamReader:
@@ -332,6 +335,8 @@ class OpenAIStreamReader:
         self._unfinished: set[int] = set()  # choices seen without their finish_reason yet (`n` > 1)
         self._usage: Usage | None = None
         self._tier: str | None = None  # the tier the chunks report (each carries it; the last one counts)
+        self._refused = False  # the first choice streamed a `refusal`
+        self._refusing: set[int] = set()  # other choices that did
         self._chars = 0
         self.holding = False  # a tool call started: hold events until the answer is judged
         self.complete = False
@@ -364,6 +369,13 @@ class OpenAIStreamReader:
             index = int(choice.get("index") or 0)
             delta = choice.get("delta") or {}
             content = delta.get("content")
+            refusal = delta.get("refusal")
+            if isinstance(refusal, str) and refusal:
+                self._chars += len(refusal)
+                if index == 0:
+                    self._refused = True
+                else:
+                    self._refusing.add(index)
             if isinstance(content, str):
                 self._chars += len(content)
                 if index == 0:
@@ -412,6 +424,13 @@ class OpenAIStreamReader:
             tool_calls=calls,
             finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
             usage=self._usage,
-            other_texts=tuple("".join(parts) for _, parts in sorted(self._others.items())),
+            other_texts=tuple("".join(parts) for i, parts in sorted(self._others.items()) if i not in self._refusing),
             service_tier=self._tier,
+            refused=self._refused,
         )
+
+
+def _refuses(message: Mapping[str, Any]) -> bool:
+    """A choice whose model refused: structured outputs put the refusal in `refusal`, not `content`."""
+    refusal = message.get("refusal")
+    return isinstance(refusal, str) and bool(refusal)

@@ -300,11 +300,17 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
     calls: list[ToolCall] = []
     reasoning: list[str] = []
     hosted = web_searches = file_searches = 0
+    refused = False
     for item in body.get("output") or ():
         kind = item_type(item)
         if kind == "message":
             if item.get("phase") != "commentary":  # what the model says before its calls: not the answer
-                texts.append(_message_text(item))
+                text = _message_text(item)
+                texts.append(text)
+                parts = item.get("content")
+                # a refusal instead of an answer (a message holding text as well is an answer)
+                refused = refused or (not text and isinstance(parts, list) and any(
+                    isinstance(p, Mapping) and p.get("type") == "refusal" for p in parts))
         elif kind == "reasoning":
             if isinstance(item.get("id"), str):
                 reasoning.append(item["id"])
@@ -328,6 +334,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         hosted_calls=hosted,
         service_tier=service_tier(body),  # a stream's final event carries the whole response, its tier too
         reasoning=tuple(reasoning),
+        refused=refused,
     )
 
 

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory
-from tests.fakes.responses import response_stream
+from tests.fakes.responses import response_body, response_stream
 from tests.fakes.upstream import (
     Reply,
     anthropic_message,
@@ -211,6 +211,53 @@ async def test_anthropic_structured_outputs_are_validated_and_reasked(gateway_fa
             await ac.messages.create(model="claude-sonnet-4-5", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
                                      extra_body={"output_config": {"format": {"type": "regex"}}})
         assert "output_config.format.type" in bad.value.message
+
+
+REFUSAL = "I can't help with that."
+
+
+def refusing_completion() -> dict[str, Any]:
+    body = openai_completion("")
+    body["choices"][0]["message"] = {"role": "assistant", "content": None, "refusal": REFUSAL}
+    return body
+
+
+def refusing_stream() -> list[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        data = {"id": "chatcmpl-r", "object": "chat.completion.chunk", "created": 1700000000, "model": "gpt-4o-mini",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    return [chunk({"role": "assistant", "content": None, "refusal": ""}), chunk({"refusal": "I can't "}),
+            chunk({"refusal": "help with that."}), chunk({}, "stop"), b"data: [DONE]\n\n"]
+
+
+async def test_a_refusal_is_relayed_not_reasked(gateway_factory: GatewayFactory) -> None:
+    """A model's refusal (OpenAI's `refusal`, the Responses API's refusal part, Anthropic's `stop_reason:
+    refusal`) is what the SDKs surface as such and what a re-ask cannot change: it reaches the agent as
+    it came, once, streamed or not."""
+    h = await gateway_factory(agents={"default": {"output": {"retries": 2}}})
+    h.fake.queue(Reply(body=refusing_completion()), Reply(chunks=refusing_stream()),
+                 Reply(body={**response_body(""), "output": [{
+                     "type": "message", "id": "msg_r", "status": "completed", "role": "assistant",
+                     "content": [{"type": "refusal", "refusal": REFUSAL}]}]}),
+                 Reply(body={**anthropic_message(""), "content": [], "stop_reason": "refusal"}))
+    async with client(h.url, "refuse") as c:
+        result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)  # type: ignore[arg-type]
+        assert result.choices[0].message.refusal == REFUSAL
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF,  # type: ignore[arg-type]
+                                                 stream=True)
+        streamed = "".join([ch.choices[0].delta.refusal or "" async for ch in stream if ch.choices])
+        assert streamed == REFUSAL
+        response = await c.responses.create(model="gpt-4o-mini", input="2+2?", text={"format": {
+            "type": "json_schema", "name": "a", "schema": SCHEMA}})
+        assert response.output[0].content[0].refusal == REFUSAL  # type: ignore[union-attr]
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        message = await ac.messages.create(model="claude-sonnet-4-5", max_tokens=50, messages=MSG,  # type: ignore[arg-type]
+                                           extra_body={"output_config": {"format": {"type": "json_schema",
+                                                                                    "schema": SCHEMA}}})
+        assert message.stop_reason == "refusal"
+    assert len(h.fake.seen) == 4  # none re-asked
 
 
 async def test_invalid_tool_arguments_openai_and_anthropic(gateway_factory: GatewayFactory) -> None:

@@ -168,6 +168,13 @@ USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
         ({"choices": [{"message": {"tool_calls": [{}]}}]}, Answer(tool_calls=(ToolCall("", "", ""),))),
         ({"choices": None, "usage": None}, Answer()),
         ({}, Answer()),
+        # a refusal instead of content, in the first choice or another (whose text is then not judged)
+        (completion({"role": "assistant", "content": None, "refusal": "no"}),
+         Answer("chatcmpl-1", "gpt-4o", "", (), ("stop",), refused=True)),
+        (completion({"role": "assistant", "content": "{}"}, {"role": "assistant", "content": None, "refusal": "no"}),
+         Answer("chatcmpl-1", "gpt-4o", "{}", (), ("stop", "stop"))),
+        (completion({"role": "assistant", "content": "text", "refusal": "no"}),
+         Answer("chatcmpl-1", "gpt-4o", "text", (), ("stop",))),
     ],
 )
 def test_parse_answer(body: dict[str, Any], expected: Answer) -> None:

@@ -310,6 +310,12 @@ ANSWERS = [
 ]
 
 
+def test_a_message_of_only_a_refusal_is_a_refusal() -> None:
+    refusal = {**message_item("", "msg_r"), "content": [{"type": "refusal", "refusal": "no"}]}
+    assert ADAPTER.parse_answer(response(refusal)).refused
+    assert not ADAPTER.parse_answer(response(TWO_PARTS)).refused  # it holds text: an answer
+
+
 @pytest.mark.parametrize(("body", "text", "calls", "finish"), ANSWERS)
 def test_parse_answer(
     body: dict[str, Any], text: str, calls: tuple[ToolCall, ...], finish: tuple[str]
