@@ -13,20 +13,25 @@ Contracts:
   run expires `idle_ttl_s` after its last write (default: 30 days, never less than `ttl_s`; 0 = never).
   Every call writes, so a run in use never expires; an abandoned one does not stay forever.
 * Failure: any Redis error (refused, timed out, reset, OOM, ...) raises `StateUnavailable` (503
-  `state_unavailable`), never a silent allow. Connect timeout 1 s; a whole call, queueing for a
-  connection included, gives up after 2 s; no automatic retries (a retried reserve could reserve
-  twice). The pool reconnects on the next call once Redis is back. `open()` does not connect, so a
-  gateway can start while Redis is down.
+  `state_unavailable`), never a silent allow. Connect timeout 1 s; a whole call (queueing, reconnecting)
+  gives up after 2 s. A command written is never sent again (a retried reserve could reserve twice); a
+  connection Redis closed while idle is replaced before a command is written on it
+  (`gateway.store.redis_link`). `open()` does not connect: a gateway can start while Redis is down.
+* At first use the store warns once when Redis' settings could lose runs (`redis_link.warn_if_lossy`).
 * Side-effecting tool calls (`claim_write` and the rest) keep their claims and recorded results in two
   keys of their own per run (`gateway.store.redis_writes`), so the hot path's `get` never reads them.
-* A settle that failed is kept (bounded) and replayed before this store's next call (and when it
-  closes), also after errors of a Redis that cannot write for now (READONLY, NOREPLICAS, ...); a reserve
-  whose answer was lost is released at zero then (the step never went upstream): settle is idempotent,
-  so a replay that already happened is a no-op. Reservations of a process that died are never
-  released: they stay charged against the budget (as SQLite's crash recovery charges them) until the
-  run is reset or expires, or until their lease (`lease_s`, `state.reservation_lease_s`) runs out: a
-  reserve finds a reservation older than that and charges it in full (`logic.expire`), as SQLite's crash
-  recovery does, so a dead process never holds a budget forever.
+* A settle that failed is kept (bounded) and replayed by a background task (a growing pause between
+  rounds, at most `REPLAY_PAUSE_MAX_S`; it ends when nothing is left, `close` cancels it), before this
+  store's next call, and at `close`; also after errors of a Redis that cannot write for now (READONLY,
+  NOREPLICAS, ...). A reserve whose answer was lost is released at zero (the step never went upstream):
+  settle is idempotent, so a replay that already happened is a no-op. A release that finds nothing (its
+  reserve still on the wire) leaves a tombstone in `<prefix>released:<run_id>` for at least the lease,
+  and a reserve of a released id is refused: a late reserve never holds a budget.
+* A settle of a reservation this store granted whose run Redis lost meanwhile (FLUSHALL, a restart
+  without its data) charges its usage to the run created afresh, as `record_step` creates it.
+* Reservations of a process that died stay charged against the budget (as SQLite's crash recovery
+  charges them) until the run is reset or expires, or until their lease (`lease_s`,
+  `state.reservation_lease_s`) runs out: a reserve then charges them in full (`logic.expire`).
 """
 
 from __future__ import annotations
@@ -41,9 +46,7 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import orjson
-from redis.asyncio import ConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
@@ -62,12 +65,17 @@ from gateway.store.base import (
     RunState,
     WriteClaim,
 )
+from gateway.store.redis_link import Granted, fresh_pool, replay_ended, warn_if_lossy
 from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, scripts
 from gateway.store.writes import field
 
 T = TypeVar("T")
 MAX_UNSETTLED = 10_000  # settles kept for replay while Redis is away; beyond, the oldest stay reserved
 REPLAY_BATCH = 64
+REPLAY_PAUSE_S, REPLAY_PAUSE_MAX_S = 0.1, 5.0  # the background replay's pauses between rounds (doubling)
+# Linux retransmits what a closed socket had not delivered for ~925 s (tcp_retries2 = 15): a reserve
+# can land that late, so its tombstone lives at least that long (and at least the lease)
+TOMBSTONE_MIN_S = 930
 _IDLE_DEFAULT_S = 30 * 24 * 3600
 # `set_idle_swept`: the idle-run sweeps' mark only moves forward (replicas sweep at their own pace)
 _RAISE_MARK = """
@@ -92,6 +100,7 @@ class RedisRunStore:
     ) -> None:
         self._client = client
         self._lease = float(lease_s)
+        self._tombstone_s = max(int(lease_s), TOMBSTONE_MIN_S)
         self._deadline = deadline
         # FIFO admission to the pool's connections: redis-py's own blocking pool costs more per call and
         # lets a waiter starve past its timeout under a burst
@@ -107,6 +116,8 @@ class RedisRunStore:
         self._seq = 0
         # reservation id -> (run_id, settle arguments): settles to replay once Redis answers again
         self._unsettled: OrderedDict[str, tuple[str, list[Any]]] = OrderedDict()
+        self._replayer: asyncio.Task[None] | None = None  # replays `_unsettled` while it is not empty
+        self._checked = False  # Redis' durability settings read (once, at first use)
 
     @classmethod
     def open(
@@ -130,12 +141,11 @@ class RedisRunStore:
         if parts.port:
             where = f"{where}:{parts.port}"
         try:
-            pool = ConnectionPool.from_url(
+            pool = fresh_pool(
                 url,
                 max_connections=max_connections,
                 socket_connect_timeout=connect_timeout_s,
                 socket_timeout=op_timeout_s,
-                retry=Retry(NoBackoff(), 0),
             )
         except ValueError as exc:
             raise StateUnavailable(f"bad redis url for the run store ({where}): {exc}") from None
@@ -157,6 +167,8 @@ class RedisRunStore:
         A call cut off by the deadline has its connection dropped by redis-py (no misread replies)."""
         try:
             async with asyncio.timeout(self._deadline), self._slots:
+                if not self._checked:
+                    await self._check_durability()
                 return await fn()
         except TimeoutError:  # the builtin one, from asyncio.timeout (redis-py raises its own below)
             raise StateUnavailable(
@@ -167,10 +179,20 @@ class RedisRunStore:
                 f"run state store (redis at {self._where}) unavailable: {type(exc).__name__}: {exc}"
             ) from None
 
+    async def _check_durability(self) -> None:
+        """Once per store (`redis_link.warn_if_lossy`); a check cut short (Redis away) is made again at the
+        next call, and concurrent first calls check once."""
+        self._checked = True
+        try:
+            await warn_if_lossy(self._client, self._where)
+        except BaseException:
+            self._checked = False
+            raise
+
     def _keys(self, run_id: str) -> list[str]:
         """Every script's KEYS (`gateway.store.redis_scripts`): a run's writes expire with it."""
         return [self._key(run_id), self._index, self._steps_key(run_id), f"{self._prefix}writes:{run_id}",
-                f"{self._prefix}writeorder:{run_id}"]
+                f"{self._prefix}writeorder:{run_id}", f"{self._prefix}released:{run_id}"]
 
     async def _eval(self, name: str, run_id: str, agent: str, args: list[Any]) -> Any:
         script = self._scripts[name]
@@ -221,9 +243,14 @@ class RedisRunStore:
                     raise
             self._unsettled.pop(rid, None)
 
+    @property
+    def unsettled(self) -> int:
+        """How many settles wait for replay."""
+        return len(self._unsettled)
+
     async def replay_unsettled(self) -> int:
-        """Settle now what an outage left unsettled (`close` does, and a sidecar that goes idle would
-        otherwise never replay); how many are still unsettled. Never raises."""
+        """Settle now what an outage left unsettled (the background replay and `close` do); how many are
+        still unsettled. Raises nothing but bugs (StateUnavailable ends the attempt)."""
         try:
             while self._unsettled:
                 before = len(self._unsettled)
@@ -235,9 +262,28 @@ class RedisRunStore:
         return len(self._unsettled)
 
     def _keep_unsettled(self, run_id: str, rid: str, args: list[Any]) -> None:
+        """Keep a settle for replay and make sure the background replay runs (an idle gateway must not
+        hold a shared budget until the lease runs out)."""
         self._unsettled[rid] = (run_id, args)
         while len(self._unsettled) > MAX_UNSETTLED:
             self._unsettled.popitem(last=False)
+        if self._replayer is None or self._replayer.done():
+            self._replayer = asyncio.get_running_loop().create_task(self._replay_loop(), name="redis-replay")
+            self._replayer.add_done_callback(replay_ended)
+
+    async def _replay_loop(self) -> None:
+        """Replay until nothing is left: a round at once, then after each round Redis did not take all
+        of, a pause that doubles up to `REPLAY_PAUSE_MAX_S`. Ends when `_unsettled` is empty."""
+        pause = REPLAY_PAUSE_S
+        while await self.replay_unsettled():
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, REPLAY_PAUSE_MAX_S)
+
+    async def replayed(self) -> int:
+        """Wait for the background replay to end (nothing left, or `close`); how many are left."""
+        if self._replayer is not None:
+            await asyncio.wait({self._replayer})
+        return len(self._unsettled)
 
     # -- RunStore ------------------------------------------------------------------------------------
 
@@ -265,16 +311,21 @@ class RedisRunStore:
                 )
             )
         except StateUnavailable:
-            # the grant may have happened with its answer lost: release it at zero once Redis answers
-            self._keep_unsettled(run_id, rid, [None, rid, float(now), []])
+            # the grant may have happened with its answer lost, or its reserve may still land: release it
+            # at zero (a tombstone if nothing is there yet) as soon as Redis answers
+            self._keep_unsettled(run_id, rid, [None, rid, float(now), [], self._tombstone_s, None])
             raise
         if reply[0] == "deny":
             return Denial(reply[1], reply[2], held=len(reply) > 3 and reply[3] == "held")
         amounts = {reply[i]: float(reply[i + 1]) for i in range(3, len(reply), 2)}
-        return Reservation(rid, run_id, int(reply[1]), int(reply[2]), amounts)
+        return Granted(rid, run_id, int(reply[1]), int(reply[2]), amounts, agent)
 
     async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
-        args = [reservation.epoch, reservation.id, float(now), [[c, float(a)] for c, a in actual.items()]]
+        """`RunStore.settle`; a `Granted` reservation whose run Redis lost charges `actual` to the run
+        created afresh (`redis_ops._SETTLE`)."""
+        agent = reservation.agent if isinstance(reservation, Granted) else None
+        args = [reservation.epoch, reservation.id, float(now), [[c, float(a)] for c, a in actual.items()],
+                self._tombstone_s, agent]
         try:
             await self._call("settle", reservation.run_id, "", args)
         except StateUnavailable:
@@ -437,6 +488,10 @@ class RedisRunStore:
         await self._guard(partial(self._mark, keys=[f"{self._prefix}idle_swept"], args=[repr(float(upto))]))
 
     async def close(self) -> None:
+        """Stop the background replay, replay what is left once more, and close the pool."""
+        if self._replayer is not None:
+            self._replayer.cancel()
+            await asyncio.wait({self._replayer})
         left = await self.replay_unsettled()
         if left:
             log.warning("run store closing with %d settlement(s) Redis did not take: their reservations "

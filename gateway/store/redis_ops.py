@@ -8,8 +8,12 @@ from __future__ import annotations
 
 # A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...],
 #     clamp_units|null, expire_before|null].
-# Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail].
+# Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail]; an error when the
+# reservation id was released already (a reserve that landed after the release of its lost answer).
 _RESERVE = """
+if redis.call('ZSCORE', RELEASED, A[2]) then  -- one lookup of a key that rarely exists
+  return redis.error_reply('RELEASED reservation ' .. A[2] .. ' was released before its reserve arrived')
+end
 create()
 local now, rid, min_units, max_units, clamp = A[1], A[2], A[3], A[4], opt(A[6])
 local denied = stopped_denial()
@@ -124,14 +128,38 @@ touch()
 return cjson.encode(out)
 """
 
-# A: [epoch|null, reservation id, now, [[counter, amount], ...]]; a null epoch matches any (releasing a
-# reservation whose grant was never seen). Answers 1 when it settled, 0 when there was nothing to settle.
+# A: [epoch|null, reservation id, now, [[counter, amount], ...], tombstone seconds, agent|null]; a null
+# epoch matches any (releasing a reservation whose grant was never seen); an agent only when the settling
+# store granted the reservation itself. Answers 1 when it settled, 0 when there was nothing to settle.
 _SETTLE = """
-if redis.call('EXISTS', K) == 0 then return 0 end
-local epoch, rid, now = opt(A[1]), A[2], A[3]
+local epoch, rid, now, agent = opt(A[1]), A[2], A[3], opt(A[6])
+-- a release that finds nothing: its reserve may still be on the wire; bar it (reserve checks RELEASED)
+local function bury()
+  redis.call('ZADD', RELEASED, num(now), rid)
+  redis.call('ZREMRANGEBYSCORE', RELEASED, '-inf', '(' .. num(now - A[5]))
+  redis.call('EXPIRE', RELEASED, A[5])
+end
+if redis.call('EXISTS', K) == 0 then
+  if epoch == nil then bury(); return 0 end
+  if agent == nil then return 0 end  -- no run this store knows of: nothing to charge
+  -- the store granted it, so the run existed: Redis lost it (FLUSHALL, a restart without its data,
+  -- eviction) while the step was in flight. What the provider billed is charged to the run created as
+  -- record_step creates it, never dropped.
+  redis.call('HSET', K, 'run_id', RUN_ID, 'agent', agent, 'epoch', '1', 'status', 'active')
+  for _, pair in ipairs(A[4]) do
+    local field = 'u:' .. pair[1]
+    redis.call('HSET', K, field, num((getnum(field) or 0.0) + pair[2]))
+  end
+  redis.call('HSET', K, 'updated_at', num(now))
+  touch()
+  return 1
+end
 if epoch ~= nil and tonumber(redis.call('HGET', K, 'epoch')) ~= epoch then return 0 end
 local held = redis.call('HGET', K, 'o:' .. rid)
-if not held then return 0 end
+if not held then
+  if epoch == nil then bury() end
+  return 0
+end
 redis.call('HDEL', K, 'o:' .. rid)
 for counter, amount in pairs(cjson.decode(held)['amounts']) do
   local left = (getnum('r:' .. counter) or 0.0) - tonumber(amount)

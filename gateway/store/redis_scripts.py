@@ -20,8 +20,9 @@ Numbers leave Lua as `%.17g` text, never through `cjson.encode`, because Redis' 
 significant digits: `0.1 + 0.2` would come back as `0.3` and budgets would drift from the memory and
 SQLite backends. `%.17g` and `tonumber` (like cjson.decode's strtod) round-trip a double exactly.
 
-Calling convention: KEYS = [run key, index key, steps key, writes key, write order key] (the last two:
-`gateway.store.redis_writes`); ARGV = [run_id, agent, ttl_s, idle_ttl_s,
+Calling convention: KEYS = [run key, index key, steps key, writes key, write order key (these two:
+`gateway.store.redis_writes`), released key (a sorted set of reservation ids released before their
+reserve was seen, scored by release time: `_SETTLE` writes it, `_RESERVE` refuses its ids)]; ARGV = [run_id, agent, ttl_s, idle_ttl_s,
 payload], the payload one JSON array of the operation's arguments (`A` in the bodies, 1-based); a script
 answers with one JSON text (or an integer). One string each way instead of many: the pure-Python RESP
 parser costs more per element than the whole script costs in Redis.
@@ -45,7 +46,7 @@ from gateway.store.redis_writes import BODIES as WRITE_BODIES
 
 _PRELUDE = """
 local EPS = @EPS@
-local K, INDEX, STEPS = KEYS[1], KEYS[2], KEYS[3]
+local K, INDEX, STEPS, RELEASED = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 local RUN_ID, AGENT = ARGV[1], ARGV[2]
 local TTL, IDLE_TTL = tonumber(ARGV[3]), tonumber(ARGV[4])
 local A = cjson.decode(ARGV[5])

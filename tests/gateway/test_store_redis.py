@@ -399,8 +399,8 @@ async def test_redis_hung_times_out_then_recovers(own_redis: RedisServer) -> Non
 
 async def test_settles_lost_to_an_outage_are_replayed(tmp_path: Path) -> None:
     """A persistent Redis restarts with the run: the settle that failed while it was down is applied
-    before the next operation (real usage, not the reservation), and a reserve whose reply was lost is
-    released at zero."""
+    (real usage, not the reservation), and a reserve whose reply was lost is released at zero. (The
+    background replay may apply them at any moment once Redis is back: the next write waits for nothing.)"""
     server = start_server(tmp_path / "redis", "--appendonly", "yes", "--appendfsync", "always")
     store = RedisRunStore.open(server.url)
     try:
@@ -412,8 +412,6 @@ async def test_settles_lost_to_an_outage_are_replayed(tmp_path: Path) -> None:
         with pytest.raises(StateUnavailable):
             await store.reserve("r", "bot", CALL, NOW)
         server.start()
-        state = await store.get("r")  # reads do not replay
-        assert state is not None and list(state.open) == [first.id]
         await store.record_step("r", "bot", {"n": 1}, NOW)
         state = await store.get("r")
         assert state is not None and state.open == {} and state.reserved["usd"] == 0.0
