@@ -92,6 +92,7 @@ class FaultyLink:
         self.held: list[tuple[bytes, asyncio.StreamWriter]] = []
         self.replied = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []  # every socket it opened or accepted, closed at the end
 
     @property
     def url(self) -> str:
@@ -102,7 +103,9 @@ class FaultyLink:
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _serve(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        self.writers.append(cwriter)
         sreader, swriter = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers.append(swriter)
         swallow = {"on": False}
         holding = {"on": False}
 
@@ -161,6 +164,10 @@ class FaultyLink:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for writer in self.writers:  # a held socket too: no transport is left to the garbage collector
+            writer.close()
+        if self.server is not None:
+            await self.server.wait_closed()
 
 
 @pytest.fixture
