@@ -31,6 +31,9 @@ SERVICE = "mcp"
 DRAIN_AFTER_ANSWER_S = 0.2  # an SSE answer read on after its response (a server ends it at once), for its connection
 RESUME_DELAY_MS = 1000  # before resuming a stream whose server gave no `retry` (the MCP SDK's default)
 MAX_RESUMES = 3  # attempts in a row to resume a request's stream that bring no new event
+# the least pause before a resumption: a server polling with `retry: 0` (each stream a new priming event,
+# so each counts as progress) must not make tollgate reconnect in a tight loop
+MIN_RESUME_DELAY_MS = 100
 MAX_SCHEMAS = 4096
 Transform = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -246,8 +249,8 @@ async def _relay_events(
 
 
 async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
-    """The stream resumed after its last event (after the server's `retry` delay, at most the idle
-    timeout). Raises UpstreamUnavailable when it cannot be: no event id, or `MAX_RESUMES` attempts in a
+    """The stream resumed after its last event (after the server's `retry` delay, at least
+    `MIN_RESUME_DELAY_MS`, at most the idle timeout). Raises UpstreamUnavailable when it cannot be: no event id, or `MAX_RESUMES` attempts in a
     row that brought nothing new."""
     while True:
         if resumption.last_id is None:
@@ -258,7 +261,7 @@ async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
         resumption.failures += 1
         delay_ms = RESUME_DELAY_MS if resumption.retry_ms is None else resumption.retry_ms
         # capped before dividing: `retry` is any run of digits, too large for a float
-        await asyncio.sleep(min(delay_ms, int(mcp.server.timeouts.idle * 1000)) / 1000)
+        await asyncio.sleep(max(MIN_RESUME_DELAY_MS, min(delay_ms, int(mcp.server.timeouts.idle * 1000))) / 1000)
         upstream = await mcp.open("GET", None, resume_after=resumption.last_id)
         kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
         if upstream.status == 200 and kind == "text/event-stream":

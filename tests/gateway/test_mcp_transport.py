@@ -5,6 +5,7 @@ with a JSON-RPC error for the request."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.mcp_transport import MAX_RESUMES
+from gateway.mcp_transport import MAX_RESUMES, MIN_RESUME_DELAY_MS
 from tests.conftest import GatewayFactory, Harness
 from tests.gateway.test_mcp_calls import tool_rows
 from tests.gateway.test_mcp_probe import call, raw
@@ -35,6 +36,7 @@ class PollingServer:
         self.tools = tools or ["read_file", "write_note", "admin_reset"]
         self.pending: dict[str, dict[str, Any]] = {}  # event id -> the response it precedes
         self.gets: list[dict[str, str]] = []
+        self.times: list[float] = []  # when each GET arrived
         self.calls: list[str] = []
         self.url = ""
         self._server: TestServer | None = None
@@ -72,12 +74,16 @@ class PollingServer:
         if request.method == "GET":
             last = request.headers.get("Last-Event-ID", "")
             self.gets.append(dict(request.headers))
+            self.times.append(time.monotonic())
             if isinstance(self.resume, int):
                 return web.Response(status=self.resume)
             if self.resume == "empty":
                 return await self.stream(request)
             if self.resume == "prime":
                 return await self.stream(request, f"id: {last}\nretry: 1\ndata: \n\n".encode())
+            if self.resume == "poll" and len(self.gets) < 3:  # still running: a new priming event, no pause
+                self.pending[f"{last}+"] = self.pending.pop(last)
+                return await self.stream(request, f"id: {last}+\nretry: 0\ndata: \n\n".encode())
             message = self.pending.pop(last)
             return await self.stream(request, f"id: {last}-done\nevent: message\ndata: ".encode()
                                      + orjson.dumps(message) + b"\n\n")
@@ -203,3 +209,15 @@ async def test_a_server_error_answer_is_an_error_row_not_a_replay(gateway_factor
         assert [r["decision"] for r in await tool_rows(h)] == ["error"]
     finally:
         await server.close()
+
+
+async def test_a_server_polling_with_no_pause_is_resumed_at_a_bounded_pace(gateway_factory: GatewayFactory) -> None:
+    """Each stream brings a new priming event (progress) with `retry: 0`: tollgate still pauses
+    `MIN_RESUME_DELAY_MS` between resumptions instead of reconnecting in a tight loop."""
+    async with polling(resume="poll") as srv:
+        h = await gateway(gateway_factory, srv.url)
+        status, _, data = await raw(h, "POST", call("read_file", {"path": "a"}))
+        assert status == 200 and events(data)[0]["result"]["content"][0]["text"] == "ran read_file 1"
+        assert len(srv.gets) == 3
+        gaps = [b - a for a, b in zip(srv.times, srv.times[1:], strict=False)]
+        assert min(gaps) >= MIN_RESUME_DELAY_MS / 1000 * 0.9, gaps
