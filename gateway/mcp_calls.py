@@ -197,7 +197,7 @@ async def _conclude(
     await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
                         outcome=step.response if step else None, refused=refused, stop=stop,
                         started_wall=started_wall, approved_by=step.approved_by if step else None,
-                        failure=failure, replayed=step is not None and step.replayed)
+                        failure=failure, replayed=step is not None and step.replayed, status=status)
 
 
 def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
@@ -413,7 +413,7 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
 
     response = await relay(mcp, upstream, message.id, judge)
     if step.response is None and upstream.status < 300:  # relay ended the stream with an error for the call
-        step.lost = UpstreamUnavailable("the MCP server's stream ended without a response to the call")
+        step.lost = mcp.lost or UpstreamUnavailable("the MCP server's stream ended without a response to the call")
     return response
 
 

@@ -70,6 +70,7 @@ class McpRequest:
     server: McpServer
     policy: ToolPolicy
     headers: dict[str, str]
+    lost: GatewayError | None = None  # why `relay` ended a started answer without the response (`relay`)
 
     def allowed(self, tool: str) -> bool:
         return self.policy.allowed(mcp_tool_name(self.server_name, tool))
@@ -171,9 +172,11 @@ async def relay(
             await _end(out)
         return out
     except (GatewayError, ValueError) as exc:  # ValueError: an SSE event over the size limit
+        failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
         if out is None:
-            raise exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc)) from None
-        return out  # the status line is gone; ending the stream is the only signal left
+            raise failure from None
+        mcp.lost = failure  # the status line is gone: the stream's end (and its error event) is the signal
+        return out
     finally:
         upstream.release()
 

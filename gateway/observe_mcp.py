@@ -40,8 +40,9 @@ async def record_tool_step(
     """The step as the admin API lists it under the run (the keys of a model call's step, plus
     `refusal`: the code of a refusal that did not stop the run, such as `approval_denied`, and `error`:
     why nobody got the answer, `client_disconnected` or `shutting_down`; decision `error` when the call
-    ended so without a decision)."""
-    decision = "stop" if stop else "refuse" if refused is not None else "error" if failure else "allow"
+    ended so without a decision, or with the server's own error status relayed)."""
+    decision = ("stop" if stop else "refuse" if refused is not None else
+                "error" if failure or status >= 400 else "allow")
     step = {
         "at": time.time(), "operation": "execute_tool", "model": mcp.server_name, "provider": "mcp",
         "stream": False, "status": status, "decision": decision, "stop_reason": stop,
@@ -144,6 +145,7 @@ async def end_tool_span(
     approved_by: str | None = None,
     failure: str | None = None,
     replayed: bool = False,
+    status: int = 200,
 ) -> None:
     """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
     replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
@@ -181,6 +183,8 @@ async def end_tool_span(
         span.error(refused.code, refused.redacted, upstream=upstream)
     if failure is not None:
         span.error(failure, None, upstream=False)  # the server's answer, if any, still measures as it was
+    elif status >= 400 and not stop and refused is None and outcome is None and not replayed:
+        span.error(str(status), None, upstream=True)  # the server's error answer, relayed as it came
     answer, rpc_code = _answer(outcome, message)
     if rpc_code is not None:
         span.error(rpc_code, None, upstream=True)

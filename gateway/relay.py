@@ -121,6 +121,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     try:
         if failure is not None:
             step.error_type = failure.code
+            _record_violation(step, checkers, failure)
             await out.write(adapter.error_event(failure))
         else:
             try:
@@ -160,6 +161,17 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     except ConnectionResetError:
         step.error_type = "client_disconnected"
     return out
+
+
+def _record_violation(step: Step, checkers: Sequence[IncrementalChecker], failure: GatewayError) -> None:
+    """A stream ended for breaking a text constraint counts as a failed output check (the metric and the
+    span's violations), as a non-streamed answer's verdict does."""
+    if not isinstance(failure, OutputNonconforming) or step.outputs is None:
+        return
+    for kind, checker in zip(step.outputs.kinds, checkers, strict=False):
+        if checker.violation is not None:
+            step.violations.append(f"{kind}: {checker.violation.redacted}")
+            return
 
 
 def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
