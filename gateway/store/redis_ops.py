@@ -7,7 +7,7 @@ calling convention it documents): `A` is the decoded JSON array of the operation
 from __future__ import annotations
 
 # A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...],
-#     clamp_units|null, expire_before|null].
+#     clamp_units|null, expire_before|null, tombstone seconds].
 # Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail]; an error when the
 # reservation id was released already (a reserve that landed after the release of its lost answer).
 _RESERVE = """
@@ -28,6 +28,9 @@ if before ~= nil then  -- logic.expire: a reservation older than its lease is ch
       if tonumber(held['at']) < before then
         expired = true
         redis.call('HDEL', K, field)
+        -- charged in full now: its step's late settle finds it settled (`_SETTLE`)
+        redis.call('ZADD', RELEASED, num(now), string.sub(field, 3))
+        redis.call('EXPIRE', RELEASED, A[8])
         local charged = {}  -- logic.charged
         for counter, amount in pairs(held['amounts']) do
           local left = (getnum('r:' .. counter) or 0.0) - tonumber(amount)
@@ -131,33 +134,50 @@ return cjson.encode(out)
 # A: [epoch|null, reservation id, now, [[counter, amount], ...], tombstone seconds, agent|null]; a null
 # epoch matches any (releasing a reservation whose grant was never seen); an agent only when the settling
 # store granted the reservation itself. Answers 1 when it settled, 0 when there was nothing to settle.
+# Every id settled, released or expired is kept in RELEASED for the tombstone's seconds: a replayed
+# settle (its reply was lost) finds it and charges nothing again, and a reserve of it is refused.
 _SETTLE = """
 local epoch, rid, now, agent = opt(A[1]), A[2], A[3], opt(A[6])
--- a release that finds nothing: its reserve may still be on the wire; bar it (reserve checks RELEASED)
 local function bury()
   redis.call('ZADD', RELEASED, num(now), rid)
   redis.call('ZREMRANGEBYSCORE', RELEASED, '-inf', '(' .. num(now - A[5]))
   redis.call('EXPIRE', RELEASED, A[5])
 end
-if redis.call('EXISTS', K) == 0 then
-  if epoch == nil then bury(); return 0 end
-  if agent == nil then return 0 end  -- no run this store knows of: nothing to charge
-  -- the store granted it, so the run existed: Redis lost it (FLUSHALL, a restart without its data,
-  -- eviction) while the step was in flight. What the provider billed is charged to the run created as
-  -- record_step creates it, never dropped.
-  redis.call('HSET', K, 'run_id', RUN_ID, 'agent', agent, 'epoch', '1', 'status', 'active')
+local function charge()
   for _, pair in ipairs(A[4]) do
     local field = 'u:' .. pair[1]
     redis.call('HSET', K, field, num((getnum(field) or 0.0) + pair[2]))
   end
   redis.call('HSET', K, 'updated_at', num(now))
   touch()
+  bury()
   return 1
 end
-if epoch ~= nil and tonumber(redis.call('HGET', K, 'epoch')) ~= epoch then return 0 end
+-- the store granted it, so the run held it: a run without it that never settled it was lost by Redis
+-- (FLUSHALL, a restart without its data, eviction) while the step was in flight, and maybe created
+-- afresh since. What the provider billed is charged to the run as it is now, never dropped.
+local function charge_lost()
+  if redis.call('ZSCORE', RELEASED, rid) then return 0 end  -- settled already: its reply was lost
+  if redis.call('EXISTS', K) == 0 then
+    redis.call('HSET', K, 'run_id', RUN_ID, 'agent', agent, 'epoch', '1', 'status', 'active')
+  end
+  return charge()
+end
+if redis.call('EXISTS', K) == 0 then
+  if epoch == nil then bury(); return 0 end  -- a release that finds nothing: its reserve may still land
+  if agent == nil then return 0 end  -- no run this store knows of: nothing to charge
+  return charge_lost()
+end
+local run_epoch = tonumber(redis.call('HGET', K, 'epoch'))
+if epoch ~= nil and run_epoch ~= epoch then
+  -- a reset moved the epoch on (the steps in flight then are not charged); a lower one is a run afresh
+  if agent ~= nil and run_epoch < epoch then return charge_lost() end
+  return 0
+end
 local held = redis.call('HGET', K, 'o:' .. rid)
 if not held then
-  if epoch == nil then bury() end
+  if epoch == nil then bury(); return 0 end
+  if agent ~= nil then return charge_lost() end
   return 0
 end
 redis.call('HDEL', K, 'o:' .. rid)
@@ -175,13 +195,7 @@ if not open then  -- logic.settle: nothing in flight holds anything
     if string.sub(field, 1, 2) == 'r:' then redis.call('HSET', K, field, num(0.0)) end
   end
 end
-for _, pair in ipairs(A[4]) do
-  local field = 'u:' .. pair[1]
-  redis.call('HSET', K, field, num((getnum(field) or 0.0) + pair[2]))
-end
-redis.call('HSET', K, 'updated_at', num(now))
-touch()
-return 1
+return charge()
 """
 
 # A: [counter, amount, limit|null, code, now]. Answers ["ok"] or ["deny", reason, detail].

@@ -276,6 +276,31 @@ async def warnings_of(url: str, caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "gateway.store.redis"]
 
 
+async def test_a_settle_is_charged_once_whatever_came_first(redis_server: RedisServer, raw: Redis) -> None:  # noqa: F811
+    """Every settled, released or expired id is remembered: a settle replayed after its reply was lost,
+    or one arriving after its lease charged the reservation in full, charges nothing again, also when
+    Redis lost the run meanwhile (the run is only charged afresh for steps that never settled)."""
+    store = fresh(redis_server.url, lease_s=60)
+    try:
+        done = await grant(store)
+        await store.settle(done, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 1)
+        await store.settle(done, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 2)  # a replay: nothing again
+        old = await grant(store)
+        late = await store.reserve("r", "bot", CALL, NOW + 100)  # past old's lease: old charged in full
+        assert isinstance(late, Reservation)
+        await store.settle(old, {"usd": 0.0001, "llm_calls": 1.0}, NOW + 101)  # its own settle, too late
+        held = (await store.get("r")).used  # type: ignore[union-attr]
+        await raw.delete(store._key("r"))  # Redis loses the run
+        await store.settle(done, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 102)  # settled before: nothing
+        await store.settle(late, {"usd": 0.0002, "llm_calls": 1.0}, NOW + 103)  # in flight: charged afresh
+        state = await store.get("r")
+        assert state is not None
+        assert held["usd"] == pytest.approx(0.0005 + CALL.claims[0].fixed + 250 * CALL.claims[0].per_unit)
+        assert state.used == pytest.approx({"usd": 0.0002, "llm_calls": 1.0})
+    finally:
+        await store.close()
+
+
 async def test_the_warning_names_what_would_lose_runs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cases: list[tuple[tuple[str, ...], str | None]] = [
         (("--appendonly", "yes", "--appendfsync", "everysec"), None),
