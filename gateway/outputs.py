@@ -221,27 +221,34 @@ def unfinished(answer: Answer) -> bool:
     return any(reason in PAUSED for reason in answer.finish_reasons)
 
 
+def refused(answer: Answer) -> bool:
+    """The model refused instead of answering (OpenAI's `refusal` without content, Anthropic's
+    `stop_reason: refusal`): the SDKs surface it as such and a re-ask cannot change it (Anthropic: the
+    refused turn must be removed before the conversation goes on). For several choices, the first's."""
+    return answer.refused or "refusal" in answer.finish_reasons
+
+
 def held_to_text(answer: Answer) -> bool:
-    """Whether the answer's text is held to the text constraints: not a paused turn, nor a refusal
-    (OpenAI's `refusal`, Anthropic's `stop_reason: refusal`), which the SDKs surface as such and which a
-    re-ask cannot change (Anthropic: the refused turn must be removed before the conversation goes on)."""
-    return not (answer.refused or "refusal" in answer.finish_reasons or unfinished(answer))
+    """Whether the (first choice's) text is held to the text constraints: not a paused turn, nor a
+    refusal."""
+    return not (refused(answer) or unfinished(answer))
 
 
 def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
     """The first violation of the answer: tool arguments against their declared schemas, then text
-    against every constraint. An answer that only calls tools, a paused turn or a refusal (`held_to_text`), is not
-    held to the text constraints."""
+    against every constraint. An answer that only calls tools, or a paused turn (`unfinished`), is not
+    held to the text constraints; a refusal (`refused`) is not, but the other choices still are."""
     verdict = judge_tool_arguments(call, answer)
     if verdict is not None:
         return verdict
-    if plan is None or not held_to_text(answer):
+    if plan is None or unfinished(answer):
         return None
     # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
     # only calls tools (no text, with calls in the answer) is not held to the text constraints
     prefill = "" if answer.after_provider_tool else call.prefill
     first = prefill + answer.text if answer.text or not answer.tool_calls else ""
-    for text in [t for t in (first, *answer.other_texts) if t or not answer.tool_calls]:
+    texts = answer.other_texts if refused(answer) else (first, *answer.other_texts)
+    for text in [t for t in texts if t or not answer.tool_calls]:
         for constraint in plan.constraints:
             violation = constraint.validate(text)
             if violation is not None:

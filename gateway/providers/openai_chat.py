@@ -424,9 +424,11 @@ class OpenAIStreamReader:
             tool_calls=calls,
             finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
             usage=self._usage,
-            other_texts=tuple("".join(parts) for i, parts in sorted(self._others.items()) if i not in self._refusing),
+            # a choice that refused without content has no text to judge; one with content is an answer
+            other_texts=tuple("".join(parts) for i, parts in sorted(self._others.items())
+                              if i not in self._refusing or "".join(parts)),
             service_tier=self._tier,
-            refused=self._refused,
+            refused=self._refused and not "".join(self._text),
         )
 
 

@@ -305,11 +305,9 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         kind = item_type(item)
         if kind == "message":
             if item.get("phase") != "commentary":  # what the model says before its calls: not the answer
-                text = _message_text(item)
-                texts.append(text)
+                texts.append(_message_text(item))
                 parts = item.get("content")
-                # a refusal instead of an answer (a message holding text as well is an answer)
-                refused = refused or (not text and isinstance(parts, list) and any(
+                refused = refused or (isinstance(parts, list) and any(
                     isinstance(p, Mapping) and p.get("type") == "refusal" for p in parts))
         elif kind == "reasoning":
             if isinstance(item.get("id"), str):
@@ -334,7 +332,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         hosted_calls=hosted,
         service_tier=service_tier(body),  # a stream's final event carries the whole response, its tier too
         reasoning=tuple(reasoning),
-        refused=refused,
+        refused=refused and not "".join(texts),  # a refusal instead of an answer: no text beside it
     )
 
 
