@@ -89,7 +89,7 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
         upstream = await mcp.open("POST", exact_json.dumps(message.body))
         if message.method == "tools/list" and message.is_request:
             return await relay(mcp, upstream, message.id, _list_filter(mcp))
-        return await relay(mcp, upstream, None, None)
+        return await relay(mcp, upstream, message.id if message.is_request else None, None)
     except GatewayError as exc:
         return _error(exc, message.id, mcp.headers)
 

@@ -163,7 +163,8 @@ async def relay(
         headers = answer_headers(upstream.headers, mcp.headers)
         out = web.StreamResponse(status=upstream.status, headers=headers)
         client = await _prepare(out, mcp.request)
-        if judged and kind == "text/event-stream":
+        # a request's stream is followed to its response (and resumed) even when nothing in it is judged
+        if kind == "text/event-stream" and upstream.status < 300 and (judged or rpc_id is not None):
             await _relay_events(mcp, upstream, out, rpc_id, transform, client)
         elif client:
             async for chunk in upstream.chunks():
@@ -278,18 +279,23 @@ async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
 async def _event(
     raw: bytes, data: str, rpc_id: RequestId | None, transform: Transform | None, depth: int
 ) -> tuple[bytes, bool]:
-    """The event to relay, and whether it was the response to `rpc_id` (never for a GET stream)."""
-    if transform is None or not data:
+    """The event to relay, and whether it was the response to `rpc_id` (never for a GET stream). Without
+    `transform` nothing is judged: the response is only recognised, so its stream can be resumed."""
+    if not data or (transform is None and rpc_id is None):
         return raw, False
     try:
         message = exact_json.loads(data.encode())
     except orjson.JSONDecodeError:  # what a client might still read must not pass unjudged
+        if transform is None:
+            return raw, False
         raise UpstreamUnavailable("the MCP server sent an event whose data is not JSON") from None
     if not _is_response(message, rpc_id):
         if rpc_id is not None and _is_response(message, None):
             # SDK clients take any response on a request's stream as its answer (they rewrite its id)
             raise UpstreamUnavailable("the MCP server sent a response to another request on this request's stream")
         return raw, False
+    if transform is None:
+        return raw, True
     _check_depth(message, depth)
     changed = await transform(message)
     return (raw if changed is message else replace_event_data(raw, exact_json.dumps(changed))), rpc_id is not None
