@@ -225,7 +225,7 @@ def refused(answer: Answer) -> bool:
     """The model refused instead of answering (OpenAI's `refusal` without content, Anthropic's
     `stop_reason: refusal`): the SDKs surface it as such and a re-ask cannot change it (Anthropic: the
     refused turn must be removed before the conversation goes on). For several choices, the first's."""
-    return answer.refused or "refusal" in answer.finish_reasons
+    return answer.refused or answer.finish_reasons[:1] == ("refusal",)
 
 
 def held_to_text(answer: Answer) -> bool:

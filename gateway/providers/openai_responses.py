@@ -308,7 +308,8 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
                 texts.append(_message_text(item))
                 parts = item.get("content")
                 refused = refused or (isinstance(parts, list) and any(
-                    isinstance(p, Mapping) and p.get("type") == "refusal" for p in parts))
+                    isinstance(p, Mapping) and p.get("type") == "refusal" and isinstance(p.get("refusal"), str)
+                    and p["refusal"] for p in parts))
         elif kind == "reasoning":
             if isinstance(item.get("id"), str):
                 reasoning.append(item["id"])
@@ -462,5 +463,7 @@ class ResponsesStreamReader:
         if final is None:
             return Answer(text="".join(self._text), tool_calls=streamed, hosted_calls=self._hosted)
         extra = tuple(call for call in streamed if call not in final.tool_calls)
-        return replace(final, text=final.text or "".join(self._text), tool_calls=final.tool_calls + extra,
-                       hosted_calls=max(final.hosted_calls, self._hosted))
+        text = final.text or "".join(self._text)
+        # a final response showing only a refusal after text streamed: the text is the answer, judged
+        return replace(final, text=text, tool_calls=final.tool_calls + extra,
+                       hosted_calls=max(final.hosted_calls, self._hosted), refused=final.refused and not text)

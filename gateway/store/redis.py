@@ -65,7 +65,7 @@ from gateway.store.base import (
     RunState,
     WriteClaim,
 )
-from gateway.store.redis_link import Granted, fresh_pool, replay_ended, warn_if_lossy
+from gateway.store.redis_link import Granted, fresh_pool, lost_run_agent, replay_ended, warn_if_lossy
 from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, scripts
 from gateway.store.writes import field
 
@@ -318,12 +318,12 @@ class RedisRunStore:
         if reply[0] == "deny":
             return Denial(reply[1], reply[2], held=len(reply) > 3 and reply[3] == "held")
         amounts = {reply[i]: float(reply[i + 1]) for i in range(3, len(reply), 2)}
-        return Granted(rid, run_id, int(reply[1]), int(reply[2]), amounts, agent)
+        return Granted(rid, run_id, int(reply[1]), int(reply[2]), amounts, agent, float(now))
 
     async def settle(self, reservation: Reservation, actual: Mapping[str, float], now: float) -> None:
         """`RunStore.settle`; a `Granted` reservation whose run Redis lost charges `actual` to the run
         created afresh (`redis_ops._SETTLE`)."""
-        agent = reservation.agent if isinstance(reservation, Granted) else None
+        agent = lost_run_agent(reservation, now, self._lease)
         args = [reservation.epoch, reservation.id, float(now), [[c, float(a)] for c, a in actual.items()],
                 self._tombstone_s, agent]
         try:

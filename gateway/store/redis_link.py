@@ -46,9 +46,19 @@ log = logging.getLogger("gateway.store.redis")  # the store's own logger: one pl
 
 @dataclass(frozen=True, slots=True)
 class Granted(Reservation):
-    """A reservation the Redis store granted, with the agent it was granted to."""
+    """A reservation the Redis store granted, with the agent it was granted to and when."""
 
     agent: str = ""
+    at: float = 0.0
+
+
+def lost_run_agent(reservation: Reservation, now: float, lease_s: float) -> str | None:
+    """The agent a settle of `reservation` charges a run Redis lost to (`redis_ops._SETTLE`): only a
+    reservation this store granted within its lease (an older one may have been charged in full by a
+    reserve, `logic.expire`: its settle never charges again)."""
+    if isinstance(reservation, Granted) and now - reservation.at < lease_s:
+        return reservation.agent
+    return None
 
 
 def replay_ended(task: asyncio.Task[None]) -> None:
