@@ -9,9 +9,14 @@ flows working through tollgate."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import langchain_anthropic._client_utils as anthropic_clients
+import langchain_anthropic.chat_models
+import langchain_openai.chat_models._client_utils as openai_clients
+import langchain_openai.chat_models.base
 import openai
 import pytest
 from langchain.agents import create_agent
@@ -62,11 +67,46 @@ def an(h: Harness, run: str, **kw: Any) -> ChatAnthropic:
                          default_headers={"x-tollgate-run-id": run}, **kw)
 
 
+OPENED: list[Any] = []  # the httpx clients this module's models used
+
+
 def counting(paths: list[str]) -> httpx.AsyncClient:
     """An httpx client for ChatOpenAI that records every request the SDK sends (retries included)."""
     async def hook(request: httpx.Request) -> None:
         paths.append(request.url.path)
-    return httpx.AsyncClient(event_hooks={"request": [hook]})
+    client = httpx.AsyncClient(event_hooks={"request": [hook]})
+    OPENED.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+async def closed_clients(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """LangChain caches one default httpx client per base URL for the life of the process (each test's
+    gateway has its own port) and never closes it: its sockets would be left to the garbage collector,
+    an unraisable ResourceWarning in some later test. Each test's models get clients closed after it."""
+    def tracked(build: Callable[..., Any]) -> Callable[..., Any]:
+        def make(*args: Any, **kwargs: Any) -> Any:
+            client = build(*args, **kwargs)  # not the cached one: one per model, closed below
+            OPENED.append(client)
+            return client
+        return make
+
+    builders = {  # what each package's default-client function builds, past its cache
+        langchain_openai.chat_models.base: (openai_clients._build_sync_httpx_client,
+                                             openai_clients._build_async_httpx_client),
+        langchain_anthropic.chat_models: (anthropic_clients._get_default_httpx_client.__wrapped__,
+                                          anthropic_clients._get_default_async_httpx_client.__wrapped__),
+    }
+    for module, (sync, async_) in builders.items():
+        monkeypatch.setattr(module, "_get_default_httpx_client", tracked(sync))
+        monkeypatch.setattr(module, "_get_default_async_httpx_client", tracked(async_))
+    yield
+    while OPENED:
+        client = OPENED.pop()
+        if hasattr(client, "aclose"):  # httpx's or httpx2's (the anthropic SDK's), async or not
+            await client.aclose()
+        else:
+            client.close()
 
 
 def chat_turn(i: int, text: str = "", calls: list[dict[str, Any]] | None = None,
