@@ -135,8 +135,13 @@ class RunningServer:
 def start(*, page_size: int | None = None, slow_s: float = 0.0, json_response: bool = False) -> RunningServer:
     """Start the server in a thread; `stop()` it when done."""
     notes: list[str] = []
-    seen = Seen()
     app = build_server(notes, page_size=page_size, slow_s=slow_s).streamable_http_app(json_response=json_response)
+    return serve(app, notes)
+
+
+def serve(app: Asgi, notes: list[str]) -> RunningServer:
+    """Serve an MCP server's ASGI app under uvicorn in a thread of its own, recording what it receives."""
+    seen = Seen()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -8,23 +8,19 @@ server do (`ctx.close_sse_stream()`), so the SDK client resumes with `Last-Event
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx2
 import pytest
-import uvicorn
 from mcp import Client, MCPError
+from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http import EventCallback, EventMessage, EventStore
-from mcp.client.streamable_http import streamable_http_client
 
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.mcp_server import RunningServer, Seen, _Recorder
+from tests.fakes.mcp_server import RunningServer, serve
 
 # progress is deprecated as of 2026-07-28, still the handshake era's own
 pytestmark = pytest.mark.filterwarnings("ignore::mcp.shared.exceptions.MCPDeprecationWarning")
@@ -83,20 +79,8 @@ def build() -> MCPServer:
 
 
 def start(json_response: bool = False) -> RunningServer:
-    seen = Seen()
     app = build().streamable_http_app(json_response=json_response, event_store=MemoryEvents(), retry_interval=50)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_Recorder(app, seen), log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("MCP test server did not start")
-        time.sleep(0.01)
-    return RunningServer(f"http://127.0.0.1:{port}/mcp", seen, [], server, thread, sock)
+    return serve(app, [])
 
 
 @pytest.fixture
