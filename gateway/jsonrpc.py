@@ -13,7 +13,7 @@ import base64
 import binascii
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -214,6 +214,39 @@ def result_content(result: Mapping[str, Any]) -> tuple[str, bool]:
 def is_final_result(result: Mapping[str, Any]) -> bool:
     """False for SEP-2322 `input_required` results: the client retries the call with more input."""
     return bool(result.get("resultType", "complete") == "complete")
+
+
+# MCP tasks: a `tools/call` answered with a task handle runs the tool, and its result comes later through
+# `tasks/*` requests, which tollgate could not judge (no-progress, recorded writes) nor scope to an agent.
+# So no task is ever created through tollgate: a 2025-11-25 `params.task` is refused, the 2026-07-28
+# extension (SEP-2663) is taken off the call's declared capabilities, and `tasks/*` requests are refused.
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+
+
+def untasked(message: Message) -> Message:
+    """The `tools/call` refused when it asks for a task (2025-11-25 `params.task`; BadMessage), or without
+    the tasks extension among its declared capabilities (SEP-2663): the server then runs it plainly."""
+    if message.params.get("task") is not None:
+        raise BadMessage("task-augmented tool calls are not relayed (their results would reach the agent "
+                         'unjudged): call the tool without "task"')
+    meta = message.params.get("_meta")
+    caps = meta.get(CLIENT_CAPABILITIES) if isinstance(meta, dict) else None
+    extensions = caps.get("extensions") if isinstance(caps, dict) else None
+    if not isinstance(extensions, dict) or TASKS_EXTENSION not in extensions:
+        return message
+    assert isinstance(meta, dict) and isinstance(caps, dict)
+    kept = {k: v for k, v in extensions.items() if k != TASKS_EXTENSION}
+    params = {**message.params, "_meta": {**meta, CLIENT_CAPABILITIES: {**caps, "extensions": kept}}}
+    return replace(message, body={**message.body, "params": params}, params=params)
+
+
+TASK_ANSWER = "the MCP server answered with a task, whose result tollgate could not judge; the tool may be running"
+
+
+def is_task_handle(result: Mapping[str, Any]) -> bool:
+    """A `tools/call` answered with a task (SEP-2663 `resultType: task`, 2025-11-25 `{"task": {...}}`)."""
+    return result.get("resultType") == "task" or isinstance(result.get("task"), Mapping)
 
 
 # -- SSE -----------------------------------------------------------------------------------------------

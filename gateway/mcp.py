@@ -30,6 +30,7 @@ from gateway.jsonrpc import (
     filter_tools,
     gateway_error,
     parse_message,
+    untasked,
 )
 from gateway.mcp_calls import call_tool
 from gateway.mcp_transport import McpRequest, Transform, relay, state_of
@@ -85,7 +86,10 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
         if message.method == "tools/call":
             if not message.is_request:
                 raise BadMessage("tools/call must be a request (with an id), not a notification")
-            return await call_tool(mcp, message, len(raw))
+            return await call_tool(mcp, untasked(message), len(raw))
+        if (message.method or "").startswith("tasks/"):  # no task is created through tollgate (`untasked`)
+            raise BadMessage(f"{message.method} is not relayed: tollgate runs no MCP tasks (their results "
+                             "would reach the agent unjudged)")
         upstream = await mcp.open("POST", exact_json.dumps(message.body))
         if message.method == "tools/list" and message.is_request:
             return await relay(mcp, upstream, message.id, _list_filter(mcp))

@@ -20,12 +20,7 @@ In order, none of which contacts the server until the last:
 MCP calls cost no tokens: nothing is reserved.
 
 A call is recorded (run view, span, ledger row) however it ends, also when its client goes away or the
-shutdown cuts it: it runs in a task of its own (`gateway.mcp_flights`). Cut before it reached the
-server, it did not run: a parked call's approval is denied (`approval_denied`), and a counted call
-carries its count to an identical retry. A sent `write`/`dangerous` call is not cut when its client
-leaves: it runs on to its answer, which is judged and recorded, so the retry gets it. Cut once sent
-(another tier, or at shutdown), it is `client_disconnected` / `shutting_down`; a write cut so may have
-run and is never run again (a repeat is refused `duplicate_tool_call`).
+shutdown cuts it (it runs in a task of its own, `gateway.mcp_flights`): see the README's MCP section.
 """
 
 from __future__ import annotations
@@ -59,6 +54,7 @@ from gateway.http1_wire import Sending
 from gateway.idempotency import Key, Outcome, WriteLease, lease_for
 from gateway.jsonrpc import (
     IDEMPOTENCY_META_KEY,
+    TASK_ANSWER,
     UPSTREAM_FAILED,
     BadArguments,
     BadMessage,
@@ -66,6 +62,7 @@ from gateway.jsonrpc import (
     error_message,
     gateway_error,
     is_final_result,
+    is_task_handle,
     replayed,
     result_content,
 )
@@ -384,6 +381,9 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         step.flight.recording = True  # the answer is in hand: judging and recording it is not cut
         step.outcome = step.response = response
         result = response.get("result")
+        if isinstance(result, dict) and is_task_handle(result):  # asked for none (`untasked`): it may be running
+            step.unknown, step.lost = True, UpstreamUnavailable(TASK_ANSWER)
+            return gateway_error(message.id, step.lost)[1]
         if isinstance(result, dict) and not is_final_result(result):
             step.not_run = True
             await _carry(step)  # SEP-2322 input_required: nothing ran yet, the retry with input is this call

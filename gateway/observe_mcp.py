@@ -20,6 +20,7 @@ from opentelemetry.context import Context
 from gateway import exact_json
 from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
 from gateway.errors import GatewayError
+from gateway.jsonrpc import is_final_result
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, end_run, telemetry_of
 from gateway.store.base import RunState
@@ -225,6 +226,8 @@ def _tool_decision(
     if refused is not None:
         return {"approval_denied": "denied", "approval_timeout": "denied"}.get(refused.code, "refused")
     if outcome is not None:
-        return "executed"
+        result = outcome.get("result")
+        # SEP-2322: the server asked for more input; nothing ran (the retry with it is the execution)
+        return "input_required" if isinstance(result, Mapping) and not is_final_result(result) else "executed"
     # nothing judged: a recorded result given again, else the server answered no JSON-RPC response (a 5xx)
     return "replayed" if replayed and failure is None else "error"

@@ -29,7 +29,9 @@ from gateway.jsonrpc import (
     parse_message,
     replace_event_data,
     replayed,
+    is_task_handle,
     result_content,
+    untasked,
     without_resumption,
 )
 
@@ -201,3 +203,25 @@ async def test_result_cache_shares_one_execution_and_bounds_memory() -> None:
     leader, failed = cache.begin(("r", 1, "f"))
     cache.finish(("r", 1, "f"), {"error": {}}, record=False)
     assert await failed == {"error": {}} and cache.recorded(("r", 1, "f")) is None
+
+
+def test_untasked_refuses_a_task_and_drops_the_tasks_extension() -> None:
+    caps = "io.modelcontextprotocol/clientCapabilities"
+    plain = parse_message(b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t"}}', 8)
+    assert untasked(plain) is plain
+    with pytest.raises(BadMessage):
+        untasked(parse_message(b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t","task":{}}}', 8))
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "t", "_meta": {
+        "k": 1, caps: {"roots": {}, "extensions": {"io.modelcontextprotocol/tasks": {}, "x/y": {}}}}}}
+    kept = untasked(parse_message(orjson.dumps(body), 8))
+    assert kept.params["_meta"] == {"k": 1, caps: {"roots": {}, "extensions": {"x/y": {}}}}
+    assert kept.body["params"] is kept.params and kept.params["name"] == "t"
+
+
+@pytest.mark.parametrize(
+    ("result", "task"),
+    [({"resultType": "task", "taskId": "t"}, True), ({"task": {"taskId": "t"}}, True),
+     ({"content": []}, False), ({"resultType": "input_required"}, False), ({"task": "words"}, False)],
+)
+def test_is_task_handle(result: dict[str, Any], task: bool) -> None:
+    assert is_task_handle(result) is task
