@@ -8,10 +8,13 @@ server do (`ctx.close_sse_stream()`), so the SDK client resumes with `Last-Event
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import httpx2
 import pytest
 from mcp import Client, MCPError
@@ -48,6 +51,22 @@ class MemoryEvents(EventStore):
         return stream
 
 
+PROGRESSED = threading.Event()  # a polled tool's progress reached its client (set by `progressed`)
+
+
+async def progressed(progress: float, total: float | None, message: str | None) -> None:
+    """The client's progress callback for the polled tools."""
+    PROGRESSED.set()
+
+
+async def on_the_wire() -> None:
+    """Wait until the client got the tool's progress, so the stream's priming event (its event id) is on
+    the wire before the tool closes the stream: the SDK server's writer sends it in a task of its own,
+    and a stream closed before it has no id to resume from (on a loaded machine, seen in full runs)."""
+    await anyio.to_thread.run_sync(PROGRESSED.wait, 2.0)
+    PROGRESSED.clear()
+
+
 def build() -> MCPServer:
     server = MCPServer("files")
 
@@ -60,6 +79,7 @@ def build() -> MCPServer:
     async def write_polled(text: str, ctx: Context) -> str:
         """A long write that closes its stream (the client resumes it with Last-Event-ID)."""
         await ctx.report_progress(1, 2, "started")
+        await on_the_wire()
         await ctx.close_sse_stream()
         await asyncio.sleep(0.3)
         return f"polled {text}"
@@ -67,6 +87,7 @@ def build() -> MCPServer:
     @server.tool()
     async def read_polled(path: str, ctx: Context) -> str:
         await ctx.report_progress(1, 2, "started")
+        await on_the_wire()
         await ctx.close_sse_stream()
         await asyncio.sleep(0.3)
         return f"polled {path}"
@@ -129,10 +150,10 @@ async def test_a_resumed_read_still_feeds_the_no_progress_guard(
     h = await gateway(gateway_factory, files, loop={"window": 10, "max_distinct": 1, "stall_steps": 2})
     async with client(h) as c:
         async with asyncio.timeout(10):
-            assert text(await c.call_tool("read_polled", {"path": "a"})) == "polled a"  # a new result
-            assert text(await c.call_tool("read_polled", {"path": "a"})) == "polled a"  # stalled once
+            assert text(await c.call_tool("read_polled", {"path": "a"}, progress_callback=progressed)) == "polled a"  # a new result
+            assert text(await c.call_tool("read_polled", {"path": "a"}, progress_callback=progressed)) == "polled a"  # stalled once
             with pytest.raises(MCPError) as info:  # stalled twice: the result is withheld
-                await c.call_tool("read_polled", {"path": "a"})
+                await c.call_tool("read_polled", {"path": "a"}, progress_callback=progressed)
     assert info.value.error.data == {"code": "no_progress"}
     assert (await h.run("r1"))["stop_reason"] == "no_progress"
 
@@ -145,8 +166,8 @@ async def test_a_resumed_write_is_replayed_to_its_identical_retry(
     h = await gateway(gateway_factory, files, tools={**TOOLS, "tiers": {"files/write_*": "write"}})
     async with client(h) as c:
         async with asyncio.timeout(10):
-            assert text(await c.call_tool("write_polled", {"text": "a"})) == "polled a"  # the agent has it
-            retry = await c.call_tool("write_polled", {"text": "a"})  # refused duplicate_tool_call instead
+            assert text(await c.call_tool("write_polled", {"text": "a"}, progress_callback=progressed)) == "polled a"  # the agent has it
+            retry = await c.call_tool("write_polled", {"text": "a"}, progress_callback=progressed)  # refused duplicate_tool_call instead
             assert text(retry) == "polled a"
     assert files.seen.calls() == [("write_polled", {"text": "a"})]
 
@@ -158,11 +179,21 @@ async def test_a_resumed_call_is_recorded_as_executed(gateway_factory: GatewayFa
     h = await gateway(gateway_factory, files)
     async with client(h) as c:
         async with asyncio.timeout(10):
-            assert text(await c.call_tool("read_polled", {"path": "a"})) == "polled a"
+            assert text(await c.call_tool("read_polled", {"path": "a"}, progress_callback=progressed)) == "polled a"
+    assert await tool_rows_soon(h) == [("tools/call read_polled", "executed")]
+
+
+async def tool_rows_soon(h: Harness, timeout: float = 5.0) -> list[tuple[str, str]]:
+    """The run's `tools/call` ledger rows once there is one: a call's row is written once its handler ends,
+    after the server's stream is drained (up to 0.2 s after the agent has the answer)."""
     ledger = h.gateway.services["ledger"]
-    await ledger.flush()
-    rows = [(r["operation"], r["decision"]) for r in ledger.rows("r1") if r["operation"].startswith("tools/call")]
-    assert rows == [("tools/call read_polled", "executed")]
+    deadline = time.monotonic() + timeout
+    while True:
+        await ledger.flush()
+        rows = [(r["operation"], r["decision"]) for r in ledger.rows("r1") if r["operation"].startswith("tools/call")]
+        if rows or time.monotonic() > deadline:
+            return rows
+        await asyncio.sleep(0.02)
 
 
 # -- what the server receives ------------------------------------------------------------------------------
