@@ -36,6 +36,8 @@ def dumps(value: Any, *, sort_keys: bool = False) -> bytes:
     """orjson's compact serialisation; an integer beyond 64 bits is written exactly."""
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else None)
-    except orjson.JSONEncodeError:  # an integer beyond 64 bits (values parsed from JSON hold nothing else)
+    # an integer beyond 64 bits, or nesting deeper than orjson writes (values parsed from JSON hold nothing
+    # else that orjson refuses)
+    except orjson.JSONEncodeError:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=sort_keys,
                           allow_nan=False).encode()
