@@ -36,6 +36,13 @@ IMAGE_PARTS = frozenset({"image_url", "input_image", "computer_screenshot", "ima
 _ASCII_ESCAPE = re.compile(rb"\\u00[0-7][0-9A-Fa-f]")
 
 
+def refusal_of(part: Mapping[str, Any]) -> str:
+    """The refusal an OpenAI answer part carries in its `refusal` field (a Chat Completions message or
+    delta, a Responses content part), or "" (structured outputs put a refusal there, not in the text)."""
+    refusal = part.get("refusal")
+    return refusal if isinstance(refusal, str) else ""
+
+
 def may_contain(raw: bytes, *words: bytes) -> bool:
     """False only when no JSON string of `raw` can be any of `words` (ASCII): none is in the bytes, and no
     `\\u` escape of an ASCII character could spell one. A cheap test that lets most requests skip a walk

@@ -19,6 +19,7 @@ from gateway.providers.common import (
     opt_int,
     opt_number,
     opt_strings,
+    refusal_of,
     request_basics,
     required_count,
     stop_text,
@@ -151,8 +152,8 @@ class OpenAIChat:
             message = choice.get("message") or {}
             if index == 0:
                 text = message.get("content") or ""
-                refused = _refuses(message) and not text  # a refusal instead of an answer
-            elif not (_refuses(message) and not message.get("content")):  # a refusal has no text to judge
+                refused = bool(refusal_of(message)) and not text  # a refusal instead of an answer
+            elif not (refusal_of(message) and not message.get("content")):  # a refusal has no text to judge
                 content = message.get("content")
                 others.append(content if isinstance(content, str) else "")
             for tc in message.get("tool_calls") or ():
@@ -369,8 +370,8 @@ class OpenAIStreamReader:
             index = int(choice.get("index") or 0)
             delta = choice.get("delta") or {}
             content = delta.get("content")
-            refusal = delta.get("refusal")
-            if isinstance(refusal, str) and refusal:
+            refusal = refusal_of(delta)
+            if refusal:
                 self._chars += len(refusal)
                 if index == 0:
                     self._refused = True
@@ -430,9 +431,3 @@ class OpenAIStreamReader:
             service_tier=self._tier,
             refused=self._refused and not "".join(self._text),
         )
-
-
-def _refuses(message: Mapping[str, Any]) -> bool:
-    """A choice whose model refused: structured outputs put the refusal in `refusal`, not `content`."""
-    refusal = message.get("refusal")
-    return isinstance(refusal, str) and bool(refusal)

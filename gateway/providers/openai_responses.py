@@ -29,6 +29,7 @@ from gateway.providers.common import (
     may_contain,
     opt_int,
     opt_number,
+    refusal_of,
     require_model,
     required_count,
     token_count,
@@ -308,8 +309,7 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
                 texts.append(_message_text(item))
                 parts = item.get("content")
                 refused = refused or (isinstance(parts, list) and any(
-                    isinstance(p, Mapping) and p.get("type") == "refusal" and isinstance(p.get("refusal"), str)
-                    and p["refusal"] for p in parts))
+                    isinstance(p, Mapping) and p.get("type") == "refusal" and refusal_of(p) for p in parts))
         elif kind == "reasoning":
             if isinstance(item.get("id"), str):
                 reasoning.append(item["id"])
