@@ -172,11 +172,10 @@ async def relay(
                     return out
             await _end(out)
         return out
-    except (GatewayError, ValueError) as exc:  # ValueError: an SSE event over the size limit
-        failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
+    except GatewayError as exc:
         if out is None:
-            raise failure from None
-        mcp.lost = failure  # the status line is gone: the stream's end (and its error event) is the signal
+            raise
+        mcp.lost = exc  # the status line is gone: the stream's end (and its error event) is the signal
         return out
     finally:
         upstream.release()
@@ -241,21 +240,22 @@ async def _relay_events(
                 async with asyncio.timeout(DRAIN_AFTER_ANSWER_S):
                     async for _ in current.chunks():
                         pass
-    except (GatewayError, ValueError) as exc:
+    except (GatewayError, ValueError) as exc:  # ValueError: an SSE event over the size limit
+        failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
         if client and rpc_id is not None and not answered:  # the client learns it, in its own format
-            failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
-            if await _write(out, format_event(orjson.dumps(gateway_error(rpc_id, failure)[1]), "message")):
+            event = format_event(orjson.dumps(gateway_error(rpc_id, failure)[1]), "message")
+            if await _write(out, event):
                 await _end(out)
-        raise
+        raise failure from None
     finally:
         if current is not upstream:
             current.release()
 
 
 async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
-    """The stream resumed after its last event (after the server's `retry` delay, at least
-    `MIN_RESUME_DELAY_MS`, at most the idle timeout). Raises UpstreamUnavailable when it cannot be: no event id, or `MAX_RESUMES` attempts in a
-    row that brought nothing new."""
+    """The stream resumed after its last event, after the server's `retry` delay (capped at the idle
+    timeout, at least `MIN_RESUME_DELAY_MS`). Raises UpstreamUnavailable when it cannot be: no event id,
+    the server refuses (4xx), or `MAX_RESUMES` attempts in a row that brought nothing new."""
     while True:
         if resumption.last_id is None:
             raise UpstreamUnavailable("the MCP server ended the stream without a response to the request")
