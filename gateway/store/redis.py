@@ -24,11 +24,11 @@ Contracts:
   rounds, at most `REPLAY_PAUSE_MAX_S`; it ends when nothing is left, `close` cancels it), before this
   store's next call, and at `close`; also after errors of a Redis that cannot write for now (READONLY,
   NOREPLICAS, ...). A reserve whose answer was lost is released at zero (the step never went upstream):
-  settle is idempotent, so a replay that already happened is a no-op. A release that finds nothing (its
-  reserve still on the wire) leaves a tombstone in `<prefix>released:<run_id>` for at least the lease,
-  and a reserve of a released id is refused: a late reserve never holds a budget.
-* A settle of a reservation this store granted whose run Redis lost meanwhile (FLUSHALL, a restart
-  without its data) charges its usage to the run created afresh, as `record_step` creates it.
+  settle is idempotent, so a replay that already happened is a no-op. Every id settled, released or
+  expired stays in `<prefix>released:<run_id>` for at least the lease: a reserve of one is refused (a
+  late reserve never holds a budget), and a settle of one charges nothing again.
+* A settle of a reservation this store granted within its lease, whose run Redis lost meanwhile
+  (FLUSHALL, a restart without its data), charges its usage to the run as it is now (created afresh).
 * Reservations of a process that died stay charged against the budget (as SQLite's crash recovery
   charges them) until the run is reset or expires, or until their lease (`lease_s`,
   `state.reservation_lease_s`) runs out: a reserve then charges them in full (`logic.expire`).

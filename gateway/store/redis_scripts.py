@@ -21,9 +21,9 @@ significant digits: `0.1 + 0.2` would come back as `0.3` and budgets would drift
 SQLite backends. `%.17g` and `tonumber` (like cjson.decode's strtod) round-trip a double exactly.
 
 Calling convention: KEYS = [run key, index key, steps key, writes key, write order key (these two:
-`gateway.store.redis_writes`), released key (a sorted set of reservation ids released before their
-reserve was seen, scored by release time: `_SETTLE` writes it, `_RESERVE` refuses its ids)]; ARGV = [run_id, agent, ttl_s, idle_ttl_s,
-payload], the payload one JSON array of the operation's arguments (`A` in the bodies, 1-based); a script
+`gateway.store.redis_writes`), released key (a sorted set of the reservation ids settled, released or
+expired, scored by when, kept for the tombstone's seconds: `_SETTLE` charges none of them twice and
+`_RESERVE` refuses them)]; ARGV = [run_id, agent, ttl_s, idle_ttl_s, payload], the payload one JSON array of the operation's arguments (`A` in the bodies, 1-based); a script
 answers with one JSON text (or an integer). One string each way instead of many: the pure-Python RESP
 parser costs more per element than the whole script costs in Redis.
 
