@@ -243,8 +243,8 @@ async def _relay_events(
     except (GatewayError, ValueError) as exc:  # ValueError: an SSE event over the size limit
         failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
         if client and rpc_id is not None and not answered:  # the client learns it, in its own format
-            event = format_event(orjson.dumps(gateway_error(rpc_id, failure)[1]), "message")
-            if await _write(out, event):
+            error_event = format_event(orjson.dumps(gateway_error(rpc_id, failure)[1]), "message")
+            if await _write(out, error_event):
                 await _end(out)
         raise failure from None
     finally:
