@@ -16,12 +16,12 @@ import httpx2
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
+from tests.fakes.scripted import ScriptedServer
 from tests.fakes.upstream import Reply, openai_completion, tool_call
 from tests.gateway.test_mcp import refused, text
 
@@ -118,7 +118,7 @@ TOOL_DEFS = {
 }
 
 
-class RawServer:
+class RawServer(ScriptedServer):
     """A minimal hand-written MCP Streamable HTTP server (handshake era, no sessions) on loopback.
 
     `id_as_str`: responses echo the request id as a string (`7` -> `"7"`), which the official SDKs
@@ -141,21 +141,10 @@ class RawServer:
         self.calls: list[tuple[str, Any]] = []
         self.notes = 0
         self.release = asyncio.Event()
-        self.url = ""
-        self._server: TestServer | None = None
-
-    async def start(self) -> RawServer:
-        app = web.Application()
-        app.router.add_route("*", "/mcp", self.handle)
-        self._server = TestServer(app, host="127.0.0.1")
-        await self._server.start_server()
-        self.url = str(self._server.make_url("/mcp"))
-        return self
 
     async def close(self) -> None:
         self.release.set()
-        if self._server is not None:
-            await self._server.close()
+        await super().close()
 
     def result(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         if method == "initialize":

@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.scripted import ScriptedServer
 from tests.gateway.test_mcp_probe import RAW_TOOLS, call, raw_server
 
 MODERN = {"mcp-protocol-version": "2026-07-28"}
@@ -29,7 +29,7 @@ CAPS_META = "io.modelcontextprotocol/clientCapabilities"
 POLICY_REFUSED = -32003
 
 
-class TaskServer:
+class TaskServer(ScriptedServer):
     """A scripted MCP server (no sessions) that runs tools as tasks.
 
     2025-11-25 era: a `tools/call` with `params.task` is answered with a `CreateTaskResult`
@@ -46,20 +46,6 @@ class TaskServer:
         self.tasks: dict[str, dict[str, Any]] = {}
         self.received: list[dict[str, Any]] = []
         self._ids = itertools.count(1)
-        self.url = ""
-        self._server: TestServer | None = None
-
-    async def start(self) -> TaskServer:
-        app = web.Application()
-        app.router.add_route("*", "/mcp", self.handle)
-        self._server = TestServer(app, host="127.0.0.1")
-        await self._server.start_server()
-        self.url = str(self._server.make_url("/mcp"))
-        return self
-
-    async def close(self) -> None:
-        if self._server is not None:
-            await self._server.close()
 
     def _run(self, name: str, arguments: Any) -> dict[str, Any]:
         self.executions.append((name, arguments))

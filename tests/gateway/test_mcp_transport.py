@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from gateway.mcp_transport import MAX_RESUMES, MIN_RESUME_DELAY_MS
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.scripted import ScriptedServer
 from tests.gateway.test_mcp_calls import tool_rows
 from tests.gateway.test_mcp_probe import call, raw
 
@@ -24,7 +25,7 @@ POLICY = {"tools": {"allow": ["files/read_file", "files/write_note"], "tiers": {
                     "on_violation": "drop"}}
 
 
-class PollingServer:
+class PollingServer(ScriptedServer):
     """Answers every POST request with an SSE stream that holds only a priming event (`id`, `retry`,
     no data) and ends: the client must resume it with a GET carrying `Last-Event-ID`. `resume` is
     what each GET answers: "answer" (the response, with a new event id), "prime" (another priming
@@ -38,20 +39,6 @@ class PollingServer:
         self.gets: list[dict[str, str]] = []
         self.times: list[float] = []  # when each GET arrived
         self.calls: list[str] = []
-        self.url = ""
-        self._server: TestServer | None = None
-
-    async def start(self) -> PollingServer:
-        app = web.Application()
-        app.router.add_route("*", "/mcp", self.handle)
-        self._server = TestServer(app, host="127.0.0.1")
-        await self._server.start_server()
-        self.url = str(self._server.make_url("/mcp"))
-        return self
-
-    async def close(self) -> None:
-        if self._server is not None:
-            await self._server.close()
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body.get("params") or {}
