@@ -67,6 +67,16 @@ async def on_the_wire() -> None:
     PROGRESSED.clear()
 
 
+async def polled(value: str, ctx: Context) -> str:
+    """A long tool: it reports progress, closes its stream mid-call (the client resumes it with
+    Last-Event-ID) and answers 0.3 s later."""
+    await ctx.report_progress(1, 2, "started")
+    await on_the_wire()
+    await ctx.close_sse_stream()
+    await asyncio.sleep(0.3)  # the tool's own work, not a wait for something the test could await
+    return f"polled {value}"
+
+
 def build() -> MCPServer:
     server = MCPServer("files")
 
@@ -78,19 +88,11 @@ def build() -> MCPServer:
     @server.tool()
     async def write_polled(text: str, ctx: Context) -> str:
         """A long write that closes its stream (the client resumes it with Last-Event-ID)."""
-        await ctx.report_progress(1, 2, "started")
-        await on_the_wire()
-        await ctx.close_sse_stream()
-        await asyncio.sleep(0.3)
-        return f"polled {text}"
+        return await polled(text, ctx)
 
     @server.tool()
     async def read_polled(path: str, ctx: Context) -> str:
-        await ctx.report_progress(1, 2, "started")
-        await on_the_wire()
-        await ctx.close_sse_stream()
-        await asyncio.sleep(0.3)
-        return f"polled {path}"
+        return await polled(path, ctx)
 
     @server.tool()
     def echo_int(n: int) -> str:
