@@ -45,6 +45,7 @@ class McpState:
 
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     results: ResultCache = field(default_factory=ResultCache)
+    drains: set[asyncio.Task[None]] = field(default_factory=set)  # answered streams read on (`_drain_later`)
 
     def remember(self, server: str, tool: str, schema: Any) -> None:
         known = self.schemas.setdefault(server, {})
@@ -143,6 +144,7 @@ async def relay(
     kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
     judged = transform is not None and upstream.status < 300
     out: web.StreamResponse | None = None
+    answered: UpstreamResponse | None = None
     try:
         if judged and _json_kind(kind):
             data = await _read_limited(upstream, mcp.gw.config.limits.max_body_bytes)
@@ -165,7 +167,7 @@ async def relay(
         client = await _prepare(out, mcp.request)
         # a request's stream is followed to its response (and resumed) even when nothing in it is judged
         if kind == "text/event-stream" and upstream.status < 300 and (judged or rpc_id is not None):
-            await _relay_events(mcp, upstream, out, rpc_id, transform, client)
+            answered = await _relay_events(mcp, upstream, out, rpc_id, transform, client)
         elif client:
             async for chunk in upstream.chunks():
                 if not await _write(out, chunk):
@@ -178,7 +180,10 @@ async def relay(
         mcp.lost = exc  # the status line is gone: the stream's end (and its error event) is the signal
         return out
     finally:
-        upstream.release()
+        if answered is not upstream:
+            upstream.release()
+        if answered is not None:
+            _drain_later(mcp, answered)
 
 
 @dataclass(slots=True)
@@ -201,7 +206,7 @@ class _Resumption:
 async def _relay_events(
     mcp: McpRequest, upstream: UpstreamResponse, out: web.StreamResponse, rpc_id: RequestId | None,
     transform: Transform | None, client: bool,
-) -> None:
+) -> UpstreamResponse | None:
     """Relay events until the response to `rpc_id`. A server may end a request's stream before the
     response and let the client resume it (`Last-Event-ID`, MCP "Resumability and Redelivery"):
     tollgate resumes it itself, so the response still comes on the judged stream; the client is given
@@ -233,13 +238,10 @@ async def _relay_events(
             current = await _resume(mcp, resumption)
         if client:
             await _end(out)  # the request's stream has done its job: the client needs nothing after it
-        if answered:
-            # drain what the server still sends, so its connection returns to the pool; a server holding
-            # the stream open after the response gets its connection closed instead (the call is answered)
-            with contextlib.suppress(TimeoutError, GatewayError):
-                async with asyncio.timeout(DRAIN_AFTER_ANSWER_S):
-                    async for _ in current.chunks():
-                        pass
+        if not answered:
+            return None
+        current, finished = upstream, current  # handed to the caller, not released below
+        return finished
     except (GatewayError, ValueError) as exc:  # ValueError: an SSE event over the size limit
         failure = exc if isinstance(exc, GatewayError) else UpstreamUnavailable(str(exc))
         if client and rpc_id is not None and not answered:  # the client learns it, in its own format
@@ -250,6 +252,26 @@ async def _relay_events(
     finally:
         if current is not upstream:
             current.release()
+
+
+def _drain_later(mcp: McpRequest, answered: UpstreamResponse) -> None:
+    """Read on what the server still sends after the response, so its connection returns to the pool; a
+    server holding the stream open gets its connection closed after `DRAIN_AFTER_ANSWER_S`. In a task of
+    its own: the call is answered, its span and ledger row are not kept waiting for the server."""
+
+    async def drain() -> None:
+        try:
+            with contextlib.suppress(TimeoutError, GatewayError):
+                async with asyncio.timeout(DRAIN_AFTER_ANSWER_S):
+                    async for _ in answered.chunks():
+                        pass
+        finally:
+            answered.release()
+
+    drains = state_of(mcp.gw).drains
+    task = asyncio.get_running_loop().create_task(drain(), name="tollgate-mcp-drain")
+    drains.add(task)  # a strong reference until it ends
+    task.add_done_callback(drains.discard)
 
 
 async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:

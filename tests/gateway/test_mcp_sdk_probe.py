@@ -187,7 +187,7 @@ async def test_a_resumed_call_is_recorded_as_executed(gateway_factory: GatewayFa
 
 async def tool_rows_soon(h: Harness, timeout: float = 5.0) -> list[tuple[str, str]]:
     """The run's `tools/call` ledger rows once there is one: a call's row is written once its handler ends,
-    after the server's stream is drained (up to 0.2 s after the agent has the answer)."""
+    just after the agent has the answer."""
     ledger = h.gateway.services["ledger"]
     deadline = time.monotonic() + timeout
     while True:

@@ -5,6 +5,7 @@ with a JSON-RPC error for the request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gateway import mcp_transport
 from gateway.mcp_transport import MAX_RESUMES, MIN_RESUME_DELAY_MS
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.scripted import ScriptedServer
@@ -208,3 +210,48 @@ async def test_a_server_polling_with_no_pause_is_resumed_at_a_bounded_pace(gatew
         assert len(srv.gets) == 3
         gaps = [b - a for a, b in zip(srv.times, srv.times[1:], strict=False)]
         assert min(gaps) >= MIN_RESUME_DELAY_MS / 1000 * 0.9, gaps
+
+
+class HoldingServer(ScriptedServer):
+    """Answers a POST with an SSE stream holding the response, then keeps the stream open until `let_go`."""
+
+    def __init__(self) -> None:
+        self.let_go = asyncio.Event()
+        self.ended = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        result = {"content": [{"type": "text", "text": "held"}]}
+        await resp.write(b"event: message\ndata: " + orjson.dumps({"jsonrpc": "2.0", "id": body["id"], "result": result})
+                         + b"\n\n")
+        await self.let_go.wait()
+        await resp.write_eof()
+        self.ended.set()
+        return resp
+
+
+async def test_a_call_is_recorded_while_its_server_still_holds_the_stream(
+    gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server's stream is read on after the response only for its connection, in the background:
+    the call's ledger row does not wait for it (the drain's limit raised here, so waiting would show)."""
+    monkeypatch.setattr(mcp_transport, "DRAIN_AFTER_ANSWER_S", 30.0)
+    server = await HoldingServer().start()
+    try:
+        h = await gateway(gateway_factory, server.url)
+        status, _, data = await raw(h, "POST", call("read_file", {"path": "a"}))
+        assert status == 200 and events(data)[0]["result"]["content"][0]["text"] == "held"
+        async with asyncio.timeout(5):
+            while not await tool_rows(h):
+                await asyncio.sleep(0.01)
+        assert not server.ended.is_set() and mcp_transport.state_of(h.gateway).drains
+        server.let_go.set()  # the drain reads the stream to its end and lets the connection go
+        async with asyncio.timeout(5):
+            await server.ended.wait()
+            while mcp_transport.state_of(h.gateway).drains:
+                await asyncio.sleep(0.01)
+    finally:
+        server.let_go.set()
+        await server.close()
