@@ -31,7 +31,8 @@ class PollingServer(ScriptedServer):
     """Answers every POST request with an SSE stream that holds only a priming event (`id`, `retry`,
     no data) and ends: the client must resume it with a GET carrying `Last-Event-ID`. `resume` is
     what each GET answers: "answer" (the response, with a new event id), "prime" (another priming
-    event, the same id), "empty" (a stream with no event) or an HTTP status."""
+    event, the same id), "empty" (a stream with no event), "silent" (a stream held open with nothing
+    in it) or an HTTP status."""
 
     def __init__(self, resume: str | int = "answer", *, event_id: bool = True,
                  tools: list[str] | None = None) -> None:
@@ -68,6 +69,10 @@ class PollingServer(ScriptedServer):
                 return web.Response(status=self.resume)
             if self.resume == "empty":
                 return await self.stream(request)
+            if self.resume == "silent":  # the stream opens and nothing comes
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await asyncio.Event().wait()
             if self.resume == "prime":
                 return await self.stream(request, f"id: {last}\nretry: 1\ndata: \n\n".encode())
             if self.resume == "poll" and len(self.gets) < 3:  # still running: a new priming event, no pause
@@ -94,8 +99,8 @@ async def polling(**kw: Any) -> AsyncIterator[PollingServer]:
         await server.close()
 
 
-async def gateway(factory: GatewayFactory, url: str) -> Harness:
-    return await factory(mcp_servers={"files": {"url": url}}, agents={"bot": POLICY})
+async def gateway(factory: GatewayFactory, url: str, **server: Any) -> Harness:
+    return await factory(mcp_servers={"files": {"url": url, **server}}, agents={"bot": POLICY})
 
 
 def events(data: bytes) -> list[dict[str, Any]]:
@@ -255,3 +260,16 @@ async def test_a_call_is_recorded_while_its_server_still_holds_the_stream(
     finally:
         server.let_go.set()
         await server.close()
+
+
+async def test_a_resumed_stream_silent_past_the_idle_timeout_ends_the_call(gateway_factory: GatewayFactory) -> None:
+    """`timeouts.idle` is the longest silence tollgate waits for on a request's stream, first or resumed:
+    past it the call ends with a JSON-RPC error (`upstream_timeout`) and a `refused` row, once."""
+    async with polling(resume="silent") as srv:
+        h = await gateway(gateway_factory, srv.url, timeouts={"idle": 0.3})
+        started = time.monotonic()
+        status, _, data = await raw(h, "POST", call("read_file", {"path": "a"}))
+        assert status == 200 and time.monotonic() - started < 5
+        assert events(data)[-1]["error"]["data"]["code"] == "upstream_timeout", data
+        assert len(srv.gets) == 1
+        assert [r["decision"] for r in await tool_rows(h)] == ["refused"]
