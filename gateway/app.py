@@ -14,10 +14,11 @@ from aiohttp import web
 from gateway.admin import create_admin_app
 from gateway.config import Config
 from gateway.errors import GatewayError
-from gateway.forward import forward_other, list_models, unknown_path
+from gateway.forward import forward_other, unknown_path
 from gateway.identity import Identifier
 from gateway.ledger import Ledger
 from gateway.mcp_flights import end_flights
+from gateway.model_list import list_models
 from gateway.observe import end_idle_runs, end_run, on_step, redactor_for
 from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer

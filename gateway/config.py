@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -23,11 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.config_yaml import read_yaml
 from gateway.errors import ConfigError
-
-if TYPE_CHECKING:
-    import yaml
-
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -410,7 +407,7 @@ def _validated(model: type[_M], data: Any, env: Mapping[str, str] | None, base_d
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
     """Read and validate a YAML config file."""
     p = Path(path)
-    return parse_config(_read_yaml(p), env, base_dir=str(p.resolve().parent))
+    return parse_config(read_yaml(p), env, base_dir=str(p.resolve().parent))
 
 
 def ledger_file_of(path: str | Path, env: Mapping[str, str] | None = None) -> Path:
@@ -419,7 +416,7 @@ def ledger_file_of(path: str | Path, env: Mapping[str, str] | None = None) -> Pa
     of the file is neither substituted nor validated (`load_config` does both), so a shell without the
     provider keys a config references finds its ledger. Raises ConfigError naming the key path."""
     p = Path(path)
-    data = _read_yaml(p)
+    data = read_yaml(p)
     if isinstance(data, dict):  # a section that is not a mapping is validated as given: its error names it
         data = {section: {k: value[k] for k in keys if k in value} if isinstance(value, dict) else value
                 for section, keys in (("ledger", ("path",)), ("state", ("backend", "path")))
@@ -427,54 +424,10 @@ def ledger_file_of(path: str | Path, env: Mapping[str, str] | None = None) -> Pa
     return _validated(_LedgerWhere, data, env).file(str(p.resolve().parent))
 
 
-def _read_yaml(p: Path) -> Any:
-    """The parsed YAML tree of the file `p`. Raises ConfigError, never quoting the file's text."""
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([("<file>", f"cannot read {p}: {exc.strerror}")]) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError([("<file>", f"{p} is not UTF-8 text (byte {exc.start})")]) from None
-    import yaml  # only reading a file needs the YAML parser (default_config, parse_config do not)
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError([("<file>", f"invalid YAML: {_yaml_problem(exc)}")]) from None
-    except RecursionError:
-        raise ConfigError([("<file>", "invalid YAML: nested too deeply")]) from None
-    except _TAG_FAILURES:
-        # PyYAML converts an explicitly tagged scalar (`!!int x`) with int(), float() or a dict lookup,
-        # whose own errors quote the scalar: the traceback would print a literal key
-        raise ConfigError([("<file>", "invalid YAML: a value does not fit its tag (!!int, ...)")]) from None
-
-
-_TAG_FAILURES = (ValueError, TypeError, KeyError, AttributeError)
-_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
-# what PyYAML quotes that is not the file's text: one character (or its escape) and its token names
-_HARMLESS = re.compile(r".|\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|.)|<[a-z ]+>")
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong and where, never the file's text. PyYAML's own message quotes the offending lines
-    (and names tags and aliases), and such a line may hold a literal provider key or admin token."""
-    import yaml  # already loaded: only load_config, which imported it, gets here
-
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return _unquote(" ".join(str(exc).split()))
-    problem = f"{_unquote(exc.problem or 'malformed document')}{_at(exc.problem_mark)}"
-    if not exc.context:
-        return problem
-    return f"{problem} ({_unquote(exc.context)}{_at(exc.context_mark)})"
-
-
-def _at(mark: yaml.Mark | None) -> str:
-    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-
-
-def _unquote(text: str) -> str:
-    """`text` with every quoted stretch but a single character or a token name shown as '...'."""
-    return _QUOTED.sub(lambda m: m.group() if _HARMLESS.fullmatch(m.group()[1:-1]) else "'...'", text)
+# OpenAI's model families the embedded default serves: chat, and the other paths' (embeddings, audio,
+# images, moderation), fine-tunes (`ft:`) included
+OPENAI_MODELS = ("gpt-*", "o1*", "o3*", "o4*", "chatgpt-*", "codex-*", "computer-use-*", "text-embedding-*",
+                 "whisper-*", "tts-*", "dall-e-*", "omni-moderation-*", "text-moderation-*", "ft:*")
 
 
 def default_config(env: Mapping[str, str] | None = None) -> Config:
@@ -488,7 +441,7 @@ def default_config(env: Mapping[str, str] | None = None) -> Config:
             "base_url": env.get("OPENAI_BASE_URL_UPSTREAM", "https://api.openai.com/v1"),
             "api_key": env["OPENAI_API_KEY"],
         }
-        models.update({"gpt-*": "openai", "o1*": "openai", "o3*": "openai", "o4*": "openai"})
+        models.update(dict.fromkeys(OPENAI_MODELS, "openai"))
     if env.get("ANTHROPIC_API_KEY"):
         providers["anthropic"] = {
             "type": "anthropic",

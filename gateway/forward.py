@@ -6,10 +6,12 @@ budget), and a JSON 404 for anything else."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from urllib.parse import quote, unquote
 
 import orjson
 from aiohttp import web
 
+from gateway import multipart
 from gateway.batches import rewrites_urls, with_gateway_urls
 from gateway.errors import (
     GatewayError,
@@ -19,7 +21,6 @@ from gateway.errors import (
     ShuttingDown,
     StateUnavailable,
     Stopped,
-    UpstreamUnavailable,
     both_formats,
 )
 from gateway.identity import Identity
@@ -41,65 +42,19 @@ from gateway.pipeline import (
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
 from gateway.unguarded import forbidden
-from gateway.upstream import answer_headers, forwardable, scrub, secret_bytes
+from gateway.upstream import answer_headers, forwardable, lenient_segment, scrub, secret_bytes
 from otel.http import operation_for_path
 from otel.spans import StepSpan
 
-
-async def list_models(request: web.Request) -> web.Response:
-    """`GET /v1/models`: the merged lists of every provider."""
-    gw = request.app[GATEWAY]
-    adapter = gw.adapters["openai"]
-    try:
-        identity = gw.identifier.identify(request.headers)
-    except GatewayError as exc:
-        return error_response(adapter, exc, echo_headers(request.headers))
-    merged: list[object] = []
-    reached = 0
-    for name, provider in gw.config.providers.items():
-        base = provider.base_url.rstrip("/")
-        url = base + ("/v1/models" if provider.type == "anthropic" else "/models")
-        headers: dict[str, str] = {}
-        if provider.api_key:
-            if provider.type == "anthropic":
-                headers = {"x-api-key": provider.api_key, "anthropic-version": "2023-06-01"}
-            else:
-                headers = {"Authorization": f"Bearer {provider.api_key}"}
-        try:
-            upstream = await gw.upstream.open("GET", url, headers, None, provider.timeouts)
-            try:
-                data = await upstream.read()
-            finally:
-                upstream.release()
-        except GatewayError:
-            continue
-        if upstream.status >= 300:
-            continue
-        try:
-            items = orjson.loads(data).get("data") or []
-        except (orjson.JSONDecodeError, AttributeError):
-            continue
-        reached += 1
-        for item in items:
-            if isinstance(item, dict):
-                merged.append({**item, "owned_by": item.get("owned_by", name), "provider": name})
-    if gw.config.providers and reached == 0:
-        return error_response(adapter, UpstreamUnavailable("no provider answered the model list"),
-                              base_headers(identity))
-    body = orjson.dumps({"object": "list", "data": merged})
-    return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
-
-
 # the guarded model-call paths, by the protocol their handler speaks
 GUARDED_PATHS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic", "/v1/responses": "openai_responses"}
-_BLANKS = "".join(map(chr, range(33)))  # controls and space, trimmed off path segments
 
 
 def canonical_path(path: str) -> str:
     """`path` (decoded) as a lenient server reads it: lower case, each segment without `;parameters`
     and surrounding whitespace or control characters, no empty segments. `/v1//Chat/completions;x/`
     is `/v1/chat/completions`."""
-    parts = (part.partition(";")[0].strip(_BLANKS).lower() for part in path.split("/"))
+    parts = (lenient_segment(part).lower() for part in path.split("/"))
     return "/" + "/".join(part for part in parts if part)
 
 
@@ -154,10 +109,21 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
                 route = gw.router.route(model)
                 if route.prefixed:
                     raw = orjson.dumps({**orjson.loads(raw), "model": route.model})
+        elif raw and (field := multipart.text_field(raw, request.headers.get("Content-Type", ""), "model")):
+            model, where = field  # an upload (audio, images) names its model in a form field
+            route = gw.router.route(model)
+            if route.prefixed:
+                raw = multipart.replace_field(raw, where, route.model)
+        elif (named := model_in_path(tail)) is not None:  # `GET /v1/models/{id}`: asked of its provider
+            route = gw.router.find(named)
+            if route is not None and route.prefixed:
+                tail = "/models/" + quote(route.model, safe="/:@")
         route = route or gw.router.default_for(dialect)
         if route is None:
             raise ModelNotFound("no provider is configured for this path")
         provider = route.provider
+        if provider.engine != "http":
+            raise InvalidRequest(f"model {route.model!r} runs in-process and serves Chat Completions only")
         base = provider.base_url.rstrip("/")
         url = base + (("/v1" + tail) if provider.type == "anthropic" else tail)
         drop = frozenset() if provider.passthrough_auth else CREDENTIALS
@@ -197,6 +163,10 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             out.content_length = len(body)
             await out.prepare(request)
             await out.write(body)
+        elif request.method == "HEAD":  # no body follows: the upstream's length is the answer's
+            if (length := upstream.headers.get("Content-Length", "")).isdigit():
+                out.content_length = int(length)
+            await out.prepare(request)
         else:
             await out.prepare(request)
             async for chunk in upstream.chunks():
@@ -210,6 +180,14 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         upstream.release()
         end_forward(span, status=upstream.status, failure=failure)
     return out
+
+
+def model_in_path(tail: str) -> str | None:
+    """The model id of a `/models/{id}` path (after `/v1`), decoded; None for any other path."""
+    prefix = "/models/"
+    if not tail.startswith(prefix) or len(tail) == len(prefix):
+        return None
+    return unquote(tail[len(prefix):])
 
 
 def wire_of(request: web.Request) -> str:

@@ -311,8 +311,15 @@ async def ledger_stop_now(gw: Gateway, step: Step) -> None:
     ledger: Ledger | None = gw.services.get("ledger")
     if ledger is None or not step.stop_reason or step.extra.get(_LEDGERED):
         return
-    ledger.append_nowait(_ledger_entry(step))
     step.extra[_LEDGERED] = True
+    await append_written(ledger, _ledger_entry(step))
+
+
+async def append_written(ledger: Ledger, entry: LedgerEntry) -> None:
+    """Append `entry` and wait until it is written, `STOP_ROW_WAIT_S` at most (a ledger that cannot
+    write keeps the row queued and retries); never raises. For a stop's row, awaited before the stop is
+    answered."""
+    ledger.append_nowait(entry)
     try:
         async with asyncio.timeout(STOP_ROW_WAIT_S):
             await ledger.flush()

@@ -22,7 +22,7 @@ from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, dig
 from gateway.errors import GatewayError
 from gateway.jsonrpc import is_final_result
 from gateway.ledger import Ledger, LedgerEntry
-from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, end_run, telemetry_of
+from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, end_run, telemetry_of
 from gateway.store.base import RunState
 from otel.attributes import TOOLS_CALL
 from otel.propagation import context_from_headers, extract_meta_context, inject_meta_context
@@ -201,13 +201,17 @@ async def end_tool_span(
     ledger: Ledger | None = gw.services.get("ledger")
     if ledger is not None:
         arguments = message.params.get("arguments")
-        ledger.append_nowait(LedgerEntry(
+        entry = LedgerEntry(
             agent=mcp.identity.agent, run_id=mcp.identity.run_id, operation=f"{TOOLS_CALL} {tool}",
             model=mcp.server_name, input_hash=digest(tool.encode(), canonical_json(arguments or {})),
             decision=decision,
             reason=stop or (refused.code if refused is not None else None) or (failure if decision == "error" else None),
             detail=_detail(refused, approved_by, failure if decision != "error" else None),
-        ))
+        )
+        if stop:  # written before the agent hears of the stop, as a model call's stop is
+            await append_written(ledger, entry)
+        else:
+            ledger.append_nowait(entry)
 
 
 def _detail(refused: GatewayError | None, approved_by: str | None, failure: str | None) -> str:

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.body_codings import refuse_unread_codings
 from gateway.call import Answer
 from gateway.config import Limits, Provider
 from gateway.errors import (
@@ -70,6 +71,7 @@ async def read_body(request: web.Request, limits: Limits) -> bytes:
     compression bomb stops at the limit. A body that cannot be decoded (bad chunked framing, a
     `Content-Encoding` it does not have) is a 400 in the caller's format; a body that stops arriving
     for `body_idle_s` is a 408 `request_timeout`. After either, the connection closes once answered."""
+    refuse_unread_codings(request.headers)
     limit = limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")

@@ -47,8 +47,17 @@ class Router:
             raise ModelNotFound(f"no provider serves model {model!r}; map it under `models:` or use provider/model")
         return Route(name, self._providers[name], model, False)
 
+    def find(self, model: str) -> Route | None:
+        """`route`, or None for a model no provider serves."""
+        try:
+            return self.route(model)
+        except ModelNotFound:
+            return None
+
     def default_for(self, provider_type: str) -> Route | None:
+        """The first provider of that wire type reached over HTTP (an in-process model serves Chat
+        Completions only): where a forwarded call that names no model goes."""
         for name, provider in self._providers.items():
-            if provider.type == provider_type:
+            if provider.type == provider_type and provider.engine == "http":
                 return Route(name, provider, "", False)
         return None

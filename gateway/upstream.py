@@ -104,11 +104,21 @@ class UpstreamResponse(Protocol):
     def release(self) -> None: ...
 
 
+_BLANKS = "".join(map(chr, range(33)))  # controls and space, trimmed off path segments
+
+
+def lenient_segment(segment: str) -> str:
+    """A path segment as a lenient server reads it: without `;parameters` and surrounding whitespace or
+    control characters (`..;v=1` and `.. ` are `..`)."""
+    return segment.partition(";")[0].strip(_BLANKS)
+
+
 def check_target(url: str) -> None:
     """Refuse a URL whose path has `.` or `..` segments, percent-encoded or not (decoded until stable,
-    `\\` read as `/`). URLs are a configured base plus a path; the client would resolve the dot
-    segments (`/v1/../../admin` is sent as `/admin`), and an upstream that decodes `%2F` or decodes
-    twice would too, so a request could leave the provider's base path with tollgate's provider key."""
+    `\\` read as `/`), in any spelling a lenient server reads as one (`lenient_segment`). URLs are a
+    configured base plus a path; the client would resolve the dot segments (`/v1/../../admin` is sent
+    as `/admin`), and an upstream that decodes `%2F`, decodes twice or drops `;` parameters would too, so
+    a request could leave the provider's base path with tollgate's provider key."""
     path = urlsplit(url).path
     if "." not in path and "%" not in path and "\\" not in path:
         return
@@ -117,7 +127,7 @@ def check_target(url: str) -> None:
         if decoded == path:
             break
         path = decoded
-    if any(segment in (".", "..") for segment in path.replace("\\", "/").split("/")):
+    if any(lenient_segment(segment) in (".", "..") for segment in path.replace("\\", "/").split("/")):
         raise InvalidRequest("the request path may not contain '.' or '..' segments")
 
 

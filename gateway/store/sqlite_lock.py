@@ -5,11 +5,15 @@ while no other writer changes the runs behind its back. `StateFileLock` is an ex
 `flock` on `<state file>.runs.lock`, taken when the store opens and released when it closes; the OS
 releases it when the process dies, `kill -9` included, so a restart never finds a stale lock.
 
-Why a separate file and not the state file itself: SQLite holds POSIX (fcntl) locks on the state file,
-and closing *any* descriptor of a file drops every POSIX lock the process holds on it, so a descriptor
-of our own on the state file would break the locking of the other connections (the decision ledger's)
-when closed. The lock file is never read by SQLite, and only the run store takes it: the ledger and
-plain readers (`sqlite3`, backups) open the state file as before.
+A second `flock` is held on the state file itself, because the lock file is named after one path: a
+hard link (a second name for the same file, in another directory) has a lock file of its own, and
+a second store on it would write the same runs (and SQLite would keep a second WAL beside it). flock
+locks belong to the open file, not the path, and never interact with the POSIX (fcntl) locks SQLite
+takes on Linux. Closing *any* descriptor of a file drops every POSIX lock the process holds on it, so
+that descriptor is closed only by `release()`, after the store's own connections are closed; the
+gateway closes the decision ledger (which may share the file) before the store. The lock file stays
+for the holder's pid and for paths whose state file does not exist yet. Plain readers (`sqlite3`,
+backups) open the state file as before: flock does not stop them.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ def lock_path(state_file: Path) -> Path:
 class StateFileLock:
     """An exclusive lock on a state file, held until `release()` or the end of the process."""
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path, file_fd: int | None = None) -> None:
         self._fd: int | None = fd
+        self._file_fd = file_fd
         self.path = path
 
     @classmethod
@@ -62,11 +67,16 @@ class StateFileLock:
             os.close(fd)
             raise StateUnavailable(f"cannot lock state file {state_file} ({path}): {exc.strerror}") from None
         try:
+            file_fd = _lock_file_itself(state_file)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
             os.ftruncate(fd, 0)  # who holds it, for the message a second opener gets
             os.write(fd, f"{os.getpid()}\n".encode())
         except OSError:
             pass  # informational only: the lock is what matters, and it is held
-        return cls(fd, path)
+        return cls(fd, path, file_fd)
 
     @property
     def held(self) -> bool:
@@ -75,9 +85,35 @@ class StateFileLock:
     def release(self) -> None:
         """Drop the lock (closing the descriptor releases the flock). Idempotent. The file stays: removing
         it would race with a process that opened it and is about to lock it."""
+        file_fd, self._file_fd = self._file_fd, None
+        if file_fd is not None:
+            os.close(file_fd)
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def _lock_file_itself(state_file: Path) -> int:
+    """A descriptor of `state_file` (created empty when missing: SQLite takes an empty file as a new
+    database) holding an exclusive flock. Raises StateUnavailable when another store holds the file
+    under another name (a hard link) or it cannot be opened."""
+    try:
+        fd = os.open(state_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StateUnavailable(f"cannot open state file {state_file}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateUnavailable(
+            f"state file {state_file} is already in use by another run store, under another name of the "
+            "same file (a hard link). One gateway process per SQLite state file: to run several sidecars "
+            "on one run state, share Redis between them (state: {backend: redis, url: redis://...})"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        raise StateUnavailable(f"cannot lock state file {state_file}: {exc.strerror}") from None
+    return fd
 
 
 def _holder(fd: int) -> str:

@@ -299,43 +299,6 @@ def test_ledger_file_of_an_unreadable_or_odd_file(tmp_path: Path) -> None:
 # -- a config error never shows a secret ----------------------------------------------------------------
 
 SECRET = "sk-config-probe-4d9e2b7c1a0f5e38"
-PROVIDER = "providers:\n  o:\n    type: openai\n    base_url: http://x/v1\n"
-
-YAML_SLIPS: list[tuple[str, str, str]] = [
-    ("tab before a comment", f"{PROVIDER}    api_key: {SECRET}\t# prod\n",
-     ("found character '\\t' that cannot start any token at line 5, column 46 "
-      "(while scanning for the next token)")),
-    ("unclosed quote", f"{PROVIDER}    api_key: '{SECRET}\n",
-     ("found unexpected end of stream at line 6, column 1 "
-      "(while scanning a quoted scalar at line 5, column 14)")),
-    ("colon after the key", f"{PROVIDER}    api_key: {SECRET}: x\n",
-     "mapping values are not allowed here at line 5"),
-    ("bad escape", f'{PROVIDER}    api_key: "{SECRET}\\q"\n',
-     "unknown escape character 'q' at line 5, column 48"),
-    ("key read as a tag", f"{PROVIDER}    api_key: !{SECRET}\n", "for the tag '...' at line 5, column 14"),
-    ("key read as an alias", f"{PROVIDER}    api_key: *{SECRET}\n",
-     "undefined alias '...' at line 5, column 14"),
-    ("key under !!int", f"admin: {{token: !!int {SECRET}}}\n", "does not fit its tag"),
-    ("key under !!float", f"admin: {{token: !!float {SECRET}}}\n", "does not fit its tag"),
-    ("key under !!bool", f"admin: {{token: !!bool {SECRET}}}\n", "does not fit its tag"),
-]
-
-
-@pytest.mark.parametrize(("text", "expected"), [(t, x) for _, t, x in YAML_SLIPS],
-                         ids=[n for n, _, _ in YAML_SLIPS])
-def test_invalid_yaml_names_the_problem_and_place_never_the_text(tmp_path: Path, text: str,
-                                                                 expected: str) -> None:
-    """PyYAML's own message quotes the offending line, which can hold a literal provider key."""
-    path = tmp_path / "t.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_config(path, env={})
-    [(where, message)] = info.value.problems
-    assert where == "<file>" and message.startswith("invalid YAML: ") and expected in message, message
-    assert "\n" not in message
-    assert SECRET not in str(info.value) and SECRET[-12:] not in str(info.value), message
-
-
 MCP = {"url": "http://127.0.0.1:1/mcp"}
 
 WRONG_TYPES: list[tuple[str, dict[str, Any], str]] = [
@@ -369,7 +332,7 @@ def test_a_wrong_typed_secret_is_named_by_its_path_never_shown(data: dict[str, A
 
 def test_a_wrong_typed_key_in_a_file_is_not_shown(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
-    path.write_text(f"{PROVIDER}    api_key: [{SECRET}]\n")
+    path.write_text(f"providers:\n  o:\n    type: openai\n    base_url: http://x/v1\n    api_key: [{SECRET}]\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
     assert info.value.problems == [("providers.o.api_key", "Input should be a valid string")]

@@ -1,0 +1,125 @@
+"""`GET /v1/models`: the merged model lists of every provider reached over HTTP.
+
+Each provider's list is read to its end (Anthropic's is paged: `has_more`, `after_id`), with the
+credentials its model calls carry (the agent's own for a `passthrough_auth` provider). The merged list
+answers both SDKs: OpenAI's `{"object": "list", "data"}` and Anthropic's page fields (`has_more`,
+`first_id`, `last_id`), paged over the merged list by the caller's `limit`, `after_id` and `before_id`.
+Errors are in the caller's wire format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.config import Provider
+from gateway.errors import GatewayError, InvalidRequest, UpstreamUnavailable
+from gateway.forward import wire_of
+from gateway.pipeline import CREDENTIALS, JSON, add_credentials, base_headers, echo_headers, error_response
+from gateway.proxy import GATEWAY
+from gateway.runtime import Gateway
+
+MAX_PAGES = 50  # a provider's list read page by page stops here (50,000 models at Anthropic's largest page)
+PAGE_LIMIT = 1000  # Anthropic's largest page
+MAX_LIMIT = 1000  # the most a caller's `limit` may ask for
+
+
+async def list_models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    adapter = gw.adapters[wire_of(request)]
+    try:
+        identity = gw.identifier.identify(request.headers)
+        paging = _paging(request.query)
+    except GatewayError as exc:
+        return error_response(adapter, exc, echo_headers(request.headers))
+    merged: list[dict[str, Any]] = []
+    reached = 0
+    for name, provider in gw.config.providers.items():
+        if provider.engine != "http":  # an in-process model has no list to ask for
+            continue
+        items = await _models_of(gw, provider, request.headers)
+        if items is None:
+            continue
+        reached += 1
+        merged.extend({**item, "owned_by": item.get("owned_by", name), "provider": name}
+                      for item in items if isinstance(item, dict))
+    if any(p.engine == "http" for p in gw.config.providers.values()) and reached == 0:
+        return error_response(adapter, UpstreamUnavailable("no provider answered the model list"),
+                              base_headers(identity))
+    body = orjson.dumps(page(merged, *paging))
+    return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
+
+
+async def _models_of(gw: Gateway, provider: Provider, asked: Mapping[str, str]) -> list[Any] | None:
+    """Every entry of one provider's list, or None when it did not answer with one."""
+    headers: CIMultiDict[str] = CIMultiDict()
+    if provider.passthrough_auth:  # its model calls carry the agent's credentials: so does its list
+        headers.extend((k, v) for k, v in asked.items() if k.lower() in CREDENTIALS)
+    if provider.type == "anthropic" and "anthropic-version" in asked:
+        headers["anthropic-version"] = asked["anthropic-version"]
+    add_credentials(provider, headers)
+    base = provider.base_url.rstrip("/") + ("/v1/models" if provider.type == "anthropic" else "/models")
+    items: list[Any] = []
+    after: str | None = None
+    for _ in range(MAX_PAGES):
+        url = base if provider.type != "anthropic" else f"{base}?limit={PAGE_LIMIT}" + (
+            f"&after_id={quote(after, safe='')}" if after else "")
+        try:
+            upstream = await gw.upstream.open("GET", url, headers, None, provider.timeouts)
+            try:
+                data = await upstream.read()
+            finally:
+                upstream.release()
+        except GatewayError:
+            return None
+        if upstream.status >= 300:
+            return None
+        try:
+            answer = orjson.loads(data)
+            found = answer.get("data") or []
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        if not isinstance(found, list):
+            return None
+        items.extend(found)
+        last = answer.get("last_id")
+        if not (answer.get("has_more") is True and isinstance(last, str) and last and last != after):
+            break
+        after = last
+    return items
+
+
+def _paging(query: Mapping[str, str]) -> tuple[int | None, str | None, str | None]:
+    """The caller's `limit`, `after_id` and `before_id` (Anthropic's list parameters)."""
+    limit: int | None = None
+    raw = query.get("limit")
+    if raw is not None:
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+            raise InvalidRequest(f"limit must be an integer from 1 to {MAX_LIMIT}")
+        limit = int(raw)
+    return limit, query.get("after_id") or None, query.get("before_id") or None
+
+
+def page(models: list[dict[str, Any]], limit: int | None, after: str | None, before: str | None) -> dict[str, Any]:
+    """One page of the merged list, as both SDKs read it. Without a limit, every model after `after_id`
+    (or before `before_id`); an id that is not in the list gives an empty page."""
+    ids = [m.get("id") for m in models]
+    start, end = 0, len(models)
+    if after is not None:
+        start = ids.index(after) + 1 if after in ids else end
+    if before is not None:
+        end = ids.index(before) if before in ids else 0
+    chosen = models[start:end]
+    more = False
+    if limit is not None and len(chosen) > limit:
+        more = True
+        # `before_id` pages backwards: the page is the models just before it
+        chosen = chosen[-limit:] if before is not None and after is None else chosen[:limit]
+    first = chosen[0].get("id") if chosen else None
+    last = chosen[-1].get("id") if chosen else None
+    return {"object": "list", "data": chosen, "has_more": more, "first_id": first, "last_id": last}
