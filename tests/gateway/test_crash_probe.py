@@ -173,28 +173,6 @@ def ledger_rows(db: Path, run_id: str | None = None) -> list[dict[str, Any]]:
         return [dict(r) for r in conn.execute(sql, (run_id,) if run_id else ())]
 
 
-async def fire(session: aiohttp.ClientSession, served: Served, kind: str, run_id: str, max_tokens: int = 100) -> tuple[int, bytes]:
-    headers = {"x-tollgate-run-id": run_id}
-    if kind.startswith("openai"):
-        body = {**CHAT, "max_tokens": max_tokens}
-        path = "/v1/chat/completions"
-    else:
-        body = {**CLAUDE, "max_tokens": max_tokens}
-        path = "/v1/messages"
-        headers["anthropic-version"] = "2023-06-01"
-    if kind.endswith("stream"):
-        body["stream"] = True
-    try:
-        async with session.post(f"{served.url}{path}", json=body, headers=headers) as resp:
-            return resp.status, await resp.read()
-    except aiohttp.ClientError as exc:
-        return -1, repr(exc).encode()
-
-
-
-
-
-
 async def test_a_second_gateway_on_a_hard_link_of_the_state_file_is_refused(
     provider: tuple[FakeProvider, str], tmp_path: Path, gateways: list[Served]
 ) -> None:
