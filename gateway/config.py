@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -153,6 +154,14 @@ class State(StateFile):
     # redis: a reservation older than this is charged in full (the process that made it is presumed dead)
     reservation_lease_s: PosInt = 3600
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        # what redis-py's from_url takes; checked here so the error names `state.url`, not a failed start
+        if value is not None and not re.match(r"^(rediss?://[^/\s]*|unix://\S+)", value):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
+
     @model_validator(mode="after")
     def _check_url(self) -> State:
         if self.backend == "redis" and not self.url:
@@ -238,9 +247,19 @@ class Ledger(Frozen):
     path: str | None = None  # default: the state file (sqlite) or ./tollgate-ledger.db
 
 
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression: {exc}") from None
+    return value
+
+
 class Otel(Frozen):
     capture_content: bool = False
-    redact: tuple[str, ...] = ()  # extra regexes whose matches are replaced before a span leaves
+    # extra regexes whose matches are replaced before a span leaves; compiled here so that a bad one is
+    # an error naming its key, not a failed start
+    redact: tuple[Annotated[str, AfterValidator(_regex)], ...] = ()
     run_idle_s: PosFloat = 300  # a run with no step for this long ends: its root span is exported
 
 

@@ -41,7 +41,6 @@ from gateway.errors import (
     ApprovalTimeout,
     DuplicateToolCall,
     GatewayError,
-    InvalidGrammar,
     InvalidRequest,
     StateUnavailable,
     Stopped,
@@ -67,13 +66,13 @@ from gateway.jsonrpc import (
     result_content,
 )
 from gateway.mcp_flights import CLIENT_LEFT, Flight, cause_of, flights_of, uncut
+from gateway.mcp_guards import check_arguments, refuse_if_stopped, reserve_claims, settle_claims
 from gateway.mcp_transport import McpRequest, relay, state_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState, WriteClaim
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
-from grammars.tool_args import validate_tool_arguments
-from guards.base import StepContext
+from guards.base import Decision, StepContext
 from guards.caps import PENDING_KEEP
 from guards.chain import GuardChain, Verdict
 from otel.spans import StepSpan
@@ -110,6 +109,7 @@ class ToolStep:
     carried: bool = False  # its count went to an identical retry (once, however the call ended)
     replayed: bool = False  # answered with the recorded result of an identical call (it did not run now)
     lost: GatewayError | None = None  # the server's stream ended without a response to the call
+    decisions: list[Decision] = dataclasses.field(default_factory=list)  # the guards', for the span and metrics
 
     @property
     def sent(self) -> bool:
@@ -154,8 +154,8 @@ async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Fligh
             if ident.policy.state_failure != "fail_open":
                 raise
             unguarded = True  # the call goes on without the run's guards, as the agent's model calls do
-        _refuse_if_stopped(run)
-        _check_arguments(mcp, tool, arguments)
+        refuse_if_stopped(run)
+        check_arguments(mcp, tool, arguments)
         args_json = canonical_json(arguments).decode()
         call = Call(protocol="mcp", operation="execute_tool", model=mcp.server_name, input_bytes=size,
                     tool_call=ToolCall(str(message.id), tool, args_json),
@@ -194,7 +194,8 @@ async def _conclude(
     await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
                         outcome=step.response if step else None, refused=refused, stop=stop,
                         started_wall=started_wall, approved_by=step.approved_by if step else None,
-                        failure=failure, replayed=step is not None and step.replayed, status=status)
+                        failure=failure, replayed=step is not None and step.replayed, status=status,
+                        decisions=step.decisions if step is not None else ())
 
 
 def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
@@ -211,23 +212,6 @@ def _refusal(mcp: McpRequest, message: Message, exc: GatewayError) -> web.Respon
     if exc.stop_reason:
         headers[STOP_HEADER] = exc.stop_reason
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
-
-
-def _check_arguments(mcp: McpRequest, tool: str, arguments: dict[str, Any]) -> None:
-    schema = state_of(mcp.gw).schemas.get(mcp.server_name, {}).get(tool)
-    try:
-        violation = validate_tool_arguments(schema, arguments)
-    except InvalidGrammar:
-        return  # the server declared a schema that does not compile: the server validates for itself
-    if violation is not None:
-        raise BadArguments(f"arguments of {tool!r} do not match its inputSchema: {violation.message}",
-                           summary=f"arguments of {tool!r} do not match its inputSchema: {violation.redacted}")
-
-
-def _refuse_if_stopped(run: RunState | None) -> None:
-    if run is not None and run.stopped:
-        reason = run.stop_reason or "stopped"
-        raise Stopped(reason, f"the run is stopped ({reason}): {run.stop_detail or ''}".rstrip(": "))
 
 
 # -- idempotency -----------------------------------------------------------------------------------------
@@ -338,7 +322,9 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
     ctx = step.ctx
     assert step.call.tool_call is not None
     chain = step.mcp.gw.chain(ctx.agent, ctx.policy)
-    await _apply(step, chain.before(ctx))
+    verdict = chain.before(ctx)
+    await _apply(step, verdict)
+    claims = None if step.unguarded else await reserve_claims(step.mcp.gw, ctx, verdict.claims)
     try:
         # counted in one section its client leaving cannot cut: a cut then comes once the count is written,
         # and carries it (below), as for a call cut while parked
@@ -356,6 +342,9 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
         elif not step.ran:
             step.unknown = True  # the server may run it
         raise
+    finally:
+        if claims is not None:  # shielded: a cut must not leave the claims reserved
+            await asyncio.shield(settle_claims(step.mcp.gw, claims, may_have_run=step.sent and not step.not_run))
 
 
 async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
@@ -462,6 +451,7 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
     """A stop stops the run (a reject refuses only this call: InvalidRequest); effects go to the store in
     one atomic operation (an `Add` over its limit stops the run there). Raises Stopped."""
     gw, ctx = step.mcp.gw, step.ctx
+    step.decisions.extend(verdict.decisions)
     if step.unguarded:
         return
     if verdict.stop is not None:
@@ -492,7 +482,7 @@ async def _approve(step: ToolStep) -> None:
     if step.unguarded:
         return
     run = await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
-    _refuse_if_stopped(run)  # it may have stopped meanwhile
+    refuse_if_stopped(run)  # it may have stopped meanwhile
     # a guard may stop it now that did not when the call arrived (the time cap ran out while it waited)
     verdict = mcp.gw.chain(ctx.agent, ctx.policy).before(dataclasses.replace(ctx, run=run, now=time.time()))
     if verdict.stop is not None:

@@ -17,11 +17,13 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.config import Provider
-from gateway.errors import GatewayError, InvalidRequest, UpstreamUnavailable
+from gateway.errors import GatewayError, InvalidRequest, StateUnavailable, UpstreamUnavailable
 from gateway.forward import wire_of
+from gateway.identity import Identity
+from gateway.observe_forward import end_forward, start_forward
 from gateway.pipeline import CREDENTIALS, JSON, add_credentials, base_headers, echo_headers, error_response
 from gateway.proxy import GATEWAY
+from gateway.routing import Route
 from gateway.runtime import Gateway
 
 MAX_PAGES = 50  # a provider's list read page by page stops here (50,000 models at Anthropic's largest page)
@@ -37,12 +39,17 @@ async def list_models(request: web.Request) -> web.Response:
         paging = _paging(request.query)
     except GatewayError as exc:
         return error_response(adapter, exc, echo_headers(request.headers))
+    try:
+        state = await gw.store.get(identity.run_id, steps=False, reservations=False)
+    except StateUnavailable:
+        state = None  # only the spans' parent (the run's root of its epoch) needs the run: the list does not
+    epoch = state.epoch if state is not None else 1
     merged: list[dict[str, Any]] = []
     reached = 0
     for name, provider in gw.config.providers.items():
         if provider.engine != "http":  # an in-process model has no list to ask for
             continue
-        items = await _models_of(gw, provider, request.headers)
+        items = await _models_of(gw, Route(name, provider, "", False), request.headers, identity, epoch)
         if items is None:
             continue
         reached += 1
@@ -55,8 +62,11 @@ async def list_models(request: web.Request) -> web.Response:
     return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
 
 
-async def _models_of(gw: Gateway, provider: Provider, asked: Mapping[str, str]) -> list[Any] | None:
-    """Every entry of one provider's list, or None when it did not answer with one."""
+async def _models_of(gw: Gateway, route: Route, asked: Mapping[str, str], identity: Identity,
+                     epoch: int) -> list[Any] | None:
+    """Every entry of one provider's list, or None when it did not answer with one. Each page asked
+    is a CLIENT span, as any forwarded call is."""
+    provider = route.provider
     headers: CIMultiDict[str] = CIMultiDict()
     if provider.passthrough_auth:  # its model calls carry the agent's credentials: so does its list
         headers.extend((k, v) for k, v in asked.items() if k.lower() in CREDENTIALS)
@@ -69,14 +79,21 @@ async def _models_of(gw: Gateway, provider: Provider, asked: Mapping[str, str]) 
     for _ in range(MAX_PAGES):
         url = base if provider.type != "anthropic" else f"{base}?limit={PAGE_LIMIT}" + (
             f"&after_id={quote(after, safe='')}" if after else "")
+        span = start_forward(gw, identity, asked, method="GET", url=url, operation=None, model=None, route=route,
+                             epoch=epoch)
+        sent = headers.copy()
+        if span is not None:
+            sent.update(span.trace_headers())
         try:
-            upstream = await gw.upstream.open("GET", url, headers, None, provider.timeouts)
+            upstream = await gw.upstream.open("GET", url, sent, None, provider.timeouts)
             try:
                 data = await upstream.read()
             finally:
                 upstream.release()
-        except GatewayError:
+        except GatewayError as exc:
+            end_forward(span, status=None, failure=exc.code)
             return None
+        end_forward(span, status=upstream.status)
         if upstream.status >= 300:
             return None
         try:

@@ -200,6 +200,8 @@ def _annotate(span: StepSpan, step: Step, *, final: bool) -> None:
     end = len(step.decisions) if final else step.extra.get(_OPENED, len(step.decisions))
     decisions: list[Decision] = step.decisions[step.extra.get(_DECISIONS, 0):end]
     step.extra[_DECISIONS] = end
+    if final:
+        decisions = as_decided(decisions, step)
     if span.is_recording:  # the joined string is only ever an attribute
         span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in decisions))
     for d in decisions:
@@ -215,7 +217,7 @@ def _annotate(span: StepSpan, step: Step, *, final: bool) -> None:
         failed = final and index == len(violations) and step.error_type == "output_nonconforming"
         span.guard_event("output", "fail" if failed else "reask", "output_nonconforming", violation)
     if final and step.stop_reason and not any(d.stopped for d in decisions):
-        # the stop came from the store (a claim that did not fit) or the tool gate, not a guard decision
+        # the stop came from the tool gate or a guard that took no part in the attempt, not a decision
         span.guard_event(STOP_GUARD.get(step.stop_reason, "tollgate"), "stop", step.stop_reason,
                          step.stop_detail or None)
 
@@ -268,9 +270,26 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
     return step.spent.get("usd", 0.0)
 
 
+def as_decided(decisions: list[Decision], step: Step) -> list[Decision]:
+    """`decisions`, where a stop the run store decided reads as the stop of the guard whose claim did
+    not fit (its last `allow`): the budget's claims are checked atomically by the store, not by the
+    guard, and a span or a count saying `budget:allow` on a step the budget stopped would contradict
+    its own stop."""
+    reason = step.stop_reason
+    guard = STOP_GUARD.get(reason) if reason else None
+    if guard is None or any(d.stopped for d in decisions):
+        return decisions
+    for index in range(len(decisions) - 1, -1, -1):
+        if decisions[index].guard == guard and decisions[index].action == "allow":
+            assert reason is not None
+            stop = Decision.stop(guard, reason, step.stop_detail or f"the run is stopped ({reason})")
+            return [*decisions[:index], stop, *decisions[index + 1:]]
+    return decisions
+
+
 def _step_metrics(metrics: Metrics, step: Step, decision: str) -> None:
     if step.decisions:
-        metrics.guard_decisions([(d.guard, d.action, d.reason) for d in step.decisions])
+        metrics.guard_decisions([(d.guard, d.action, d.reason) for d in as_decided(step.decisions, step)])
     snapshot: RunState | None = step.extra.get("snapshot")
     if step.stop_reason and not (snapshot is not None and snapshot.stopped):
         metrics.run_stopped(step.stop_reason)  # this step stopped the run (not a refusal of a stopped run)

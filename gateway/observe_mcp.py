@@ -11,7 +11,7 @@ stopped the run.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -24,7 +24,8 @@ from gateway.jsonrpc import is_final_result
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, end_run, telemetry_of
 from gateway.store.base import RunState
-from otel.attributes import TOOLS_CALL
+from guards.base import Decision
+from otel.attributes import TOLLGATE_GUARDS, TOOLS_CALL
 from otel.propagation import context_from_headers, extract_meta_context, inject_meta_context
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
@@ -147,6 +148,7 @@ async def end_tool_span(
     failure: str | None = None,
     replayed: bool = False,
     status: int = 200,
+    decisions: Sequence[Decision] = (),
 ) -> None:
     """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
     replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
@@ -154,7 +156,8 @@ async def end_tool_span(
     read before the call (None when the call was refused before that); `approved_by` who approved it
     when it was parked for approval (the ledger row says so); `failure` why nobody got the answer
     (`client_disconnected`, `shutting_down`: the span is an error; without a decision or a result the
-    row's decision is `error`). A stop exports the run's root span."""
+    row's decision is `error`); `decisions` the guards' (the `tollgate.guards` attribute and
+    `tollgate_guard_decisions_total`, as for a model call). A stop exports the run's root span."""
     gw = mcp.gw
     telemetry = telemetry_of(gw)
     if telemetry is None:
@@ -172,6 +175,10 @@ async def end_tool_span(
         span = _open_tool(telemetry, mcp, message, tool, epoch, started_wall)
         if telemetry.capture_content:
             span.capture_input(_tool_call(message, tool), gw.services["redactor"])
+    if decisions:
+        if span.is_recording:
+            span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in decisions))
+        metrics.guard_decisions([(d.guard, d.action, d.reason) for d in decisions])
     if stop:
         reason = refused.redacted if refused is not None else None
         span.guard_event(STOP_GUARD.get(stop, "tollgate"), "stop" if stopped_now else "reject", stop, reason)

@@ -55,8 +55,13 @@ def build_custom(spec: GuardSpec, policy: Agent) -> StopCondition:
             "budget/caps/loop keys. `guards:` adds custom guards"
         )
     cls = load_class(spec.use)
-    params = inspect.signature(cls).parameters
-    guard = cls(policy, **spec.options) if "policy" in params else cls(**spec.options)
+    param = inspect.signature(cls).parameters.get("policy")
+    if param is None:
+        guard = cls(**spec.options)
+    elif param.kind is inspect.Parameter.POSITIONAL_ONLY:
+        guard = cls(policy, **spec.options)
+    else:  # by name: `policy` may come after other parameters, or be keyword-only
+        guard = cls(**spec.options, policy=policy)
     if not isinstance(guard, StopCondition):
         raise ValueError(f"{spec.use!r} does not implement StopCondition (name, before, after)")
     return guard
