@@ -137,6 +137,12 @@ async def plan_outputs(
     specs.extend(library.resolve(value.strip()) for value in header)
     specs.extend(from_request)
     unique = list({s.key: s for s in specs}.values())
+    own = next((s for s in unique if s in from_request), None)
+    if own is not None and own is not unique[0] and _native_in_body(call, dialect)[0]:
+        # the request's own constraint, already in the upstream's form, is forwarded as sent: an agent's
+        # or a header's grammar never replaces it natively (it may be the weaker); they are validated after
+        unique.remove(own)
+        unique.insert(0, own)
     native: Mapping[str, Any] | None = None
     exact = False
     first = unique[0]

@@ -51,7 +51,7 @@ from gateway.relay import collect_stream, relay_stream
 from gateway.routing import Route
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, shape_tools, without
+from gateway.toolgate import TOOL_NOT_ALLOWED, answers_something, judge_tools, shape_tools, without
 from gateway.upstream import answer_headers, scrub, secret_bytes
 from grammars.tool_args import check_tool_schemas
 
@@ -254,8 +254,10 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 left = drop_calls(step.call.protocol, parsed, tools.names)
                 data = orjson.dumps(parsed)
             answer = step.answer = without(answer, tools.names)
+            if step.call.stream:  # held whole (`stream_check: buffer`): nothing of it was sent yet
+                left = answers_something(answer)
             step.extra["tools_dropped"] = len(tools.denied)
-            if not left and not step.call.stream:
+            if not left:
                 step.extra["tool_reasked"] = True
                 step.reasks += 1
                 _discard(step, answer)
@@ -265,7 +267,8 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         if verdict is None:
             break
         step.violations.append(f"{verdict.kind}: {verdict.violation.redacted}")  # telemetry: no content
-        if step.reasks >= retries:
+        # the re-ask of an answer the drop left empty is the tool's, not one of the grammar's
+        if step.reasks - bool(step.extra.get("tool_reasked")) >= retries:
             raise OutputNonconforming(
                 f"the answer still breaks its {verdict.kind} constraint after {step.reasks} re-asks: "
                 f"{verdict.violation.message}"

@@ -16,7 +16,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from gateway.call import Answer
-from gateway.errors import GatewayError, OutputNonconforming, Stopped, UpstreamUnavailable
+from gateway.errors import GatewayError, OutputNonconforming, Stopped, ToolNotAllowed, UpstreamUnavailable
 from gateway.observe import ledger_stop_now, step_span
 from gateway.outputs import held_to_text, judge_tool_arguments
 from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
@@ -24,7 +24,7 @@ from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.toolgate import TOOL_NOT_ALLOWED, judge_tools, without
+from gateway.toolgate import TOOL_NOT_ALLOWED, answers_something, judge_tools, without
 from gateway.upstream import UpstreamResponse, answer_headers, scrub, secret_bytes
 from grammars.checker import IncrementalChecker
 
@@ -135,6 +135,13 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
                     answer = step.answer = without(answer, tools.names)
                     step.extra["tools_dropped"] = len(tools.denied)
+                    if not answers_something(answer):
+                        # its start is sent: it cannot be re-asked (`stream_check: buffer` holds it and
+                        # can), and an empty answer would end the agent's turn with nothing: say why
+                        step.error_type = TOOL_NOT_ALLOWED
+                        raise ToolNotAllowed(
+                            f"{tools.detail}; the answer called nothing else, and a stream relayed as it "
+                            "arrives cannot be re-asked (output.stream_check: buffer can): the run goes on")
                     if checkers and not text_judged and not answer.tool_calls and held_to_text(answer):
                         # what is left is the answer now (commentary before the calls is none of it)
                         dropped = _text_failure(checkers)

@@ -77,3 +77,10 @@ def judge_tools(policy: ToolPolicy, answer: Answer) -> ToolVerdict | None:
 def without(answer: Answer, names: frozenset[str]) -> Answer:
     """The answer as the agent receives it after dropping the calls of `names`."""
     return replace(answer, tool_calls=tuple(c for c in answer.tool_calls if c.name not in names))
+
+
+def answers_something(answer: Answer) -> bool:
+    """Whether an answer still says or calls anything (text or a call): thinking, reasoning and the
+    records of tools the provider ran are no answer on their own. One that does not, after its
+    disallowed calls were dropped, is re-asked once."""
+    return bool(answer.text or answer.tool_calls)

@@ -185,7 +185,8 @@ def build_check(schema: Any) -> SchemaCheck:
         raise InvalidGrammar(f"json_schema: a schema must be a JSON object or boolean, not {_type(schema)}")
     cls = _validator_class(schema)
     try:
-        cls.check_schema(schema)  # type: ignore[arg-type]  # the stubs forget boolean schemas
+        # the stubs forget boolean schemas
+        cls.check_schema(schema, format_checker=_metaschema_formats())  # type: ignore[arg-type]
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "<root>"
         raise InvalidGrammar(f"json_schema: invalid schema at {where}: {exc.message}") from exc
@@ -269,6 +270,14 @@ def _type(value: Any) -> str:
     return {list: "an array", str: "a string", int: "a number", float: "a number"}.get(
         type(value), "null" if value is None else type(value).__name__
     )
+
+
+@functools.cache
+def _metaschema_formats() -> FormatChecker:
+    """The formats a schema is checked with against its metaschema: jsonschema's own but `regex`, which
+    it checks with Python's `re` (no `\\p{Lu}`, say); patterns run on RE2, and `_check_patterns` judges
+    them with RE2 itself."""
+    return FormatChecker([name for name in Draft202012Validator.FORMAT_CHECKER.checkers if name != "regex"])
 
 
 @functools.cache
