@@ -174,7 +174,6 @@ def create_admin_app(proxy: web.Application) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/runs", list_runs)
-    app.router.add_get("/admin/runs/{run_id:.+}/", get_run)
     app.router.add_post("/admin/runs/{run_id:.+}/reset", reset_run)
     app.router.add_get("/admin/runs/{run_id:.+}", get_run)
     app.router.add_routes(approval_routes(_gateway))

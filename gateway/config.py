@@ -255,6 +255,14 @@ def _regex(value: str) -> str:
     return value
 
 
+def _agent_name(value: str) -> str:
+    # what `x-tollgate-agent` can name (gateway.identity): an agent no header can select would be
+    # unreachable without agent keys, and its name is a label of every metric and span
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+        raise ValueError(f"agent name {value!r} must be 1-64 of A-Z a-z 0-9 . _ -")
+    return value
+
+
 class Otel(Frozen):
     capture_content: bool = False
     # extra regexes whose matches are replaced before a span leaves; compiled here so that a bad one is
@@ -271,7 +279,7 @@ class Config(Frozen):
     mcp_servers: dict[str, McpServer] = {}
     pricing: dict[str, Price] = {}
     state: State = State()
-    agents: dict[str, Agent] = {}
+    agents: dict[Annotated[str, AfterValidator(_agent_name)], Agent] = {}
     limits: Limits = Limits()
     grammars: Grammars = Grammars()
     ledger: Ledger = Ledger()

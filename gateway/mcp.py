@@ -34,14 +34,14 @@ from gateway.jsonrpc import (
 )
 from gateway.mcp_calls import call_tool
 from gateway.mcp_transport import McpRequest, Transform, relay, state_of
-from gateway.pipeline import read_body
+from gateway.pipeline import echo_headers, read_body
 from gateway.proxy import GATEWAY
 
 
 async def mcp_handler(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     name = request.match_info["server"]
-    headers: dict[str, str] = {}
+    headers = echo_headers(request.headers)  # answers before the agent is known echo a named run id
     try:
         if gw.shutting_down:
             raise ShuttingDown("tollgate is shutting down")

@@ -4,7 +4,8 @@ Each provider's list is read to its end (Anthropic's is paged: `has_more`, `afte
 credentials its model calls carry (the agent's own for a `passthrough_auth` provider). The merged list
 answers both SDKs: OpenAI's `{"object": "list", "data"}` and Anthropic's page fields (`has_more`,
 `first_id`, `last_id`), paged over the merged list by the caller's `limit`, `after_id` and `before_id`.
-Errors are in the caller's wire format.
+Errors are in the caller's wire format. A stopped run's list is refused like any forwarded call of it
+(403 with the stop's reason, a span and a ledger row).
 """
 
 from __future__ import annotations
@@ -17,10 +18,17 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.errors import GatewayError, InvalidRequest, StateUnavailable, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ShuttingDown,
+    StateUnavailable,
+    Stopped,
+    UpstreamUnavailable,
+)
 from gateway.forward import wire_of
 from gateway.identity import Identity
-from gateway.observe_forward import end_forward, start_forward
+from gateway.observe_forward import end_forward, refused_forward, start_forward
 from gateway.pipeline import CREDENTIALS, JSON, add_credentials, base_headers, echo_headers, error_response
 from gateway.proxy import GATEWAY
 from gateway.routing import Route
@@ -34,16 +42,28 @@ MAX_LIMIT = 1000  # the most a caller's `limit` may ask for
 async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     adapter = gw.adapters[wire_of(request)]
+    identity: Identity | None = None
+    epoch = 1
     try:
+        if gw.shutting_down:
+            raise ShuttingDown("tollgate is shutting down")
         identity = gw.identifier.identify(request.headers)
         paging = _paging(request.query)
+        try:
+            state = await gw.store.get(identity.run_id, steps=False, reservations=False)
+        except StateUnavailable:
+            if identity.policy.state_failure != "fail_open":
+                raise
+            state = None
+        if state is not None:
+            epoch = state.epoch
+            if state.stopped:  # a stopped run is stopped on every upstream path, as forwarded calls are
+                raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
     except GatewayError as exc:
-        return error_response(adapter, exc, echo_headers(request.headers))
-    try:
-        state = await gw.store.get(identity.run_id, steps=False, reservations=False)
-    except StateUnavailable:
-        state = None  # only the spans' parent (the run's root of its epoch) needs the run: the list does not
-    epoch = state.epoch if state is not None else 1
+        if identity is None:
+            return error_response(adapter, exc, echo_headers(request.headers))
+        refused_forward(gw, identity, exc, request.headers, method="GET", operation=None, epoch=epoch)
+        return error_response(adapter, exc, base_headers(identity))
     merged: list[dict[str, Any]] = []
     reached = 0
     for name, provider in gw.config.providers.items():

@@ -280,11 +280,12 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
     if hosted:  # what the provider ran for re-asked attempts counts with the answer the agent gets
         answer = replace(answer, hosted_calls=answer.hosted_calls + hosted)
     await guard_after(gw, step, answer)
-    response_headers = answer_headers(upstream.headers, base_headers(step.identity, step),
-                                      secret=provider_secret(step.route.provider))
+    secret = provider_secret(step.route.provider)
+    response_headers = answer_headers(upstream.headers, base_headers(step.identity, step), secret=secret)
     if step.call.stream:
         response_headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    return web.Response(status=upstream.status, body=data, headers=response_headers)
+    # an answer that echoes the key tollgate sent reaches the agent without it, as a relayed stream does
+    return web.Response(status=upstream.status, body=scrub(data, secret_bytes(secret)), headers=response_headers)
 
 
 def _parse_body(data: bytes) -> dict[str, Any]:
