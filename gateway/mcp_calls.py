@@ -66,7 +66,13 @@ from gateway.jsonrpc import (
     result_content,
 )
 from gateway.mcp_flights import CLIENT_LEFT, Flight, cause_of, flights_of, uncut
-from gateway.mcp_guards import check_arguments, refuse_if_stopped, reserve_claims, settle_claims
+from gateway.mcp_guards import (
+    check_arguments,
+    refuse_if_stopped,
+    release_claims,
+    reserve_claims,
+    settle_claims,
+)
 from gateway.mcp_transport import McpRequest, relay, state_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
@@ -323,8 +329,16 @@ async def _execute(step: ToolStep) -> web.StreamResponse:
     assert step.call.tool_call is not None
     chain = step.mcp.gw.chain(ctx.agent, ctx.policy)
     verdict = chain.before(ctx)
-    await _apply(step, verdict)
-    claims = None if step.unguarded else await reserve_claims(step.mcp.gw, ctx, verdict.claims)
+    # the claims first, as for a model call: a call they refuse counts nothing (its effects are not written)
+    claims = None
+    if verdict.stop is None and not step.unguarded:
+        claims = await reserve_claims(step.mcp.gw, ctx, verdict.claims)
+    try:
+        await _apply(step, verdict)
+    except BaseException:
+        if claims is not None:
+            await asyncio.shield(release_claims(step.mcp.gw, claims))
+        raise
     try:
         # counted in one section its client leaving cannot cut: a cut then comes once the count is written,
         # and carries it (below), as for a call cut while parked

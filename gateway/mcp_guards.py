@@ -67,3 +67,10 @@ async def settle_claims(gw: Gateway, reservation: Reservation, *, may_have_run: 
         counter: amount for counter, amount in reservation.amounts.items() if counter not in USAGE_COUNTERS}
     with contextlib.suppress(StateUnavailable):
         await gw.store.settle(reservation, dict(amounts), time.time())
+
+
+async def release_claims(gw: Gateway, reservation: Reservation) -> None:
+    """Release a step's claims unspent: the call was refused before it could run (nothing counts).
+    Never raises, like `settle_claims`."""
+    with contextlib.suppress(StateUnavailable):
+        await gw.store.settle(reservation, {}, time.time())

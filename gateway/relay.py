@@ -135,6 +135,11 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
                     answer = step.answer = without(answer, tools.names)
                     step.extra["tools_dropped"] = len(tools.denied)
+                    if checkers and not text_judged and not answer.tool_calls and held_to_text(answer):
+                        # what is left is the answer now (commentary before the calls is none of it)
+                        dropped = _text_failure(checkers)
+                        if dropped is not None:
+                            raise dropped
                     if not answers_something(answer):
                         # its start is sent: it cannot be re-asked (`stream_check: buffer` holds it and
                         # can), and an empty answer would end the agent's turn with nothing: say why
@@ -142,11 +147,6 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                         raise ToolNotAllowed(
                             f"{tools.detail}; the answer called nothing else, and a stream relayed as it "
                             "arrives cannot be re-asked (output.stream_check: buffer can): the run goes on")
-                    if checkers and not text_judged and not answer.tool_calls and held_to_text(answer):
-                        # what is left is the answer now (commentary before the calls is none of it)
-                        dropped = _text_failure(checkers)
-                        if dropped is not None:
-                            raise dropped
                 # the held calls reach the agent only with arguments their tools' schemas accept; a
                 # stream cannot be re-asked once it started (`stream_check: buffer` can)
                 verdict = judge_tool_arguments(step.call, answer)

@@ -13,7 +13,7 @@ import pytest
 from gateway.call import Call
 from gateway.config import Agent
 from gateway.errors import BudgetHeld, Stopped
-from gateway.mcp_guards import refuse_if_stopped, reserve_claims, settle_claims
+from gateway.mcp_guards import refuse_if_stopped, release_claims, reserve_claims, settle_claims
 from gateway.store.base import Claim, RunState
 from gateway.store.memory import MemoryRunStore
 from guards.base import StepContext
@@ -81,3 +81,14 @@ async def test_usage_is_charged_only_when_the_tool_may_have_run(may_have_run: bo
     state = await store.get("r1")
     assert state is not None and not state.open
     assert state.used.get("usd", 0.0) == usd and state.used["probe_calls"] == 1.0
+
+
+async def test_released_claims_count_nothing() -> None:
+    store = MemoryRunStore()
+    gw = gateway(store)
+    grant = await reserve_claims(gw, ctx(), (Claim("probe_calls", 1.0, 0.0, 1.0, "probe_cap"),))
+    assert grant is not None
+    await release_claims(gw, grant)
+    state = await store.get("r1")
+    assert state is not None and not state.open and state.used.get("probe_calls", 0.0) == 0.0
+    assert await reserve_claims(gw, ctx(), (Claim("probe_calls", 1.0, 0.0, 1.0, "probe_cap"),)) is not None

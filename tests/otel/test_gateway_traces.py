@@ -778,7 +778,9 @@ async def test_keys_and_bearer_tokens_in_prompts_never_leave_the_process(
         "tools": [{"type": "function", "function": {"name": "t", "description": prompt, "parameters": {}}}],
     }
     status, data = await post(h, body, run="r-secret", headers={"authorization": f"Bearer {AGENT_KEY}"})
-    assert status == 200 and PROVIDER_KEY.encode() in data  # the agent gets the answer as it is
+    # the answer as it came, but the provider key tollgate sent, which is never shown to the agent (DESIGN 3)
+    assert status == 200 and PROVIDER_KEY.encode() not in data and b"[redacted by tollgate]" in data
+    assert BEARER.encode() in data
 
     spans = await flushed(h, sink)
     [span] = of_run(spans, "r-secret")
