@@ -310,9 +310,10 @@ class RedisRunStore:
                      request.clamp_units, float(now) - self._lease, self._tombstone_s],
                 )
             )
-        except StateUnavailable:
+        except (StateUnavailable, asyncio.CancelledError):
             # the grant may have happened with its answer lost, or its reserve may still land: release it
-            # at zero (a tombstone if nothing is there yet) as soon as Redis answers
+            # at zero (a tombstone if nothing is there yet) as soon as Redis answers. Cancelled too: the
+            # caller (a handler whose client left) will never settle what it did not get
             self._keep_unsettled(run_id, rid, [None, rid, float(now), [], self._tombstone_s, None])
             raise
         if reply[0] == "deny":
@@ -328,7 +329,9 @@ class RedisRunStore:
                 self._tombstone_s, agent]
         try:
             await self._call("settle", reservation.run_id, "", args)
-        except StateUnavailable:
+        except (StateUnavailable, asyncio.CancelledError):
+            # cancelled too (a handler whose client left, with the settle maybe on the wire): nobody else
+            # settles it, and a replay never charges twice
             self._keep_unsettled(reservation.run_id, reservation.id, args)
             raise
 

@@ -512,7 +512,13 @@ async def _four_gateways_400(tmp_path: Path, stream: bool) -> dict[str, Any]:
         finally:
             for c in clients:
                 await c.close()
-        views = [await cluster.settled(session, i, run) for i in range(4)]
+        try:
+            views = [await cluster.settled(session, i, run) for i in range(4)]
+        except AssertionError as exc:  # say what the calls got: a reservation left open has a cause there
+            statuses = Counter(200 if kind == "ok" else (v[0] if kind == "refused" else "error") for kind, v in results)
+            odd = [v for kind, v in results if kind == "error" or (kind == "refused" and v[0] != 403)][:5]
+            logs = "\n".join(cluster.log_tail(i) for i in range(4))
+            raise AssertionError(f"{exc}\nstatuses {dict(statuses)}; odd answers {odd}\ngateway logs:\n{logs}") from None
         return {"run": run, "results": results, "views": views, "upstream": upstream}
 
 

@@ -6,6 +6,7 @@ a Redis that would lose runs. (`test_redis_fault_probe` drives the same faults t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -334,5 +335,67 @@ async def test_a_check_cut_short_is_made_again(own_redis: RedisServer, caplog: p
             await store.get("r")
             await store.get("r")
         assert [r.name for r in caplog.records].count("gateway.store.redis") == 1
+    finally:
+        await store.close()
+
+
+# -- callers cancelled mid-call (a client that left cancels its handler: aiohttp handler_cancellation) ---
+
+
+async def test_a_settle_cancelled_in_flight_is_still_settled(redis_server: RedisServer) -> None:  # noqa: F811
+    """Found by a four-gateway acceptance run: a stream's client that closes at `[DONE]` cancels the
+    handler while its settle is on the wire; the settle was lost (not kept for replay) and its
+    reservation held the shared budget until the lease. Cancelled at each point of its way (redis-py
+    finishes some of them anyway): every one is settled, once."""
+    store = fresh(redis_server.url)
+    try:
+        for turns in range(1, 8):
+            reservation = await grant(store)
+            task = asyncio.create_task(store.settle(reservation, {"usd": 0.0005, "llm_calls": 1.0}, NOW))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        # queued for a connection slot (a burst of steps): cancelled before a byte of it is written
+        reservation = await grant(store)
+        slots = store._slots
+        taken = slots._value  # type: ignore[attr-defined]
+        for _ in range(taken):  # every slot taken
+            await slots.acquire()
+        task = asyncio.create_task(store.settle(reservation, {"usd": 0.0005, "llm_calls": 1.0}, NOW))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(taken):
+            slots.release()
+        async with asyncio.timeout(10):
+            assert await store.replayed() == 0
+        state = await store.get("r")
+        assert state is not None and state.open == {} and state.reserved.get("usd", 0.0) == 0.0
+        assert state.used == {"usd": pytest.approx(8 * 0.0005), "llm_calls": 8.0}
+    finally:
+        await store.close()
+
+
+async def test_a_reserve_cancelled_in_flight_holds_nothing(redis_server: RedisServer) -> None:  # noqa: F811
+    """A reserve whose caller was cancelled may have run in Redis, its answer never read: it is released
+    (one redis-py finished anyway is settled here, as its caller would)."""
+    store = fresh(redis_server.url)
+    try:
+        for turns in range(1, 8):
+            task = asyncio.create_task(store.reserve("r", "bot", CALL, NOW))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                granted = await task
+                assert isinstance(granted, Reservation)
+                await store.settle(granted, {}, NOW)
+        async with asyncio.timeout(10):
+            assert await store.replayed() == 0
+        state = await store.get("r")
+        assert state is None or (state.open == {} and state.reserved.get("usd", 0.0) == 0.0)
     finally:
         await store.close()
