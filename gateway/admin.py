@@ -61,6 +61,13 @@ async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable
         return await handler(request)
     except StateUnavailable as exc:  # the run store is down: say so, as the proxy port does
         return _json({"error": {"code": exc.code, "message": exc.message}}, exc.status)
+    except web.HTTPNotFound:  # the router's own answer is plain text: JSON like every other admin answer
+        return _json({"error": {"code": "not_found", "message": f"no admin endpoint at {request.path}"}}, 404)
+    except web.HTTPMethodNotAllowed as exc:
+        response = _json({"error": {"code": "method_not_allowed",
+                                    "message": f"{request.method} is not a method of {request.path}"}}, 405)
+        response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return response
 
 
 async def healthz(request: web.Request) -> web.Response:

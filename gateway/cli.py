@@ -130,11 +130,29 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(exc)
         return 1
+    for warning in config_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"ok: {len(config.providers)} providers, {len(config.models)} model routes, "
         f"{len(config.agents)} agents, {len(config.mcp_servers)} MCP servers, state {config.state.backend}"
     )
     return 0
+
+
+def config_warnings(config: Any) -> list[str]:
+    """What a valid config will not do that its author likely expects: `check-config` prints them, and
+    `serve` the first one at start."""
+    import importlib.util
+
+    warnings: list[str] = []
+    if not config.providers:
+        warnings.append("no provider is configured: every model call is a 404 model_not_found (set "
+                        "OPENAI_API_KEY / ANTHROPIC_API_KEY for the embedded default, or list providers:)")
+    for name, provider in config.providers.items():
+        if provider.engine == "outlines" and importlib.util.find_spec("outlines") is None:
+            warnings.append(f"providers.{name}: type outlines needs the local extra (pip install "
+                            "'tollgate[local]'): serve refuses this config until it is installed")
+    return warnings
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -147,7 +165,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     """Every run, newest activity first: `GET /admin/runs` page after page, following `next`."""
     import urllib.error  # the HTTP client is only for this command, not for `serve` and the rest
 
-    url = args.admin.rstrip("/") + "/admin/runs"
+    admin = args.admin if "://" in args.admin else f"http://{args.admin}"  # `127.0.0.1:9464` is meant
+    url = admin.rstrip("/") + "/admin/runs"
     try:
         runs = _all_runs(url)
     except urllib.error.HTTPError as exc:
@@ -224,6 +243,9 @@ def _http_error_line(url: str, exc: urllib.error.HTTPError) -> str:
         where = exc.headers.get("Location") or "elsewhere"
         return (f"error: {url} redirects ({exc.code}) to {where}; tollgate does not follow redirects "
                 "with the admin token: pass the admin API's own URL with --admin")
+    if exc.code == 401:
+        return (f"error: cannot read {url}: {exc}; the admin port requires its token: set "
+                "TOLLGATE_ADMIN_TOKEN to admin.token")
     return f"error: cannot read {url}: {exc}"
 
 
@@ -294,7 +316,8 @@ def parser() -> argparse.ArgumentParser:
                       help="also write the tour's traces as OTLP JSON (loads in Jaeger's UI)")
     demo.set_defaults(func=cmd_demo)
     runs = sub.add_parser("runs", help="table of runs")
-    runs.add_argument("--admin", default="http://127.0.0.1:9464")
+    runs.add_argument("--admin", default="http://127.0.0.1:9464",
+                      help="the admin port's URL (default http://127.0.0.1:9464)")
     runs.set_defaults(func=cmd_runs)
     ledger = sub.add_parser("ledger", help="decision ledger")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)

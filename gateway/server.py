@@ -85,6 +85,10 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
             f"state: {config.state.backend}",
             flush=True,
         )
+        if not config.providers:
+            print("tollgate: no provider is configured: every model call is a 404 model_not_found (set "
+                  "OPENAI_API_KEY / ANTHROPIC_API_KEY for the embedded default, or list providers: in the config)",
+                  file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

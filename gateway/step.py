@@ -76,8 +76,10 @@ class Step:
             "provider": self.route.provider_name,
             "stream": self.call.stream,
             "status": self.status,
-            "decision": "stop" if self.stop_reason else "allow",
+            # an error (refused, cut, failed upstream) is no allow: the ledger row says `error` too
+            "decision": "stop" if self.stop_reason else "error" if self.error_type else "allow",
             "stop_reason": self.stop_reason,
+            "error": None if self.stop_reason else self.error_type,
             "cost_usd": round(spent.get("usd", 0.0), 10),  # all attempts, as the run is charged
             "input_tokens": int(spent["input_tokens"]) if "input_tokens" in spent else None,
             "output_tokens": int(spent["output_tokens"]) if "output_tokens" in spent else None,

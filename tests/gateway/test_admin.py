@@ -82,3 +82,12 @@ def test_a_cursor_is_url_safe_text_that_gives_back_the_exact_position(position: 
 def test_decode_cursor_raises_invalid_request() -> None:
     with pytest.raises(InvalidRequest):
         decode_cursor(b64('["1.5", "r"]'))  # a number written as text is not a position
+
+
+async def test_unknown_admin_paths_and_methods_answer_json(gw: Harness) -> None:
+    async with gw.session.get(f"{gw.admin_url}/admin/nothing-here") as resp:
+        assert resp.status == 404 and resp.content_type == "application/json"
+        assert (await resp.json())["error"]["code"] == "not_found"
+    async with gw.session.delete(f"{gw.admin_url}/admin/runs") as resp:
+        assert resp.status == 405 and resp.content_type == "application/json"
+        assert (await resp.json())["error"]["code"] == "method_not_allowed" and "GET" in resp.headers["Allow"]

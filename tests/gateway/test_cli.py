@@ -209,3 +209,32 @@ def test_sigterm_while_starting_exits_0_without_a_traceback(tmp_path: Path, setu
                           text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert said in done.stdout + done.stderr and "Traceback" not in done.stderr, (done.stdout, done.stderr)
+
+
+# -- what a newcomer trips over (README walkthrough) --------------------------------------------------------
+
+
+def test_check_config_warns_of_a_config_that_serves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tollgate.yaml"
+    path.write_text("state: {backend: memory}\n")
+    assert cli_main(["check-config", str(path)]) == 0  # valid: a warning, not an error
+    out, err = capsys.readouterr()
+    assert out.startswith("ok: 0 providers") and "warning: no provider is configured" in err
+
+
+async def test_runs_takes_an_admin_address_without_a_scheme(gateway_factory: GatewayFactory,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    h = await gateway_factory()
+    async with h.session.post(f"{h.url}/v1/chat/completions", headers={"x-tollgate-run-id": "plain"},
+                              json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}) as resp:
+        assert resp.status == 200
+    code, out, err = await run_cli(capsys, "runs", "--admin", h.admin_url.removeprefix("http://"))
+    assert code == 0, err
+    assert "plain" in out
+
+
+async def test_runs_without_the_admin_token_says_which_variable_to_set(gateway_factory: GatewayFactory,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    h = await gateway_factory(admin={"token": "admin-secret-token-123"})
+    code, _, err = await run_cli(capsys, "runs", "--admin", h.admin_url)
+    assert code == 1 and "401" in err and "TOLLGATE_ADMIN_TOKEN" in err

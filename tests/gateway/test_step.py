@@ -41,8 +41,12 @@ def test_identity_shortcuts() -> None:
           "spent": {"usd": 0.123456789012345, "input_tokens": 12.0, "output_tokens": 3.0}},
          {"decision": "allow", "input_tokens": 12, "output_tokens": 3, "tool_calls": ["ls", "cat"],
           "status": 200, "cost_usd": 0.123456789, "attempts": 2, "reasks": 1}),
-        ({"stop_reason": "budget_exhausted", "status": 403},
-         {"decision": "stop", "stop_reason": "budget_exhausted", "status": 403}),
+        ({"stop_reason": "budget_exhausted", "status": 403, "error_type": "budget_exhausted"},
+         {"decision": "stop", "stop_reason": "budget_exhausted", "status": 403, "error": None}),
+        # a stream cut for its grammar answered 200 and then an error event: an error, as in the ledger
+        ({"error_type": "output_nonconforming", "status": 200},
+         {"decision": "error", "stop_reason": None, "error": "output_nonconforming"}),
+        ({}, {"error": None}),
         ({"answer": Answer(text="hi")}, {"input_tokens": None, "output_tokens": None, "tool_calls": []}),
     ],
 )
