@@ -74,11 +74,11 @@ FAULTY = {"openai": "gpt-fault", "anthropic": "claude-fault"}
 PATHS = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
 # upstream 5xx bodies as the providers send them (OpenAI's are pretty-printed): passed through byte for byte
 FIVE_XX = {
-    "openai": (500, b'{\n    "error": {\n        "message": "The server had an error while processing your '
-                    b'request. Sorry about that!",\n        "type": "server_error",\n        "param": null,\n'
-                    b'        "code": null,\n        "x_fake_marker": 17\n    }\n}\n'),
-    "anthropic": (529, b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"},'
-                       b'"request_id":"req_fake_529"}'),
+    "openai": (500, (b'{\n    "error": {\n        "message": "The server had an error while processing your '
+                     b'request. Sorry about that!",\n        "type": "server_error",\n        "param": null,\n'
+                     b'        "code": null,\n        "x_fake_marker": 17\n    }\n}\n')),
+    "anthropic": (529, (b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"},'
+                        b'"request_id":"req_fake_529"}')),
 }
 
 
@@ -487,11 +487,11 @@ async def sdk_call(env: Env, api: str, stream: bool, model: str, run_id: str) ->
     if api == "openai":
         client: Any = openai.AsyncOpenAI(base_url=f"{env.h.url}/v1", api_key="sk-agent", max_retries=0,
                                          timeout=10)
-        make = lambda: client.chat.completions.create(  # noqa: E731
+        make = lambda: client.chat.completions.create(
             model=model, messages=MSG, max_tokens=64, stream=stream, extra_headers=headers)
     else:
         client = anthropic.AsyncAnthropic(base_url=env.h.url, api_key="sk-agent", max_retries=0, timeout=10)
-        make = lambda: client.messages.create(  # noqa: E731
+        make = lambda: client.messages.create(
             model=model, messages=MSG, max_tokens=64, stream=stream, extra_headers=headers)
     try:
         try:
@@ -499,7 +499,7 @@ async def sdk_call(env: Env, api: str, stream: bool, model: str, run_id: str) ->
         except (openai.APIStatusError, anthropic.APIStatusError) as exc:
             out.status, out.error = exc.status_code, exc
             return out
-        except Exception as exc:  # a connection error, ...: no clear error
+        except (openai.APIError, anthropic.APIError) as exc:  # a connection error, ...: no clear error
             out.error = exc
             return out
         if not stream:
@@ -512,7 +512,7 @@ async def sdk_call(env: Env, api: str, stream: bool, model: str, run_id: str) ->
                 out.items.append(item)
                 out.started = True
                 env.up.go.set()
-        except Exception as exc:
+        except (openai.APIError, anthropic.APIError) as exc:  # the stream's error event
             out.error = exc
         return out
     finally:
