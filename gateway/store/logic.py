@@ -57,7 +57,7 @@ def _deny(state: RunState, claim: Claim, min_units: int, now: float) -> Denial:
     limit = claim.limit or 0.0
     available = limit - state.used.get(claim.counter, 0.0) - state.reserved.get(claim.counter, 0.0)
     detail = (
-        f"{claim.counter} limit {_fmt(claim.limit)} reached: {_fmt(max(available, 0.0))} left, "
+        f"{claim.counter} limit {_fmt(claim.limit)} would be exceeded: {_fmt(max(available, 0.0))} left, "
         f"this step needs at least {_fmt(claim.fixed + claim.per_unit * min_units)}"
     )
     stop(state, claim.code or f"{claim.counter}_limit", detail, now)
@@ -144,7 +144,7 @@ def add(state: RunState, counter: str, amount: float, limit: float | None, code:
         state.started_at = now
     current = state.used.get(counter, 0.0) + state.reserved.get(counter, 0.0)
     if limit is not None and current + amount > limit + EPS:
-        detail = f"{counter} limit {_fmt(limit)} reached: {_fmt(current)} used, this step adds {_fmt(amount)}"
+        detail = f"{counter} limit {_fmt(limit)} would be exceeded: {_fmt(current)} used, this step adds {_fmt(amount)}"
         code = code or f"{counter}_limit"
         stop(state, code, detail, now)
         return Denial(code, detail)

@@ -66,7 +66,7 @@ local function available(c, limit)
 end
 local function deny(c)  -- logic._deny
   local left = available(c, c.limit or 0.0)
-  local detail = c.counter .. ' limit ' .. fmt(c.limit) .. ' reached: ' .. fmt(math.max(left, 0.0))
+  local detail = c.counter .. ' limit ' .. fmt(c.limit) .. ' would be exceeded: ' .. fmt(math.max(left, 0.0))
     .. ' left, this step needs at least ' .. fmt(c.fixed + c.per_unit * min_units)
   local code = c.code
   if code == '' then code = c.counter .. '_limit' end

@@ -110,7 +110,7 @@ local function add_one(counter, amount, limit, code, now)
   local used = getnum('u:' .. counter) or 0.0
   local current = used + (getnum('r:' .. counter) or 0.0)
   if limit ~= nil and current + amount > limit + EPS then
-    local detail = counter .. ' limit ' .. fmt(limit) .. ' reached: ' .. fmt(current) .. ' used, this step adds '
+    local detail = counter .. ' limit ' .. fmt(limit) .. ' would be exceeded: ' .. fmt(current) .. ' used, this step adds '
       .. fmt(amount)
     if code == '' then code = counter .. '_limit' end
     stop(code, detail, now)

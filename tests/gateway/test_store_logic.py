@@ -100,21 +100,21 @@ def test_reserve_grants_the_most_units_that_fit_every_claim(
             {"tokens": 285.0},
             16,
             "token_budget_exhausted",
-            "tokens limit 400 reached: 115 left, this step needs at least 116",
+            "tokens limit 400 would be exceeded: 115 left, this step needs at least 116",
         ),
         (
             (Claim("usd", 0.01, 1e-6, 0.005, "budget_exhausted"),),
             {},
             0,
             "budget_exhausted",
-            "usd limit 0.005 reached: 0.005 left, this step needs at least 0.01",
+            "usd limit 0.005 would be exceeded: 0.005 left, this step needs at least 0.01",
         ),
         (
             (Claim("llm_calls", 1.0, 0.0, 3.0, "llm_call_cap"),),
             {"llm_calls": 3.0},
             16,
             "llm_call_cap",
-            "llm_calls limit 3 reached: 0 left, this step needs at least 1",
+            "llm_calls limit 3 would be exceeded: 0 left, this step needs at least 1",
         ),
         # reserved amounts count against the limit like used ones
         (
@@ -122,10 +122,10 @@ def test_reserve_grants_the_most_units_that_fit_every_claim(
             {"reserved:llm_calls": 3.0},
             0,
             "llm_call_cap",
-            "llm_calls limit 3 reached: 0 left",
+            "llm_calls limit 3 would be exceeded: 0 left",
         ),
         # without a code the stop is named after the counter
-        ((Claim("widgets", 1.0, 0.0, 0.5),), {}, 0, "widgets_limit", "widgets limit 0.5 reached"),
+        ((Claim("widgets", 1.0, 0.0, 0.5),), {}, 0, "widgets_limit", "widgets limit 0.5 would be exceeded"),
         # the first claim that cannot fit names the stop, even after a claim that fits
         (
             (

@@ -115,7 +115,7 @@ def test_llm_call_cap_grants_exactly_the_cap() -> None:
     grants = [reserve(state, GUARD.before(ctx(call(), p, state)), 0) for _ in range(5)]
     assert [isinstance(g, Reservation) for g in grants] == [True, True, True, False, False]
     assert isinstance(grants[3], Denial) and grants[3].reason == "llm_call_cap"
-    assert "llm_calls limit 3 reached" in grants[3].detail
+    assert "llm_calls limit 3 would be exceeded" in grants[3].detail
     assert state.stopped and state.stop_reason == "llm_call_cap"
     assert isinstance(grants[4], Denial) and grants[4].reason == "llm_call_cap"  # sticky
 
