@@ -7,8 +7,8 @@ Contracts:
   without interleaving other commands, so N processes hold a limit exactly as one process does.
 * Layout: a hash per run, `<prefix>run:<run_id>` (fields in `redis_scripts`), its steps in a list
   `<prefix>steps:<run_id>` (so the hot path's `get(steps=False)` reads one small hash); a sorted set
-  `<prefix>runs` of run ids by `updated_at` for `list_runs` and `runs_updated`, pruned lazily of expired
-  runs; `<prefix>idle_swept`, how far the idle-run sweeps of every process have looked.
+  `<prefix>runs` of run ids by `updated_at` for `list_runs`, `runs_page` and `runs_updated`
+  (`gateway.store.redis_index`), pruned lazily of expired runs; `<prefix>idle_swept`, how far the idle-run sweeps of every process have looked.
 * Expiry: a stopped run expires `ttl_s` after its last write (stop, a later step record, ...); an active
   run expires `idle_ttl_s` after its last write (default: 30 days, never less than `ttl_s`; 0 = never).
   Every call writes, so a run in use never expires; an abandoned one does not stay forever.
@@ -42,7 +42,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
@@ -65,8 +65,9 @@ from gateway.store.base import (
     RunState,
     WriteClaim,
 )
+from gateway.store.redis_index import RunIndex, run_key, steps_key
 from gateway.store.redis_link import Granted, fresh_pool, lost_run_agent, replay_ended, warn_if_lossy
-from gateway.store.redis_scripts import decode_hash, decode_reply, opt_float, scripts
+from gateway.store.redis_scripts import decode_reply, opt_float, scripts
 from gateway.store.writes import field
 
 T = TypeVar("T")
@@ -109,6 +110,7 @@ class RedisRunStore:
         self._idle = str(int(idle_s))
         self._prefix = prefix
         self._index = f"{prefix}runs"
+        self._runs = RunIndex(client, prefix, self._guard)
         self._where = where
         self._scripts: dict[str, AsyncScript] = {n: client.register_script(s) for n, s in scripts().items()}
         self._mark = client.register_script(_RAISE_MARK)
@@ -156,12 +158,6 @@ class RedisRunStore:
 
     # -- plumbing ------------------------------------------------------------------------------------
 
-    def _key(self, run_id: str) -> str:
-        return f"{self._prefix}run:{run_id}"
-
-    def _steps_key(self, run_id: str) -> str:
-        return f"{self._prefix}steps:{run_id}"
-
     async def _guard(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run `fn` on a connection slot within the deadline; any Redis failure is StateUnavailable.
         A call cut off by the deadline has its connection dropped by redis-py (no misread replies)."""
@@ -191,8 +187,9 @@ class RedisRunStore:
 
     def _keys(self, run_id: str) -> list[str]:
         """Every script's KEYS (`gateway.store.redis_scripts`): a run's writes expire with it."""
-        return [self._key(run_id), self._index, self._steps_key(run_id), f"{self._prefix}writes:{run_id}",
-                f"{self._prefix}writeorder:{run_id}", f"{self._prefix}released:{run_id}"]
+        prefix = self._prefix
+        return [run_key(prefix, run_id), self._index, steps_key(prefix, run_id), f"{prefix}writes:{run_id}",
+                f"{prefix}writeorder:{run_id}", f"{prefix}released:{run_id}"]
 
     async def _eval(self, name: str, run_id: str, agent: str, args: list[Any]) -> Any:
         script = self._scripts[name]
@@ -407,81 +404,13 @@ class RedisRunStore:
         await self._call_writes("release_write", run_id, "", [field(epoch, key), token])
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
-        """Most recently updated first. Not atomic across runs (each run is read whole); ids of runs that
-        expired are removed from the index on the way."""
-        runs: list[RunState] = []
-        start = 0
-        while len(runs) < limit:
-            last = start + limit - len(runs) - 1
-            ids = cast(
-                list[bytes], await self._guard(partial(self._client.zrevrange, self._index, start, last))
-            )
-            if not ids:
-                break
-            found = await self._read_runs(ids)
-            runs.extend(found)
-            start += len(found)
-        return runs[:limit]
+        return await self._runs.list_runs(limit)
 
     async def runs_page(self, after: RunsCursor | None, limit: int) -> RunsPage:
-        """`RunStore.runs_page`, from the `updated_at` index, whose members of equal score Redis orders by
-        their bytes: the listing order itself. The members of the cursor's score are read whole (one
-        MULTI with the page's later scores, so the two reads are one snapshot of the index): the page goes
-        on after the cursor's run id among them, and nothing is skipped when the cursor's own run was
-        updated or expired since."""
-        if after is None:
-            entries = cast(list[tuple[bytes, float]], await self._guard(partial(
-                self._client.zrangebyscore, self._index, "-inf", "+inf", 0, limit + 1, withscores=True)))
-        else:
-            at, last = repr(float(after[0])), after[1].encode()
-            pipe = self._client.pipeline(transaction=True)
-            pipe.zrangebyscore(self._index, at, at, withscores=True)
-            pipe.zrangebyscore(self._index, f"({at}", "+inf", start=0, num=limit + 1, withscores=True)
-            tied, later = await self._guard(pipe.execute)
-            entries = [e for e in tied if e[0] > last][:limit + 1] + later
-        listed = entries[:limit]
-        runs = await self._read_runs([run_id for run_id, _ in listed])
-        more = len(entries) > limit
-        return RunsPage(runs, (float(listed[-1][1]), listed[-1][0].decode()) if more else None)
+        return await self._runs.runs_page(after, limit)
 
-    async def runs_updated(
-        self, after: float, before: float, page: int = 1000
-    ) -> AsyncIterator[list[RunState]]:
-        """`RunStore.runs_updated`, from the `updated_at` index. A page that ends inside a run of equal
-        scores takes every member of that score, so the next page starts strictly after it: no run is
-        skipped when others of its score are updated or expire while paging."""
-        low, high = f"({after!r}", repr(before)
-        while True:
-            entries = cast(list[tuple[bytes, float]], await self._guard(partial(
-                self._client.zrangebyscore, self._index, low, high, start=0, num=page, withscores=True)))
-            if not entries:
-                return
-            score = entries[-1][1]
-            listed = entries
-            if len(entries) == page:  # the page may have cut the members of its last score
-                tied = cast(list[tuple[bytes, float]], await self._guard(partial(
-                    self._client.zrangebyscore, self._index, repr(score), repr(score), withscores=True)))
-                listed = [e for e in entries if e[1] < score] + tied
-            runs = await self._read_runs([run_id for run_id, _ in listed])
-            if runs:
-                yield runs
-            if len(entries) < page:
-                return
-            low = f"({score!r}"
-
-    async def _read_runs(self, ids: list[bytes]) -> list[RunState]:
-        """The runs `ids` names with their steps, in that order; ids of runs that expired are removed
-        from the index."""
-        pipe = self._client.pipeline(transaction=False)
-        for run_id in ids:
-            pipe.hgetall(self._key(run_id.decode()))
-            pipe.lrange(self._steps_key(run_id.decode()), 0, -1)
-        replies = await self._guard(pipe.execute)
-        rows = list(zip(replies[::2], replies[1::2], strict=True))
-        gone = [run_id for run_id, (fields, _) in zip(ids, rows, strict=True) if not fields]
-        if gone:
-            await self._guard(partial(self._client.zrem, self._index, *gone))
-        return [decode_hash(fields, items) for fields, items in rows if fields]
+    def runs_updated(self, after: float, before: float, page: int = 1000) -> AsyncIterator[list[RunState]]:
+        return self._runs.runs_updated(after, before, page)
 
     async def idle_swept(self) -> float | None:
         value = await self._guard(partial(self._client.get, f"{self._prefix}idle_swept"))

@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from gateway.store import logic
 from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunStore
 from gateway.store.memory import MemoryRunStore
 from gateway.store.redis import RedisRunStore
+from gateway.store.redis_index import run_key
 from tests.redis_fixture import RedisServer, own_redis, redis_server, start_server  # noqa: F401  (fixtures)
 
 NOW = 1_000.0
@@ -308,7 +310,7 @@ async def test_a_dead_processes_reservation_of_several_choices_charges_every_cho
 
 async def test_stopped_runs_expire_and_active_ones_do_not(redis_server: RedisServer, raw: Redis) -> None:  # noqa: F811
     store = fresh(redis_server, ttl_s=1, idle_ttl_s=3600)
-    key = store._key  # the layout is part of what this test checks
+    key = partial(run_key, store._prefix)  # the layout is part of what this test checks
     try:
         await store.reserve("done", "bot", CALL, NOW)
         await store.reserve("busy", "bot", CALL, NOW)
@@ -330,11 +332,11 @@ async def test_activity_refreshes_a_stopped_runs_ttl(redis_server: RedisServer, 
     store = fresh(redis_server, ttl_s=2, idle_ttl_s=0)
     try:
         await store.push("r", "bot", "calls", ["a"], 6)
-        assert await raw.ttl(store._key("r")) == -1  # idle_ttl_s=0: active runs never expire
+        assert await raw.ttl(run_key(store._prefix, "r")) == -1  # idle_ttl_s=0: active runs never expire
         await store.stop("r", "bot", "loop_detected", "x", NOW)
         await asyncio.sleep(1.2)
         await store.record_step("r", "bot", {"k": 1}, NOW + 1)  # the step of the stopping call
-        assert await raw.pttl(store._key("r")) > 1500
+        assert await raw.pttl(run_key(store._prefix, "r")) > 1500
     finally:
         await store.close()
 

@@ -21,6 +21,7 @@ from redis.exceptions import ResponseError
 from gateway.errors import StateUnavailable
 from gateway.store.base import Claim, Reservation, ReserveRequest
 from gateway.store.redis import TOMBSTONE_MIN_S, RedisRunStore
+from gateway.store.redis_index import run_key, steps_key
 from gateway.store.redis_link import Granted, closed_by_peer
 from tests.redis_fixture import RedisServer, own_redis, redis_server, start_server  # noqa: F401  (fixtures)
 
@@ -251,7 +252,7 @@ async def test_a_settle_charges_a_run_redis_lost_meanwhile(redis_server: RedisSe
     try:
         granted = await grant(store)
         assert isinstance(granted, Granted) and granted.agent == "bot"
-        await raw.delete(store._key("r"), store._steps_key("r"))  # FLUSHALL, a restart without its data
+        await raw.delete(run_key(store._prefix, "r"), steps_key(store._prefix, "r"))  # FLUSHALL, a restart without its data
         await store.settle(granted, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 1)
         state = await store.get("r")
         assert state is not None and state.agent == "bot" and state.epoch == 1
@@ -291,7 +292,7 @@ async def test_a_settle_is_charged_once_whatever_came_first(redis_server: RedisS
         assert isinstance(late, Reservation)
         await store.settle(old, {"usd": 0.0001, "llm_calls": 1.0}, NOW + 101)  # its own settle, too late
         held = (await store.get("r")).used  # type: ignore[union-attr]
-        await raw.delete(store._key("r"))  # Redis loses the run
+        await raw.delete(run_key(store._prefix, "r"))  # Redis loses the run
         await store.settle(done, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 102)  # settled before: nothing
         await store.settle(late, {"usd": 0.0002, "llm_calls": 1.0}, NOW + 103)  # in flight: charged afresh
         state = await store.get("r")
