@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from gateway import exact_json
@@ -24,16 +23,14 @@ from gateway.errors import GatewayError, ShuttingDown, UpstreamUnavailable
 from gateway.identity import RUN_ID_HEADER
 from gateway.jsonrpc import (
     BadMessage,
-    RequestId,
     check_routing_headers,
     error_body,
     filter_tools,
-    gateway_error,
     parse_message,
     untasked,
 )
 from gateway.mcp_calls import call_tool
-from gateway.mcp_transport import McpRequest, Transform, relay, state_of
+from gateway.mcp_transport import McpRequest, Transform, refusal, relay, state_of
 from gateway.pipeline import echo_headers, read_body
 from gateway.proxy import GATEWAY
 
@@ -61,16 +58,7 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
         headers["Allow"] = "GET, POST, DELETE"
         return web.Response(status=405, headers=headers)
     except GatewayError as exc:
-        return _error(exc, None, headers)
-
-
-def _error(exc: GatewayError, rpc_id: RequestId | None, headers: dict[str, str]) -> web.Response:
-    status, body = gateway_error(rpc_id, exc)
-    response = web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
-                            headers=headers)
-    if exc.closes_connection:
-        response.force_close()
-    return response
+        return refusal(exc, None, headers)
 
 
 async def _post(mcp: McpRequest) -> web.StreamResponse:
@@ -95,7 +83,7 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
             return await relay(mcp, upstream, message.id, _list_filter(mcp))
         return await relay(mcp, upstream, message.id if message.is_request else None, None)
     except GatewayError as exc:
-        return _error(exc, message.id, mcp.headers)
+        return refusal(exc, message.id, mcp.headers)
 
 
 async def _no_responses(message: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,6 @@ import dataclasses
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from gateway import exact_json
@@ -73,7 +72,7 @@ from gateway.mcp_guards import (
     reserve_claims,
     settle_claims,
 )
-from gateway.mcp_transport import McpRequest, relay, state_of
+from gateway.mcp_transport import McpRequest, refusal, relay, state_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState, WriteClaim
@@ -172,7 +171,7 @@ async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Fligh
         response = await (_idempotent(step, run) if step.writes else _execute(step))
     except GatewayError as exc:
         refused = exc
-        response = _refusal(mcp, message, exc)
+        response = refusal(exc, message.id, mcp.headers)
     except asyncio.CancelledError:  # cut: nobody gets an answer, but the call is a step all the same
         refused = _cut_refusal(step)
         failure = cause_of(flight) if refused is None else None
@@ -210,14 +209,6 @@ def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
     if step is None or item is None or item.status != "denied":
         return None
     return ApprovalDenied(f"{step.qualified} was denied by {item.decided_by} (approval {item.id})")
-
-
-def _refusal(mcp: McpRequest, message: Message, exc: GatewayError) -> web.Response:
-    status, body = gateway_error(message.id, exc)
-    headers = dict(mcp.headers)
-    if exc.stop_reason:
-        headers[STOP_HEADER] = exc.stop_reason
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
 # -- idempotency -----------------------------------------------------------------------------------------

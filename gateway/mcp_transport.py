@@ -21,6 +21,7 @@ from gateway.http1_wire import Sending
 from gateway.idempotency import ResultCache
 from gateway.identity import Identity
 from gateway.jsonrpc import RequestId, gateway_error, replace_event_data, without_resumption
+from gateway.pipeline import STOP_HEADER
 from gateway.providers.common import json_depth_ok
 from gateway.providers.sse import SseEvent, SseParser, format_event
 from gateway.runtime import Gateway
@@ -365,3 +366,16 @@ async def _read_limited(upstream: UpstreamResponse, limit: int) -> bytes:
             raise UpstreamUnavailable(f"the MCP server's answer exceeds the limit of {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)
+
+
+def refusal(exc: GatewayError, rpc_id: RequestId | None, headers: dict[str, str]) -> web.Response:
+    """A refused MCP request's answer: its JSON-RPC error (`gateway_error`), a stop's reason in
+    `x-tollgate-stop-reason`, and the connection closed after a body that could not be read."""
+    status, body = gateway_error(rpc_id, exc)
+    if exc.stop_reason:
+        headers = {**headers, STOP_HEADER: exc.stop_reason}
+    response = web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                            headers=headers)
+    if exc.closes_connection:
+        response.force_close()
+    return response

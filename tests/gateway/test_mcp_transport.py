@@ -273,3 +273,18 @@ async def test_a_resumed_stream_silent_past_the_idle_timeout_ends_the_call(gatew
         assert events(data)[-1]["error"]["data"]["code"] == "upstream_timeout", data
         assert len(srv.gets) == 1
         assert [r["decision"] for r in await tool_rows(h)] == ["refused"]
+
+
+def test_a_refusal_is_a_json_rpc_error_carrying_its_stop_and_closing_after_a_broken_body() -> None:
+    from gateway.errors import ToolNotAllowed, UndecodableBody
+    from gateway.jsonrpc import gateway_error
+    from gateway.mcp_transport import refusal
+
+    stop = ToolNotAllowed("tool 'rm' is not in the agent's allow-list")
+    stopped = refusal(stop, 7, {"x-tollgate-run-id": "r"})
+    assert (stopped.status, orjson.loads(stopped.body)) == gateway_error(7, stop)  # type: ignore[arg-type]
+    assert stopped.headers["x-tollgate-stop-reason"] == "tool_not_allowed"
+    assert stopped.headers["x-tollgate-run-id"] == "r" and stopped.keep_alive is not False
+    broken = refusal(UndecodableBody("request body cannot be decoded"), None, {})
+    assert broken.status == 400 and "x-tollgate-stop-reason" not in broken.headers
+    assert broken.keep_alive is False  # the connection closes after it
