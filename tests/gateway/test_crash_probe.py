@@ -14,9 +14,7 @@ import contextlib
 import os
 import signal
 import sqlite3
-import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -24,114 +22,15 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import yaml
 from aiohttp.test_utils import TestServer
 
-from tests.fakes.ports import free_port
+from tests.fakes.served import Served, wait_for
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 CLAUDE = {"model": "claude-3-5-haiku-latest", "messages": [{"role": "user", "content": "hi"}]}
 ZERO_PRICES = {"gpt-*": {"input_per_mtok": 0.0, "output_per_mtok": 0.0},
                "claude-*": {"input_per_mtok": 0.0, "output_per_mtok": 0.0}}
-
-
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith("OTEL_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    out["PYTHONUNBUFFERED"] = "1"
-    return out
-
-
-async def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-class Served:
-    """One `python -m gateway serve` on loopback, from `home/<config>`."""
-
-    def __init__(self, home: Path, config: dict[str, Any], name: str = "tollgate.yaml") -> None:
-        self.home = home
-        self.config_path = home / name
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.proc: asyncio.subprocess.Process | None = None
-        self.log = home / f"serve-{self.port}.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    async def spawn(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway", "serve", "--config", str(self.config_path),
-                "--port", str(self.port), "--admin-port", str(self.admin_port),
-                cwd=self.home, env=env(), stdout=log, stderr=log)
-
-    async def start(self) -> Served:
-        await self.spawn()
-        proc = self.proc
-        assert proc is not None
-        async with aiohttp.ClientSession() as session:
-
-            async def ready() -> bool:
-                if proc.returncode is not None:
-                    raise AssertionError(f"tollgate exited with {proc.returncode}: {self.output()}")
-                try:
-                    async with session.get(f"{self.admin_url}/readyz") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientConnectionError:
-                    return False
-
-            await poll(ready, 15.0, "/readyz")
-        return self
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    async def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        return await asyncio.wait_for(self.proc.wait(), timeout)
-
-    async def kill9(self) -> None:
-        self.signal(signal.SIGKILL)
-        await self.wait(10)
-
-    async def stop(self) -> int:
-        self.signal(signal.SIGTERM)
-        return await self.wait(20)
-
-    async def run(self, run_id: str) -> tuple[int, Any]:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"{self.admin_url}/admin/runs/{run_id}") as resp:
-                raw = await resp.read()
-                try:
-                    return resp.status, orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    return resp.status, raw.decode(errors="replace")
-
-    def cleanup(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
 
 
 @pytest.fixture
@@ -208,7 +107,7 @@ async def test_a_second_gateway_on_a_hard_link_of_the_state_file_is_refused(
         except aiohttp.ClientConnectionError:
             return False
 
-    await poll(second_up, 15.0, "the second gateway to exit or listen")
+    await wait_for(second_up, 15.0, "the second gateway to exit or listen")
     if second.proc.returncode is None:
         # it serves: each gateway grants the same run its whole budget
         async with aiohttp.ClientSession() as session:

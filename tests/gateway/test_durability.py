@@ -2,52 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
-import yaml
 
-from tests.fakes.ports import free_port
+from tests.fakes.served import Served
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion
-
-
-class Served:
-    def __init__(self, config: Path) -> None:
-        self.config = config
-        self.port = free_port()
-        self.admin = free_port()
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "serve", "--config", str(self.config),
-            "--port", str(self.port), "--admin-port", str(self.admin),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
-        async with aiohttp.ClientSession() as session:
-            for _ in range(200):
-                try:
-                    async with session.get(f"http://127.0.0.1:{self.admin}/readyz") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientConnectionError:
-                    pass
-                if self.proc.returncode is not None:
-                    raise AssertionError((await self.proc.stderr.read()).decode() if self.proc.stderr else "exited")
-                await asyncio.sleep(0.05)
-        raise AssertionError("gateway did not become ready")
-
-    async def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        await self.proc.wait()
 
 
 @pytest.fixture
@@ -63,7 +28,7 @@ async def provider() -> AsyncIterator[tuple[FakeProvider, str]]:
 
 async def call(session: aiohttp.ClientSession, served: Served, run: str) -> int:
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
-    async with session.post(f"http://127.0.0.1:{served.port}/v1/chat/completions", data=orjson.dumps(body),
+    async with session.post(f"{served.url}/v1/chat/completions", data=orjson.dumps(body),
                             headers={"x-tollgate-run-id": run, "content-type": "application/json"}) as resp:
         await resp.read()
         return resp.status
@@ -72,15 +37,13 @@ async def call(session: aiohttp.ClientSession, served: Served, run: str) -> int:
 async def test_kill9_keeps_spend_and_stops(provider: tuple[FakeProvider, str], tmp_path: Path) -> None:
     fake, url = provider
     fake.default = Reply(body=openai_completion(prompt_tokens=100, completion_tokens=100))
-    config = tmp_path / "tollgate.yaml"
-    config.write_text(yaml.safe_dump({
+    served = Served(tmp_path, {
         "providers": {"openai": {"type": "openai", "base_url": f"{url}/v1", "api_key": "sk-x"}},
         "models": {"gpt-*": "openai"},
         "pricing": {"gpt-*": {"input_per_mtok": 0.0, "output_per_mtok": 0.0}},
         "state": {"backend": "sqlite", "path": "state.db"},
         "agents": {"default": {"budget": {"tokens": 1000}, "caps": {"llm_calls": 3}}},
-    }))
-    served = Served(config)
+    })
     await served.start()
     async with aiohttp.ClientSession() as session:
         assert await call(session, served, "spend") == 200
@@ -91,17 +54,17 @@ async def test_kill9_keeps_spend_and_stops(provider: tuple[FakeProvider, str], t
         await served.kill9()
         assert (tmp_path / "state.db").exists()
         await served.start()
-        async with session.get(f"http://127.0.0.1:{served.admin}/admin/runs/spend") as resp:
+        async with session.get(f"{served.admin_url}/admin/runs/spend") as resp:
             run = await resp.json()
         assert run["input_tokens"] + run["output_tokens"] == 200 and run["reserved_tokens"] == 0
-        async with session.get(f"http://127.0.0.1:{served.admin}/admin/runs/capped") as resp:
+        async with session.get(f"{served.admin_url}/admin/runs/capped") as resp:
             run = await resp.json()
         assert (run["status"], run["stop_reason"], run["llm_calls"]) == ("stopped", "llm_call_cap", 3)
         assert await call(session, served, "capped") == 403
         # the token budget still holds across the restart: 200 spent, each call needs ~300 worst case
         statuses = [await call(session, served, "spend") for _ in range(6)]
         assert statuses.count(403) >= 1
-        async with session.get(f"http://127.0.0.1:{served.admin}/admin/runs/spend") as resp:
+        async with session.get(f"{served.admin_url}/admin/runs/spend") as resp:
             run = await resp.json()
         assert run["input_tokens"] + run["output_tokens"] <= 1000
         served.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]

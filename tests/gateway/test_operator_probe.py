@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
@@ -35,6 +33,7 @@ from gateway.ledger import verify
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
 from tests.fakes.ports import free_port
+from tests.fakes.served import clean_env, tollgate_command, wait_for
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion, openai_stream
 
 USER = [{"role": "user", "content": "hi"}]
@@ -49,32 +48,6 @@ TOOLS = {
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def tollgate_command() -> list[str]:
-    script = Path(sys.executable).parent / "tollgate"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
-
-
-async def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll an (async) condition with a deadline; returns its first truthy value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("OTEL_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env.update({"PYTHONUNBUFFERED": "1", **extra})
-    return env
 
 
 async def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, str, str]:
