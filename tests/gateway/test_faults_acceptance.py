@@ -63,7 +63,7 @@ from gateway.app import create_apps
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import anthropic_message, anthropic_stream, openai_completion, openai_stream
+from tests.fakes.upstream import Seen, anthropic_message, anthropic_stream, openai_completion, openai_stream
 
 RUN_HEADER = "x-tollgate-run-id"
 MSG = [{"role": "user", "content": "hello"}]
@@ -85,19 +85,7 @@ FIVE_XX = {
 # -- the scripted raw upstream ----------------------------------------------------------------------------
 
 
-@dataclass
-class Req:
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
-
-    @property
-    def json(self) -> Any:
-        return orjson.loads(self.body)
-
-
-async def _read_request(reader: asyncio.StreamReader) -> Req | None:
+async def _read_request(reader: asyncio.StreamReader) -> Seen | None:
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -122,7 +110,7 @@ async def _read_request(reader: asyncio.StreamReader) -> Req | None:
         body = b"".join(parts)
     else:
         body = b""
-    return Req(method, path, headers, body)
+    return Seen(method, path, headers, body)
 
 
 def _head(status: int, ctype: str, length: int | None = None, keep: bool = False) -> bytes:
@@ -160,7 +148,7 @@ class RawUpstream:
         self.live = 0
         self.keepalive = False
         self.served_on: list[int] = []  # per request: how many requests its connection had served before
-        self.requests: list[Req] = []
+        self.requests: list[Seen] = []
         self.sent = 0  # bytes of the long stream written (drained to the kernel)
         self.total = 0  # bytes of the long stream in all
         self.long_events = 0
@@ -227,7 +215,7 @@ class RawUpstream:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.go.wait(), 3)
 
-    async def _respond(self, fault: str, req: Req, reader: asyncio.StreamReader,
+    async def _respond(self, fault: str, req: Seen, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
         api = "anthropic" if req.path.rstrip("/").endswith("/messages") else "openai"
         body = req.json
