@@ -34,6 +34,7 @@ from opentelemetry.trace import StatusCode
 
 from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.raw_http import read_request
 from tests.fakes.upstream import (
     FakeProvider,
     Reply,
@@ -89,14 +90,7 @@ class RawUpstream:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.open += 1
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            body = await reader.readexactly(length)
-            self.requests.append(head + body)
+            self.requests.append(await read_request(reader))
             if self.head or self.body_part:
                 writer.write(self.head + self.body_part)
                 await writer.drain()

@@ -25,16 +25,12 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.call import Answer
-from gateway.store.base import Claim
-from guards.base import Decision, StepContext
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
 from tests.gateway.test_mcp_probe import mcp_client
 from tests.otel.otlp_sink import OtlpSink, WireSpan, running_sink
 
 REPO = Path(__file__).resolve().parents[2]
-MODULE = __name__  # custom guards below are configured as `tests.gateway.test_readme_operate_probe:Class`
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 
 
@@ -83,22 +79,6 @@ async def guard_decisions(h: Harness) -> list[Any]:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     family = families.get("tollgate_guard_decisions")
     return [s for s in family.samples if s.name.endswith("_total")] if family is not None else []
-
-
-class ClaimPerCall:
-    """Claims one `probe_calls` per step, at most `limit` per run (docs/custom-guards.md: a claim with a
-    limit, reserved atomically before the call; a counter other than usd/tokens counts per step)."""
-
-    name = "claim_per_call"
-
-    def __init__(self, limit: int = 2) -> None:
-        self.limit = limit
-
-    def before(self, ctx: StepContext) -> Decision:
-        return Decision.allow(self.name, claims=(Claim("probe_calls", 1.0, 0.0, float(self.limit), "probe_cap"),))
-
-    def after(self, ctx: StepContext, answer: Answer) -> Decision:
-        return Decision.allow(self.name)
 
 
 # -- tollgate check-config --------------------------------------------------------------------------------
@@ -190,7 +170,7 @@ async def test_a_custom_guards_claim_limit_holds_for_mcp_tool_calls(
     reach the tool server and the run stays active."""
     h = await gateway_factory(
         mcp_servers={"files": {"url": files.url}},
-        agents={"bot": {"guards": [{"use": f"{MODULE}:ClaimPerCall", "options": {"limit": 2}}]}},
+        agents={"bot": {"guards": [{"use": "tests.gateway.test_config_probe:ClaimCap", "options": {"limit": 2}}]}},
     )
     outcomes: list[str] = []
     async with mcp_client(h, run="claim-mcp") as client:

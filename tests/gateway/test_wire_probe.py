@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.raw_http import read_request
 from tests.fakes.upstream import openai_completion, openai_stream
 
 
@@ -44,16 +45,9 @@ class Raw:
         try:
             while True:
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    self.requests.append(await read_request(reader))
                 except asyncio.IncompleteReadError:
                     return
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                body = await reader.readexactly(length)
-                self.requests.append(head + body)
                 data, close = self.script.pop(0)
                 writer.write(data)
                 await writer.drain()
