@@ -41,6 +41,8 @@ from gateway.pipeline import (
 )
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
+from gateway.runtime import Gateway
+from gateway.store.base import RunState
 from gateway.unguarded import forbidden
 from gateway.upstream import answer_headers, forwardable, lenient_segment, scrub, secret_bytes
 from otel.http import operation_for_path
@@ -86,18 +88,12 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         identity = gw.identifier.identify(request.headers)
         if protocol is not None and request.method not in ("GET", "HEAD"):
             raise InvalidRequest(f"{request.method} is not a method of {canonical_path(request.path)}")
-        try:
-            state = await gw.store.get(identity.run_id, steps=False, reservations=False)
-        except StateUnavailable:
-            if identity.policy.state_failure != "fail_open":
-                raise
-            state = None
+        state = await passing_run(gw, identity)
         # before the stop check, as for model calls: the ledger row of a refusal hashes the body
         raw = await read_body(request, gw.config.limits)
         if state is not None:
             epoch = state.epoch
-            if state.stopped:  # a stopped run is stopped on every upstream path
-                raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+            refuse_stopped(state)
         refused = forbidden(request.method, path, identity.policy)  # not a step (`gateway.unguarded`)
         if refused is not None:
             raise refused
@@ -180,6 +176,24 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         upstream.release()
         end_forward(span, status=upstream.status, failure=failure)
     return out
+
+
+async def passing_run(gw: Gateway, identity: Identity) -> RunState | None:
+    """The run of a call that passes through without guards (a forwarded path, the model list): None
+    when it has none yet, or when the store is down and the agent's `state_failure` is `fail_open`.
+    Raises StateUnavailable otherwise."""
+    try:
+        return await gw.store.get(identity.run_id, steps=False, reservations=False)
+    except StateUnavailable:
+        if identity.policy.state_failure != "fail_open":
+            raise
+        return None
+
+
+def refuse_stopped(state: RunState) -> None:
+    """A stopped run is stopped on every upstream path: raises Stopped with its reason."""
+    if state.stopped:
+        raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
 
 
 def model_in_path(tail: str) -> str | None:

@@ -22,11 +22,9 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     ShuttingDown,
-    StateUnavailable,
-    Stopped,
     UpstreamUnavailable,
 )
-from gateway.forward import wire_of
+from gateway.forward import passing_run, refuse_stopped, wire_of
 from gateway.identity import Identity
 from gateway.observe_forward import end_forward, refused_forward, start_forward
 from gateway.pipeline import CREDENTIALS, JSON, add_credentials, base_headers, echo_headers, error_response
@@ -49,16 +47,10 @@ async def list_models(request: web.Request) -> web.Response:
             raise ShuttingDown("tollgate is shutting down")
         identity = gw.identifier.identify(request.headers)
         paging = _paging(request.query)
-        try:
-            state = await gw.store.get(identity.run_id, steps=False, reservations=False)
-        except StateUnavailable:
-            if identity.policy.state_failure != "fail_open":
-                raise
-            state = None
+        state = await passing_run(gw, identity)
         if state is not None:
             epoch = state.epoch
-            if state.stopped:  # a stopped run is stopped on every upstream path, as forwarded calls are
-                raise Stopped(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
+            refuse_stopped(state)  # as for every forwarded call
     except GatewayError as exc:
         if identity is None:
             return error_response(adapter, exc, echo_headers(request.headers))

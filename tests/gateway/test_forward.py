@@ -67,3 +67,14 @@ async def test_both_sdks_read_the_404(gw: Harness) -> None:
             await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=5,
                                           messages=[{"role": "user", "content": "hi"}])
     assert "not_found" in str(acaught.value)
+
+
+def test_a_stopped_run_refuses_every_passing_call_with_its_reason() -> None:
+    from gateway.errors import Stopped
+    from gateway.forward import refuse_stopped
+    from gateway.store.base import RunState
+
+    refuse_stopped(RunState("r", "bot"))
+    with pytest.raises(Stopped) as info:
+        refuse_stopped(RunState("r", "bot", status="stopped", stop_reason="llm_call_cap"))
+    assert (info.value.reason, info.value.status) == ("llm_call_cap", 403)
