@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway.errors import StateUnavailable
 
 SUFFIX = ".runs.lock"
+_SHARE_REDIS = ("One gateway process per SQLite state file: to run several sidecars on one run state, share "
+                "Redis between them (state: {backend: redis, url: redis://...})")
 
 
 def lock_path(state_file: Path) -> Path:
@@ -46,28 +49,23 @@ class StateFileLock:
         """Take the lock without waiting. Raises StateUnavailable naming the file when another store
         (this process or another) holds it, or when the lock file cannot be created."""
         path = lock_path(state_file)
+        # Python opens descriptors non-inheritable: a child process never keeps the lock alive
+        fd = _open_locked(
+            path,
+            cannot_open=f"cannot open state file {state_file}: cannot create its lock file {path}",
+            busy=lambda held: (f"state file {state_file} is already in use by another run store{_holder(held)} "
+                               f"(lock {path}). {_SHARE_REDIS}"),
+            cannot_lock=f"cannot lock state file {state_file} ({path})",
+        )
         try:
-            # Python opens descriptors non-inheritable: a child process never keeps the lock alive
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StateUnavailable(
-                f"cannot open state file {state_file}: cannot create its lock file {path}: {exc.strerror}"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise StateUnavailable(
-                f"state file {state_file} is already in use by another run store{holder} (lock {path}). "
-                "One gateway process per SQLite state file: to run several sidecars on one run state, "
-                "share Redis between them (state: {backend: redis, url: redis://...})"
-            ) from None
-        except OSError as exc:
-            os.close(fd)
-            raise StateUnavailable(f"cannot lock state file {state_file} ({path}): {exc.strerror}") from None
-        try:
-            file_fd = _lock_file_itself(state_file)
+            # the file itself too: a hard link of it has a lock file of its own
+            file_fd = _open_locked(
+                state_file,  # created empty when missing: SQLite takes an empty file as a new database
+                cannot_open=f"cannot open state file {state_file}",
+                busy=lambda _: (f"state file {state_file} is already in use by another run store, under "
+                                f"another name of the same file (a hard link). {_SHARE_REDIS}"),
+                cannot_lock=f"cannot lock state file {state_file}",
+            )
         except BaseException:
             os.close(fd)
             raise
@@ -93,26 +91,23 @@ class StateFileLock:
             os.close(fd)
 
 
-def _lock_file_itself(state_file: Path) -> int:
-    """A descriptor of `state_file` (created empty when missing: SQLite takes an empty file as a new
-    database) holding an exclusive flock. Raises StateUnavailable when another store holds the file
-    under another name (a hard link) or it cannot be opened."""
+def _open_locked(path: Path, *, cannot_open: str, busy: Callable[[int], str], cannot_lock: str) -> int:
+    """A descriptor of `path` (created when missing) holding an exclusive flock, taken without waiting.
+    Raises StateUnavailable: `cannot_open` or `cannot_lock` with the OS's reason, or `busy(fd)` when
+    another holds the lock."""
     try:
-        fd = os.open(state_file, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise StateUnavailable(f"cannot open state file {state_file}: {exc.strerror}") from None
+        raise StateUnavailable(f"{cannot_open}: {exc.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        message = busy(fd)
         os.close(fd)
-        raise StateUnavailable(
-            f"state file {state_file} is already in use by another run store, under another name of the "
-            "same file (a hard link). One gateway process per SQLite state file: to run several sidecars "
-            "on one run state, share Redis between them (state: {backend: redis, url: redis://...})"
-        ) from None
+        raise StateUnavailable(message) from None
     except OSError as exc:
         os.close(fd)
-        raise StateUnavailable(f"cannot lock state file {state_file}: {exc.strerror}") from None
+        raise StateUnavailable(f"{cannot_lock}: {exc.strerror}") from None
     return fd
 
 
