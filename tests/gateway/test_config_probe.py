@@ -26,10 +26,11 @@ from gateway.store.base import Claim
 from guards.base import Add, Decision, StepContext
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
+from tests.fakes.ports import free_port
+from tests.fakes.served import tollgate_command
 from tests.gateway.test_mcp import TOOLS, admin, mcp_client, pending, raw_post, refused
 from tests.gateway.test_mcp import call as mcp_call
 from tests.gateway.test_mcp import gateway as mcp_gateway
-from tests.gateway.test_serve import free_port, tollgate_command
 
 MSG = [{"role": "user", "content": "hello"}]
 PROVIDERS: dict[str, Any] = {"openai": {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "sk-prov-1234567890"}}

@@ -22,7 +22,6 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 
 from tests.fakes.served import Served, wait_for
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion
@@ -34,12 +33,9 @@ ZERO_PRICES = {"gpt-*": {"input_per_mtok": 0.0, "output_per_mtok": 0.0},
 
 
 @pytest.fixture
-async def provider() -> AsyncIterator[tuple[FakeProvider, str]]:
-    fake = FakeProvider()
-    server = TestServer(fake.app(), host="127.0.0.1")
-    await server.start_server()
-    yield fake, str(server.make_url("")).rstrip("/")
-    await server.close()
+def provider(fake: tuple[FakeProvider, str]) -> tuple[FakeProvider, str]:
+    """The shared fake provider (tests/conftest.py), under the name these tests give it."""
+    return fake
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -16,14 +15,9 @@ from tests.fakes.upstream import FakeProvider, Reply, openai_completion
 
 
 @pytest.fixture
-async def provider() -> AsyncIterator[tuple[FakeProvider, str]]:
-    from aiohttp.test_utils import TestServer
-
-    fake = FakeProvider()
-    server = TestServer(fake.app(), host="127.0.0.1")
-    await server.start_server()
-    yield fake, str(server.make_url("")).rstrip("/")
-    await server.close()
+def provider(fake: tuple[FakeProvider, str]) -> tuple[FakeProvider, str]:
+    """The shared fake provider (tests/conftest.py), under the name these tests give it."""
+    return fake
 
 
 async def call(session: aiohttp.ClientSession, served: Served, run: str) -> int:

@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.served import tollgate_command
 from tests.fakes.upstream import FakeProvider, Reply, openai_completion, tool_call
 from tests.gateway.test_security import raw_request
-from tests.gateway.test_serve import tollgate_command
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

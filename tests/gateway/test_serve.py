@@ -14,7 +14,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from gateway.cli import main as cli_main
 from gateway.config import parse_config
 from tests.fakes import mcp_server
 from tests.fakes.ports import free_port
+from tests.fakes.served import tollgate_command, wait_for
 from tests.fakes.upstream import (
     FakeProvider,
     Reply,
@@ -44,25 +44,6 @@ from tests.fakes.upstream import (
 )
 
 USER = [{"role": "user", "content": "hi"}]
-
-
-def tollgate_command() -> list[str]:
-    script = Path(sys.executable).parent / "tollgate"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
-
-
-async def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
-    """Bounded poll of an (async) condition."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
