@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from gateway.store.base import Claim, Reservation, ReserveRequest
 from gateway.store.redis import RedisRunStore
+from gateway.store.redis_index import run_key, steps_key
 from tests.conftest import GatewayFactory
 from tests.fakes.responses import response_body
 from tests.fakes.upstream import Reply, openai_completion
@@ -167,7 +168,7 @@ async def test_a_lost_run_charges_every_step_that_was_in_flight(redis_server: Re
     store = RedisRunStore.open(redis_server.url, prefix=f"t-{uuid.uuid4().hex}:")
     try:
         first, second = await grant(store), await grant(store)
-        await raw.delete(store._key("r"), store._steps_key("r"))  # FLUSHALL, a restart without its data
+        await raw.delete(run_key(store._prefix, "r"), steps_key(store._prefix, "r"))  # FLUSHALL, a restart without its data
         await store.settle(first, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 1)
         await store.settle(second, {"usd": 0.0007, "llm_calls": 1.0}, NOW + 2)
         state = await store.get("r")
@@ -186,7 +187,7 @@ async def test_a_lost_run_recreated_by_a_new_step_still_charges_the_step_in_flig
     store = RedisRunStore.open(redis_server.url, prefix=f"t-{uuid.uuid4().hex}:")
     try:
         in_flight = await grant(store)
-        await raw.delete(store._key("r"), store._steps_key("r"))
+        await raw.delete(run_key(store._prefix, "r"), steps_key(store._prefix, "r"))
         later = await grant(store)  # recreates the run
         await store.settle(later, {"usd": 0.0001, "llm_calls": 1.0}, NOW + 1)
         await store.settle(in_flight, {"usd": 0.0005, "llm_calls": 1.0}, NOW + 2)

@@ -9,6 +9,7 @@ smuggle. Request codings the server leaves encoded are in test_body_codings.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -55,6 +56,8 @@ class Raw:
                     return
         finally:
             writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()  # closed before the test's loop ends, never left to the collector
 
 
 @pytest.fixture
@@ -89,6 +92,8 @@ async def exchange(h: Harness, request: bytes) -> bytes:
         return await asyncio.wait_for(reader.read(), 10)
     finally:
         writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
 
 
 def post(path: bytes, body: bytes, extra: tuple[bytes, ...] = (), version: bytes = b"HTTP/1.1") -> bytes:
