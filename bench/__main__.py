@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -20,6 +21,29 @@ import yaml
 
 BODY = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"say ok"}],"max_tokens":16}'
 STREAM = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"say ok"}],"max_tokens":16,"stream":true}'
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which CPUs run what: the proxy under test alone on `proxy`, the load generator and the fake
+    upstream on `load` (the published figures' "one proxy core"). Unpinned, the load generator
+    competes with the proxy for its core and its bursts become the proxy's tail latency."""
+
+    proxy: frozenset[int]
+    load: frozenset[int]
+
+
+def core_layout(available: set[int]) -> Layout | None:
+    """The highest CPU for the proxy, the others for the load; None with fewer than two CPUs."""
+    if len(available) < 2:
+        return None
+    proxy = max(available)
+    return Layout(proxy=frozenset({proxy}), load=frozenset(available - {proxy}))
+
+
+def pin(pid: int, cpus: frozenset[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(pid, cpus)
 
 
 def port() -> int:
@@ -119,11 +143,15 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def main(requests: int, state: str, tracing: bool) -> None:
+async def main(requests: int, state: str, tracing: bool, pinned: bool) -> None:
+    layout = core_layout(os.sched_getaffinity(0)) if pinned else None
+    proxy_cpus = layout.proxy if layout else None
+    pin(0, layout.load if layout else None)  # this load generator, and the upstream started below
     up, bare, tg, admin, tmp = port(), port(), port(), port(), Path(tempfile.mkdtemp())
     py = sys.executable
     procs = [subprocess.Popen([py, "-m", "bench.upstream", str(up)])]
     procs.append(subprocess.Popen([py, "-m", "bench.bare", str(bare), str(up)]))
+    pin(procs[-1].pid, proxy_cpus)
     config = {
         "providers": {"fake": {"type": "openai", "base_url": f"http://127.0.0.1:{up}/v1", "api_key": "sk-bench"}},
         "models": {"gpt-*": "fake"},
@@ -144,11 +172,14 @@ async def main(requests: int, state: str, tracing: bool) -> None:
         gate = subprocess.Popen([py, "-m", "gateway", "serve", "--config", str(tmp / "tollgate.yaml"), "--port", str(tg),
                                  "--admin-port", str(admin)], env=env, stdout=subprocess.DEVNULL)
         procs.append(gate)
+        pin(gate.pid, proxy_cpus)  # before its first request: start-up stays in the cold start
         await wait_ready(f"http://127.0.0.1:{tg}/v1/chat/completions", BODY, 30)
         cold = time.perf_counter() - started
         targets = {"direct": up, "bare proxy": bare, "tollgate": tg}
         print(f"tollgate: state {state}, tracing {'on (local OTLP sink)' if tracing else 'off'}, "
               "budget + caps + loop guards, an output grammar")
+        print(f"CPUs: proxy under test on {sorted(layout.proxy)}, load generator and upstream on {sorted(layout.load)}"
+              if layout else "CPUs: unpinned (every process on every CPU)")
         print(f"cold start to first proxied answer: {cold * 1000:.0f} ms (target <= 1000)")
         pids = {"bare proxy": procs[1].pid, "tollgate": gate.pid}
         results: dict[tuple[str, int], tuple[float, list[float]]] = {}
@@ -199,5 +230,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--state", choices=("sqlite", "memory"), default="sqlite")
     parser.add_argument("--no-tracing", action="store_true", help="measure without span export")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave every process on every CPU (by default the proxy under test gets one of its own)")
     args = parser.parse_args()
-    asyncio.run(main(args.requests, args.state, not args.no_tracing))
+    asyncio.run(main(args.requests, args.state, not args.no_tracing, not args.no_pin))
