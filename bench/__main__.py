@@ -209,10 +209,14 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool) -> None:
             ttfb[name] = pct(lat, 0.5)
             print(f"stream ttfb {name:<11} p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms")
         ratio = results[("tollgate", 16)][0] / results[("bare proxy", 16)][0]
+        # a proxy's capacity on its one core, whatever the load side can send: the req/s ratio reads
+        # too high when the load generator's core, not the bare proxy, is what saturates
+        by_cpu = cpu["bare proxy"] / cpu["tollgate"] if cpu.get("tollgate") and cpu.get("bare proxy") else ratio
         add1 = pct(results[("tollgate", 1)][1], 0.5) - pct(results[("direct", 1)][1], 0.5)
         add16 = pct(paced_lat["tollgate"], 0.99) - pct(paced_lat["direct"], 0.99)
         saturated = pct(results[("tollgate", 16)][1], 0.99) - pct(results[("direct", 16)][1], 0.99)
-        print(f"throughput vs bare proxy (c=16): {ratio * 100:.0f}% (target >= 80%)")
+        print(f"throughput vs bare proxy (c=16): {min(ratio, by_cpu) * 100:.0f}% (target >= 80%; "
+              f"req/s {ratio * 100:.0f}%, CPU per request {by_cpu * 100:.0f}%, the lower counts)")
         print(f"p50 added latency (c=1): {add1:.2f} ms (target <= 1)")
         print(f"p99 added latency (c=16, paced): {add16:.2f} ms (target <= 5); "
               f"saturated closed loop: {saturated:.2f} ms")
