@@ -53,6 +53,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future[None] | None = None
+        self.changes = 0  # exchange events so far (see `wait`)
         self.aborted = False  # we closed it: a close-delimited body that ends here is cut, not complete
         self.begin(head_only=False)
 
@@ -172,18 +173,31 @@ class Connection(asyncio.Protocol):
         )
 
     def _wake(self) -> None:
+        self.changes += 1
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def wait(self, timeout: float) -> None:
         """Until the exchange changes (headers, a body chunk, the end, an error). `_Expired` after
-        `timeout` seconds without a change."""
+        `timeout` seconds without a change.
+
+        What arrived by the time the timer fired counts as in time: after the loop was busy for
+        longer than `timeout` (a burst of requests), the timer and the bytes that came meanwhile are
+        due together, and uvloop runs timers (and the task they wake) before it reads sockets. So an
+        expiry first lets the loop turn once, to read them; without that, an upstream that answered
+        in time would be reported as a timeout."""
         waiter = self.loop.create_future()
         self.waiter = waiter
+        before = self.changes
         timer = self.loop.call_later(timeout, _expire, waiter)
         try:
             await waiter
+        except _Expired:
+            self.waiter = None
+            await asyncio.sleep(0)
+            if self.changes == before:
+                raise
         finally:
             timer.cancel()
             self.waiter = None
