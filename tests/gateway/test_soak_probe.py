@@ -47,7 +47,7 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
-from aiohttp.test_utils import RawTestServer
+from aiohttp.test_utils import RawTestServer, get_port_socket
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_runner import ServerRunner
 from prometheus_client.parser import text_string_to_metric_families
@@ -188,6 +188,7 @@ class SoakUpstream:
         self.waiters: dict[str, tuple[int, asyncio.Future[None]]] = {}
         self.hooks: dict[str, tuple[asyncio.StreamWriter, asyncio.Future[None]]] = {}
         self.port = 0
+        self.listener: socket.socket | None = None
 
     def server(self) -> RawTestServer:
         """A loopback server that counts request heads as their bytes arrive: a request the gateway
@@ -208,7 +209,11 @@ class SoakUpstream:
                 srv = CountingServer(self._handler, loop=self._loop, debug=debug, **kwargs)
                 return ServerRunner(srv, debug=debug, **kwargs)
 
-        return CountingTestServer(self.handle, host="127.0.0.1")
+        def listening(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+            sock = upstream.listener = get_port_socket(host, port, family)
+            return sock
+
+        return CountingTestServer(self.handle, host="127.0.0.1", socket_factory=listening)
 
     def expect(self, sid: str, attempt: int = 1) -> asyncio.Future[None]:
         """A future done when attempt `attempt` of the request `sid` arrives here."""
@@ -308,6 +313,11 @@ async def fake() -> AsyncIterator[tuple[SoakUpstream, str]]:
     upstream = SoakUpstream()
     server = upstream.server()
     await server.start_server()
+    # aiohttp's test server listens with a backlog of 128: the 200 streams opened at once overflowed
+    # it, and a connection whose SYN was dropped is retried a second later, past the providers'
+    # first_byte (which includes connecting): 504s that were the fake's, not tollgate's
+    assert upstream.listener is not None
+    upstream.listener.listen(1024)
     upstream.port = int(server.port or 0)
     try:
         yield upstream, str(server.make_url("")).rstrip("/")
