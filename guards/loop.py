@@ -33,15 +33,19 @@ class LoopGuard(BaseGuard):
             return Decision.allow(self.name)
         prints = tuple(c.fingerprint for c in calls)
         window = (ctx.history("calls") + list(prints))[-loop.window :]
-        push = Push("calls", prints, loop.window)
+        names = ", ".join(sorted({c.name for c in calls}))
         if len(window) >= loop.window and len(set(window)) <= loop.max_distinct:
-            names = sorted({c.name for c in calls})
             return Decision.stop(
                 self.name,
                 "loop_detected",
                 f"the last {loop.window} tool calls have only {len(set(window))} distinct name+argument "
-                f"combinations (max_distinct {loop.max_distinct}); repeating: {', '.join(names)}",
+                f"combinations (max_distinct {loop.max_distinct}); repeating: {names}",
             )
+        # the same judgement again in the store, on the run as it is when the push lands: steps of the
+        # run on other gateways may have pushed since this snapshot was read
+        push = Push("calls", prints, loop.window, distinct_limit=loop.max_distinct, code="loop_detected",
+                    detail=f"the last {loop.window} tool calls have at most {loop.max_distinct} distinct "
+                           f"name+argument combinations (max_distinct {loop.max_distinct}); repeating: {names}")
         return Decision.allow(self.name, effects=(push,))
 
 

@@ -59,11 +59,20 @@ class Add:
 
 @dataclass(frozen=True, slots=True)
 class Push:
-    """Append `values` to the run's history list `key`, keeping the last `keep`."""
+    """Append `values` to the run's history list `key`, keeping the last `keep`.
+
+    With `distinct_limit`, the push is also a claim, judged atomically with the others of its
+    operation: when the list would then hold `keep` values of at most `distinct_limit` distinct
+    ones (a loop), the run is stopped with `code` and `detail` and nothing of the operation is
+    applied. Guards judge their snapshot of the run; this holds when steps of one run, on several
+    gateways, write their histories between one another's reads."""
 
     key: str
     values: tuple[str, ...]
     keep: int
+    distinct_limit: int | None = None
+    code: str = ""
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

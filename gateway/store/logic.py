@@ -161,6 +161,10 @@ def apply(state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: flo
         current = state.used.get(a.counter, 0.0) + state.reserved.get(a.counter, 0.0)
         if a.limit is not None and current + a.amount > a.limit + EPS:
             return add(state, a.counter, a.amount, a.limit, a.code, now)  # stops the run, adds nothing
+    for p in pushes:
+        if p.distinct_limit is not None and repeats(state.lists.get(p.key, []), p):
+            stop(state, p.code, p.detail, now)
+            return Denial(p.code, p.detail)
     for a in adds:
         add(state, a.counter, a.amount, None, a.code, now)
     for p in pushes:
@@ -168,6 +172,12 @@ def apply(state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: flo
     if pushes:
         state.updated_at = now
     return None
+
+
+def repeats(items: Sequence[str], p: Push) -> bool:
+    """`p` would leave `keep` values in its list with at most `distinct_limit` distinct ones."""
+    window = [*items, *p.values][-p.keep:]
+    return p.distinct_limit is not None and len(window) >= p.keep and len(set(window)) <= p.distinct_limit
 
 
 def push(state: RunState, key: str, values: Sequence[str], keep: int) -> list[str]:

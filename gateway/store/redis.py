@@ -364,7 +364,8 @@ class RedisRunStore:
         args = [
             float(now),
             [[a.counter, float(a.amount), opt_float(a.limit), a.code] for a in adds],
-            [[p.key, int(p.keep), list(p.values)] for p in pushes],
+            [[p.key, int(p.keep), list(p.values), -1 if p.distinct_limit is None else int(p.distinct_limit),
+              p.code, p.detail] for p in pushes],
         ]
         reply = orjson.loads(await self._call("apply", run_id, agent, args))
         return Denial(reply[1], reply[2]) if reply[0] == "deny" else None

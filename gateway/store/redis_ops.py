@@ -215,7 +215,8 @@ touch()
 return enc_list(items)
 """
 
-# logic.apply. A: [now, [[counter, amount, limit|null, code], ...], [[list name, keep, [values...]], ...]].
+# logic.apply. A: [now, [[counter, amount, limit|null, code], ...],
+#                   [[list name, keep, [values...], distinct limit (-1: none), code, detail], ...]].
 # Answers ["ok"] or ["deny", reason, detail].
 _APPLY = """
 create()
@@ -233,6 +234,26 @@ for _, a in ipairs(adds) do
       local denied = add_one(a[1], a[2], limit, a[4], now)
       touch()
       return cjson.encode(denied)
+    end
+  end
+end
+-- logic.repeats: a push that would leave a loop in its list stops the run instead
+for _, p in ipairs(pushes) do
+  if p[4] >= 0 then
+    local text = redis.call('HGET', K, 'l:' .. p[1])
+    local items = {}
+    if text then items = cjson.decode(text) end
+    for _, v in ipairs(p[3]) do items[#items + 1] = v end
+    if #items >= p[2] then
+      local seen, distinct = {}, 0
+      for i = #items - p[2] + 1, #items do
+        if not seen[items[i]] then seen[items[i]] = true; distinct = distinct + 1 end
+      end
+      if distinct <= p[4] then
+        stop(p[5], p[6], now)
+        touch()
+        return cjson.encode({'deny', p[5], p[6]})
+      end
     end
   end
 end

@@ -159,6 +159,39 @@ async def test_apply_is_all_or_nothing(store: RunStore) -> None:
     assert state is not None and state.lists == {"calls": ["b", "d"]} and state.updated_at == NOW + 3
 
 
+def loop_claim(*values: str) -> Push:
+    return Push("calls", values, 3, distinct_limit=1, code="loop_detected", detail="3 calls, 1 distinct")
+
+
+async def test_a_push_with_a_distinct_limit_stops_a_loop_atomically(store: RunStore) -> None:
+    """Pushes judged on one snapshot (as by steps on several gateways) still stop the loop they make."""
+    for _ in range(2):
+        assert await store.apply("run-1", "bot", [Add("tool_calls", 1.0)], [loop_claim("a")], NOW) is None
+    denial = await store.apply("run-1", "bot", [Add("tool_calls", 1.0)], [loop_claim("a")], NOW + 1)
+    assert denial == Denial("loop_detected", "3 calls, 1 distinct")
+    state = await store.get("run-1", steps=False)
+    assert state is not None and state.stop_reason == "loop_detected" and state.stop_detail == "3 calls, 1 distinct"
+    assert state.lists == {"calls": ["a", "a"]} and state.used == {"tool_calls": 2.0}  # nothing of it applied
+
+
+@pytest.mark.parametrize(
+    ("history", "values", "loop"),
+    [
+        ((), ("a", "a", "a"), True),  # one push can make the whole window
+        (("a",), ("a",), False),  # not full yet
+        (("a", "b"), ("a",), False),  # two distinct
+        (("b", "a", "a"), ("a",), True),  # the window slides past "b"
+        (("a", "a"), ("b",), False),
+    ],
+)
+async def test_distinct_limit_table(store: RunStore, history: tuple[str, ...], values: tuple[str, ...],
+                                    loop: bool) -> None:
+    if history:
+        await store.push("run-1", "bot", "calls", list(history), 3)
+    denial = await store.apply("run-1", "bot", [], [loop_claim(*values)], NOW)
+    assert (denial is not None) is loop
+
+
 async def test_push_and_take(store: RunStore) -> None:
     assert await store.push("run-1", "bot", "calls", ["a", "b"], 3) == ["a", "b"]
     assert await store.push("run-1", "bot", "calls", ["c", "d"], 3) == ["b", "c", "d"]

@@ -104,7 +104,7 @@ def test_loop_after(p: Agent, history: list[str] | None, calls: list[ToolCall], 
             assert name in decision.detail
         assert decision.effects == ()
     else:
-        assert decision == Decision.allow("loop", effects=(Push("calls", tuple(expected), 4),))
+        assert decision == Decision.allow("loop", effects=(loop_push(tuple(expected), *calls),))
 
 
 def test_loop_before_allows() -> None:
@@ -131,7 +131,7 @@ def test_loop_mcp_execute_tool(extra: dict[str, Any], history: list[str], expect
     elif expected == "loop_detected":
         assert decision.stopped and decision.reason == "loop_detected"
     else:
-        assert decision.effects == (Push("calls", tuple(expected), 4),)
+        assert decision.effects == (loop_push(tuple(expected), A),)
 
 
 # -- no progress: one decision ---------------------------------------------------------------------
@@ -347,3 +347,11 @@ def test_mcp_executions_returning_the_same_result_make_no_progress() -> None:
     p = policy(loop={"stall_steps": 3})
     steps = [Step(mcp_call("search", f'{{"q": {n}}}'), answer(result="nothing")) for n in range(6)]
     assert drive(p, steps) == (3, "no_progress")
+
+
+def loop_push(prints: tuple[str, ...], *calls: ToolCall) -> Push:
+    """The push an allowed answer makes under SMALL: also a claim the store judges atomically."""
+    names = ", ".join(sorted({c.name for c in calls}))
+    return Push("calls", prints, 4, distinct_limit=2, code="loop_detected",
+                detail=f"the last 4 tool calls have at most 2 distinct name+argument combinations (max_distinct 2); "
+                       f"repeating: {names}")
