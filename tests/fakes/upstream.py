@@ -7,12 +7,38 @@ recorded (method, path, headers, body) so tests can assert what the gateway sent
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+
+@asynccontextmanager
+async def serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
+    """`handler` answering every method and path on a loopback server; yields its base URL (no
+    trailing slash). For a test's own scripted upstream; `FakeProvider` is the general one."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+async def sse_response(request: web.Request, chunks: Iterable[bytes]) -> web.StreamResponse:
+    """An event stream of `chunks`, each written as it is, then ended."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for chunk in chunks:
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
 
 
 @dataclass

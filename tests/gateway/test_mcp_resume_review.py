@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.upstream import sse_response
 from tests.gateway.test_mcp_calls import tool_rows
 from tests.gateway.test_mcp_probe import call, raw
 from tests.gateway.test_mcp_transport import POLICY, PollingServer, events
@@ -29,15 +30,6 @@ async def scripted(handler: Handler) -> AsyncIterator[str]:
         yield str(server.make_url("/mcp"))
     finally:
         await server.close()
-
-
-async def sse(request: web.Request, *chunks: bytes) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for chunk in chunks:
-        await resp.write(chunk)
-    await resp.write_eof()
-    return resp
 
 
 async def gateway(factory: GatewayFactory, url: str, **server: Any) -> Harness:
@@ -100,7 +92,7 @@ async def test_a_deep_request_holding_a_long_number_is_a_400_not_a_500(gateway_f
     a message the depth check (limits.max_json_depth, 64) refused with a 400 before is now a 500 (with a
     leaf of `1` instead of 19 digits it is still the 400)."""
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await sse(request)
+        return await sse_response(request, ())
 
     async with scripted(handler) as url:
         h = await gateway(gateway_factory, url)
@@ -126,8 +118,8 @@ async def test_a_deep_result_holding_a_long_number_is_still_answered_and_recorde
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        return await sse(request, b'event: message\ndata: {"jsonrpc":"2.0","id":' + str(body["id"]).encode()
-                         + b',"result":' + result + b"}\n\n")
+        return await sse_response(request, (b'event: message\ndata: {"jsonrpc":"2.0","id":' + str(body["id"]).encode()
+                                            + b',"result":' + result + b"}\n\n",))
 
     async with scripted(handler) as url:
         h = await gateway(gateway_factory, url)

@@ -20,7 +20,6 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
@@ -31,6 +30,8 @@ from tests.fakes.upstream import (
     anthropic_stream,
     openai_completion,
     openai_stream,
+    serving,
+    sse_response,
     tool_call,
 )
 from tests.redis_fixture import RedisServer, redis_server  # noqa: F401  (fixture)
@@ -75,26 +76,14 @@ class Upstream:
             calls = [tool_call(n, orjson.dumps(a).decode(), f"c{i}") for i, (n, a) in enumerate(self.tools)]
             chunks = openai_stream(["ok"], tool_calls=calls or None) if body.get("stream") else None
             reply = openai_completion(tool_calls=calls or None)
-        if chunks is None:
-            return web.json_response(reply)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in chunks:
-            await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+        return web.json_response(reply) if chunks is None else await sse_response(request, chunks)
 
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[tuple[Upstream, str]]:
-    up, app = Upstream(), web.Application()
-    app.router.add_route("*", "/{tail:.*}", up.handle)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield up, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    up = Upstream()
+    async with serving(up.handle) as url:
+        yield up, url
 
 
 @pytest.fixture

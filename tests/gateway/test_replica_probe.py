@@ -17,12 +17,11 @@ import orjson
 import pytest
 import redis
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from gateway.store.redis import RedisRunStore
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
-from tests.fakes.upstream import openai_completion, tool_call
+from tests.fakes.upstream import openai_completion, serving, tool_call
 from tests.gateway.test_mcp import TOOLS, admin, mcp_client, pending, text
 from tests.redis_fixture import RedisServer, redis_server  # noqa: F401
 
@@ -74,14 +73,8 @@ class Gated:
 @pytest.fixture
 async def gated() -> AsyncIterator[tuple[Gated, str]]:
     up = Gated()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", up.handle)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield up, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with serving(up.handle) as url:
+        yield up, url
 
 
 async def replicas(factory: GatewayFactory, server: RedisServer, agent: dict[str, Any], upstream: str | None = None,
