@@ -20,206 +20,14 @@ from __future__ import annotations
 import asyncio
 import ssl
 import zlib
-from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import cast
-
-import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.config import Limits, Timeouts
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.http1_connection import HIGH_WATER, Connection, Expired
 from gateway.http1_wire import Origin, Sending, decoder_for, request_head, split_url
 
-HIGH_WATER = 1 << 20  # buffered response bytes at which reading from the socket pauses
 MAX_ANSWER_BYTES: int = Limits.model_fields["max_answer_bytes"].default  # `tollgate serve` passes the config's
-MAX_HEADER_BYTES = 64 * 1024  # a response head larger than this is refused (aiohttp's limits are near)
-
-
-class _Expired(Exception):
-    """A wait ran out of time (turned into the phase's `UpstreamTimeout` by its caller)."""
-
-
-class Connection(asyncio.Protocol):
-    """One upstream connection and the state of its current exchange (httptools callbacks)."""
-
-    def __init__(self, pool: Http1Pool, origin: Origin) -> None:
-        self.pool = pool
-        self.origin = origin
-        self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.active = False
-        self.closed = False
-        self.idle_since = 0.0
-        self.waiter: asyncio.Future[None] | None = None
-        self.changes = 0  # exchange events so far (see `wait`)
-        self.aborted = False  # we closed it: a close-delimited body that ends here is cut, not complete
-        self.begin(head_only=False)
-
-    def begin(self, *, head_only: bool) -> None:
-        self.head_only = head_only
-        self.interim = False  # inside a 1xx response, which precedes the real one
-        self.status = 0
-        self.raw_headers: list[tuple[str, str]] = []
-        self.header_bytes = 0
-        self.framed = False
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = False
-        self.error: str | None = None
-        self.body: deque[bytes] = deque()
-        self.buffered = 0
-        self.paused = False
-
-    # -- asyncio.Protocol --------------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
-
-    def data_received(self, data: bytes) -> None:
-        if not self.active or self.complete:
-            self._fail("upstream sent data outside a response")
-            return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(f"malformed response ({exc.__cause__ or exc})")
-
-    def eof_received(self) -> bool:
-        return False  # a half-closed upstream connection is a closed one
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        clean = exc is None and not self.aborted and self.error is None
-        if self.active and self.headers_done and not self.complete and not self.framed and clean:
-            self.complete = True  # a body delimited by the connection's end (no length, not chunked)
-        elif self.active and not self.complete and self.error is None:
-            self.error = f"connection {'reset' if exc else 'closed'} by upstream"
-        self.pool.lost(self)
-        self._wake()
-
-    # -- httptools callbacks -----------------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        if self.headers_done or self.complete:  # a second response to one request: never ours to pass on
-            self._fail("upstream sent more than one response")
-            raise UpstreamUnavailable("upstream sent more than one response")  # stops the parser
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_bytes += len(name) + len(value)
-        if self.header_bytes > MAX_HEADER_BYTES:
-            self._fail("response headers too large")
-            raise UpstreamUnavailable("response headers too large")  # stops the parser
-        text = name.decode("utf-8", "surrogateescape")
-        if not self.framed and text.lower() in ("content-length", "transfer-encoding"):
-            self.framed = True
-        self.raw_headers.append((text, value.decode("utf-8", "surrogateescape")))
-
-    def on_headers_complete(self) -> None:
-        self.status = status = self.parser.get_status_code()
-        if status < 200:
-            if status == 101:
-                self._fail("upstream switched protocols")
-                return
-            # 100 Continue, 103 Early Hints: the real response follows on the same connection
-            self.interim = True
-            self.raw_headers = []
-            self.header_bytes = 0
-            self.framed = False
-            return
-        self.keep_alive = self.parser.should_keep_alive()
-        self.headers_done = True
-        if self.head_only or status in (204, 304):
-            self.framed = True
-            self.complete = True
-            self.keep_alive = False  # httptools cannot skip a HEAD body; never reuse the connection
-        self._wake()
-
-    def on_body(self, data: bytes) -> None:
-        self.body.append(data)
-        self.buffered += len(data)
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            return
-        self.complete = True
-        self._wake()
-
-    # -- the exchange ------------------------------------------------------------------------------
-
-    def _fail(self, reason: str) -> None:
-        if self.error is None:
-            self.error = reason
-        self.abort()
-        self._wake()
-
-    def abort(self) -> None:
-        self.aborted = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    def reusable(self) -> bool:
-        """Idle-able: the exchange ended cleanly and the socket is open and ours to reuse."""
-        transport = self.transport
-        return (
-            self.complete and self.keep_alive and self.error is None and not self.closed and not self.body
-            and transport is not None and not transport.is_closing()
-        )
-
-    def _wake(self) -> None:
-        self.changes += 1
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self, timeout: float) -> None:
-        """Until the exchange changes (headers, a body chunk, the end, an error). `_Expired` after
-        `timeout` seconds without a change.
-
-        What arrived by the time the timer fired counts as in time: after the loop was busy for
-        longer than `timeout` (a burst of requests), the timer and the bytes that came meanwhile are
-        due together, and uvloop runs timers (and the task they wake) before it reads sockets. So an
-        expiry first lets the loop turn once, to read them; without that, an upstream that answered
-        in time would be reported as a timeout."""
-        waiter = self.loop.create_future()
-        self.waiter = waiter
-        before = self.changes
-        timer = self.loop.call_later(timeout, _expire, waiter)
-        try:
-            await waiter
-        except _Expired:
-            self.waiter = None
-            await asyncio.sleep(0)
-            if self.changes == before:
-                raise
-        finally:
-            timer.cancel()
-            self.waiter = None
-
-    def take(self) -> bytes:
-        """Every body byte buffered so far (resumes reading if it was paused)."""
-        body = self.body
-        data = body.popleft() if len(body) == 1 else b"".join(body)
-        body.clear()
-        self.buffered = 0
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
-        return data
-
-    def headers(self) -> CIMultiDictProxy[str]:
-        return CIMultiDictProxy(CIMultiDict(self.raw_headers))
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(_Expired())
 
 
 class Http1Response:
@@ -309,7 +117,7 @@ class Http1Response:
                 if conn.error is not None:
                     raise UpstreamUnavailable(f"upstream connection failed while reading: {conn.error}")
                 await conn.wait(self._idle)
-        except _Expired:
+        except Expired:
             raise UpstreamTimeout(f"upstream sent no data for {self._idle:g}s") from None
         body = self._decode(parts[0] if len(parts) == 1 else b"".join(parts), True, self._cap)
         self.release()  # after decoding: an answer refused there closes its connection instead
@@ -337,7 +145,7 @@ class Http1Response:
                 raise UpstreamUnavailable(f"upstream stream broke: {conn.error}")
             try:
                 await conn.wait(self._idle)
-            except _Expired:
+            except Expired:
                 raise UpstreamTimeout(f"upstream stream idle for more than {self._idle:g}s") from None
 
     def release(self) -> None:
@@ -413,7 +221,7 @@ class Http1Pool:
                     raise UpstreamUnavailable(f"upstream request failed: {conn.error}")
                 await conn.wait(deadline - loop.time())
             return Http1Response(conn, timeouts.idle, self.max_answer_bytes)
-        except _Expired:
+        except Expired:
             self.release(conn)
             raise UpstreamTimeout(f"upstream did not answer within {timeouts.first_byte:g}s") from None
         except BaseException:
