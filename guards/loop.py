@@ -14,6 +14,7 @@ back to the model is not counted twice.
 from __future__ import annotations
 
 from gateway.call import Answer
+from gateway.store.logic import repeats
 from guards.base import REASK, BaseGuard, Decision, Push, StepContext
 
 RESULT_KEEP = 1000
@@ -32,20 +33,21 @@ class LoopGuard(BaseGuard):
         if loop is None or not calls:
             return Decision.allow(self.name)
         prints = tuple(c.fingerprint for c in calls)
-        window = (ctx.history("calls") + list(prints))[-loop.window :]
         names = ", ".join(sorted({c.name for c in calls}))
-        if len(window) >= loop.window and len(set(window)) <= loop.max_distinct:
-            return Decision.stop(
-                self.name,
-                "loop_detected",
-                f"the last {loop.window} tool calls have only {len(set(window))} distinct name+argument "
-                f"combinations (max_distinct {loop.max_distinct}); repeating: {names}",
-            )
-        # the same judgement again in the store, on the run as it is when the push lands: steps of the
-        # run on other gateways may have pushed since this snapshot was read
+        # judged here on the snapshot, and again by the store on the run as it is when the push lands:
+        # steps of the run on other gateways may have pushed since this snapshot was read
         push = Push("calls", prints, loop.window, distinct_limit=loop.max_distinct, code="loop_detected",
                     detail=f"the last {loop.window} tool calls have at most {loop.max_distinct} distinct "
                            f"name+argument combinations (max_distinct {loop.max_distinct}); repeating: {names}")
+        history = ctx.history("calls")
+        if repeats(history, push):
+            distinct = len(set([*history, *prints][-loop.window :]))
+            return Decision.stop(
+                self.name,
+                "loop_detected",
+                f"the last {loop.window} tool calls have only {distinct} distinct name+argument "
+                f"combinations (max_distinct {loop.max_distinct}); repeating: {names}",
+            )
         return Decision.allow(self.name, effects=(push,))
 
 

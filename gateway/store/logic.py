@@ -162,7 +162,7 @@ def apply(state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: flo
         if a.limit is not None and current + a.amount > a.limit + EPS:
             return add(state, a.counter, a.amount, a.limit, a.code, now)  # stops the run, adds nothing
     for p in pushes:
-        if p.distinct_limit is not None and repeats(state.lists.get(p.key, []), p):
+        if repeats(state.lists.get(p.key, []), p):
             stop(state, p.code, p.detail, now)
             return Denial(p.code, p.detail)
     for a in adds:
