@@ -183,7 +183,6 @@ class Connection(asyncio.Protocol):
         try:
             await waiter
         except Expired:
-            self.waiter = None
             await asyncio.sleep(0)
             if self.changes == before:
                 raise
