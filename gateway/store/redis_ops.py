@@ -239,21 +239,16 @@ for _, a in ipairs(adds) do
 end
 -- logic.repeats: a push that would leave a loop in its list stops the run instead
 for _, p in ipairs(pushes) do
-  if p[4] >= 0 then
-    local text = redis.call('HGET', K, 'l:' .. p[1])
-    local items = {}
-    if text then items = cjson.decode(text) end
-    for _, v in ipairs(p[3]) do items[#items + 1] = v end
-    if #items >= p[2] then
-      local seen, distinct = {}, 0
-      for i = #items - p[2] + 1, #items do
-        if not seen[items[i]] then seen[items[i]] = true; distinct = distinct + 1 end
-      end
-      if distinct <= p[4] then
-        stop(p[5], p[6], now)
-        touch()
-        return cjson.encode({'deny', p[5], p[6]})
-      end
+  local items = p[4] >= 0 and pushed_list(p[1], p[3], p[2]) or {}
+  if #items >= p[2] then
+    local seen, distinct = {}, 0
+    for _, item in ipairs(items) do
+      if not seen[item] then seen[item] = true; distinct = distinct + 1 end
+    end
+    if distinct <= p[4] then
+      stop(p[5], p[6], now)
+      touch()
+      return cjson.encode({'deny', p[5], p[6]})
     end
   end
 end

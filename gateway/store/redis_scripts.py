@@ -120,10 +120,9 @@ local function add_one(counter, amount, limit, code, now)
   return nil
 end
 
--- logic.push: append, keep the last `keep`; returns the list
-local function push_list(name, values, keep)
-  local field = 'l:' .. name
-  local text = redis.call('HGET', K, field)
+-- the list `name` as logic.push would leave it (append, keep the last `keep`), nothing written
+local function pushed_list(name, values, keep)
+  local text = redis.call('HGET', K, 'l:' .. name)
   local items = {}
   if text then items = cjson.decode(text) end
   for _, v in ipairs(values) do items[#items + 1] = v end
@@ -132,7 +131,13 @@ local function push_list(name, values, keep)
     for i = #items - keep + 1, #items do kept[#kept + 1] = items[i] end
     items = kept
   end
-  redis.call('HSET', K, field, enc_list(items))
+  return items
+end
+
+-- logic.push; returns the list
+local function push_list(name, values, keep)
+  local items = pushed_list(name, values, keep)
+  redis.call('HSET', K, 'l:' .. name, enc_list(items))
   return items
 end
 
