@@ -9,15 +9,14 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 from typing import Any
 
-import orjson
 import pytest
 from aiohttp import web
 
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import Reply, anthropic_stream
+from tests.fakes.upstream import Reply, anthropic_stream, sse_response
 from tests.gateway.test_mcp_calls import tool_rows
 from tests.gateway.test_mcp_probe import call
-from tests.gateway.test_mcp_resume_review import nested, safe_raw, scripted, sse
+from tests.gateway.test_mcp_resume_review import nested, safe_raw, scripted
 from tests.gateway.test_mcp_transport import POLICY, PollingServer, events
 from tests.gateway.test_telemetry_probe import families, flushed, otel_env, post, samples, sink  # noqa: F401
 from tests.otel.otlp_sink import OtlpSink, WireSpan
@@ -86,12 +85,12 @@ class RefusedResume(PollingServer):
 
 
 async def _wrong_id(request: web.Request) -> web.StreamResponse:
-    return await sse(request, b'event: message\ndata: {"jsonrpc":"2.0","id":99,"result":{"content":[]}}\n\n')
+    return await sse_response(request, (b'event: message\ndata: {"jsonrpc":"2.0","id":99,"result":{"content":[]}}\n\n',))
 
 
 async def _too_deep(request: web.Request) -> web.StreamResponse:
-    return await sse(request, b'event: message\ndata: {"jsonrpc":"2.0","id":7,"result":{"content":[],"_meta":'
-                     + nested(100, b"1") + b"}}\n\n")
+    return await sse_response(request, (b'event: message\ndata: {"jsonrpc":"2.0","id":7,"result":{"content":[],"_meta":'
+                                        + nested(100, b"1") + b"}}\n\n",))
 
 
 @pytest.mark.parametrize(("scenario", "phrase"), [
