@@ -1,18 +1,33 @@
-"""prometheus-client building blocks for `otel.metrics`: bounded label values, scrape-time counters,
-and the exposition without `*_created` samples."""
+"""prometheus-client building blocks for `otel.metrics`: bounded label values, and metric families
+whose children are plain slots objects, exposed through prometheus-client's own collector interface
+(`collect()` yields its `*MetricFamily` objects, `generate_latest` writes the text format).
+
+Why not prometheus-client's `Counter` / `Histogram`: each `inc()` / `observe()` takes a lock and checks
+observability, a histogram observation increments two locked values after a linear scan of its bounds,
+and `labels()` validates on every call. A step records about fifteen values; that was ~6% of the
+gateway's instructions per request (`python -m bench.instructions`). Here an increment is one
+attribute update and a bucket is found by bisection.
+
+Concurrency contract: children are updated without a lock, so every update must come from one thread.
+In tollgate that is the event loop's (every caller of `otel.metrics.Metrics` runs on it; scrapes are
+served on it too). Exposition matches prometheus-client's for the same observations, minus the
+`*_created` samples, which the Prometheus text format does not need (tests/otel/test_prometheus.py
+compares the two).
+"""
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Final, Generic, TypeVar
+from itertools import accumulate
+from typing import Final
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 OTHER: Final = "_OTHER"
-M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class BoundedLabel:
@@ -35,6 +50,129 @@ class BoundedLabel:
         return value
 
 
+class CounterChild:
+    """One label set of a `CounterFamily`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("a counter can only be incremented by a non-negative amount")
+        self.value += amount
+
+
+class HistogramChild:
+    """One label set of a `HistogramFamily`: a count per bucket (not cumulative; the last bucket is
+    `+Inf`) and the sum. A value lands in the first bucket whose upper bound is >= it, as in
+    prometheus-client; NaN lands in none (and makes the sum NaN), as there."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0.0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        if amount == amount:  # not NaN
+            self.counts[bisect_left(self._bounds, amount)] += 1
+
+
+class _Family(Collector):
+    """Children by label values, created on first use (`labels(*values)`, memoised)."""
+
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str]) -> None:
+        self._name = name
+        self._doc = doc
+        self._labelnames = tuple(labelnames)
+
+    def _check(self, values: tuple[str, ...]) -> None:
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, got {len(values)}")
+
+
+class CounterFamily(_Family):
+    """A counter (`<name>_total`); with no label names, its one series exists from the start."""
+
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = ()) -> None:
+        super().__init__(name, doc, labelnames)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+        if not self._labelnames:
+            self._children[()] = CounterChild()
+
+    def labels(self, *values: str) -> CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            self._check(values)
+            child = self._children[values] = CounterChild()
+        return child
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for values, child in list(self._children.items()):
+            family.add_metric(values, child.value)
+        yield family
+
+
+class HistogramFamily(_Family):
+    """A histogram over sorted finite `buckets` (upper bounds; `+Inf` is added)."""
+
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str], buckets: Iterable[float]) -> None:
+        super().__init__(name, doc, labelnames)
+        bounds = tuple(float(b) for b in buckets)
+        if not bounds or list(bounds) != sorted(set(bounds)) or not all(math.isfinite(b) for b in bounds):
+            raise ValueError(f"{name}: buckets must be finite, distinct and sorted")
+        self._bounds = bounds
+        self._le = (*(floatToGoString(b) for b in bounds), "+Inf")
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+
+    def labels(self, *values: str) -> HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            self._check(values)
+            child = self._children[values] = HistogramChild(self._bounds)
+        return child
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for values, child in list(self._children.items()):
+            family.add_metric(values, list(zip(self._le, accumulate(child.counts))), child.sum)
+        yield family
+
+
+class GaugeValue(Collector):
+    """One unlabelled gauge: read from `read` at scrape time when given, else the last `set`."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float] | None = None) -> None:
+        self._name, self._doc, self._read = name, doc, read
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self._name, self._doc)
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self._name, self._doc, value=self._read() if self._read is not None else self.value)
+
+
 class CallbackCounter(Collector):
     """A counter family whose samples come from a callback at scrape time."""
 
@@ -55,35 +193,3 @@ class CallbackCounter(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield self._family(self._read())
-
-
-class WithoutCreated:
-    """The registry as scraped, minus prometheus-client's `*_created` samples (one extra series per
-    label set, which Prometheus' text format does not need; disabling them is only possible
-    process-wide in prometheus-client)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self._registry.collect():
-            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
-            yield metric
-
-
-class Children(Generic[M]):
-    """`metric.labels(*values)` memoised: prometheus-client validates and locks on every `labels()`
-    call, which dominated the per-step cost. Label values are bounded upstream (config names, codes,
-    `BoundedLabel`), so the cache is too."""
-
-    __slots__ = ("_cache", "_metric")
-
-    def __init__(self, metric: M) -> None:
-        self._metric = metric
-        self._cache: dict[tuple[str, ...], M] = {}
-
-    def __call__(self, *values: str) -> M:
-        child = self._cache.get(values)
-        if child is None:
-            child = self._cache[values] = self._metric.labels(*values)
-        return child

@@ -22,10 +22,10 @@ from opentelemetry.semconv._incubating.attributes import mcp_attributes as Mcp
 from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
 from opentelemetry.semconv.attributes import error_attributes as Error
 from opentelemetry.semconv.attributes import server_attributes as Server
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from otel._prometheus import BoundedLabel, CallbackCounter, Children, WithoutCreated
+from otel._prometheus import BoundedLabel, CallbackCounter, CounterChild, CounterFamily, GaugeValue, HistogramFamily
 from otel._safe import ErrorCounter, guarded
 
 __all__ = ["DURATION_BUCKETS", "INPUT", "MCP_BUCKETS", "OUTPUT", "TOKEN_BUCKETS", "Metrics", "label"]
@@ -72,7 +72,8 @@ _MCP: Final = tuple(
 
 
 class Metrics:
-    """All of tollgate's Prometheus series. One per process (per `Telemetry`); thread-safe."""
+    """All of tollgate's Prometheus series. One per process (per `Telemetry`); called from the event
+    loop's thread only (see `otel._prometheus`)."""
 
     def __init__(
         self,
@@ -85,7 +86,6 @@ class Metrics:
         self._errors = errors or ErrorCounter()
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self._scrape = WithoutCreated(r)
         self._model = BoundedLabel(label_limit)
         self._response_model = BoundedLabel(label_limit)
         self._agent = BoundedLabel(label_limit)
@@ -117,19 +117,18 @@ class Metrics:
             MCP_BUCKETS,
         )
         self._guard = counter("tollgate_guard_decisions", "Guard decisions.", ("guard", "decision", "reason"))
-        self._guard_plans: dict[tuple[tuple[str, str, str | None], ...], tuple[tuple[Counter, int], ...]] = {}
+        self._guard_plans: dict[tuple[tuple[str, str, str | None], ...], tuple[tuple[CounterChild, int], ...]] = {}
         self._guard_errors = counter("tollgate_guard_errors", "Guards that raised.", ("guard",))
         self._stopped = counter("tollgate_runs_stopped", "Runs stopped, by stop code.", ("reason",))
         self._tools = counter("tollgate_tool_calls", "Tool calls, by decision.", ("decision",))
         self._checks = counter("tollgate_output_checks", "Output grammar checks.", ("kind", "result"))
-        self._reasks = Counter("tollgate_reasks", "Re-asks after a nonconforming output.", registry=r)
+        self._reasks = counter("tollgate_reasks", "Re-asks after a nonconforming output.", ()).labels()
         self._cost = counter("tollgate_cost_usd", "Settled spend, USD.", ("agent", "provider", "model"))
         self._upstream = counter(
             "tollgate_upstream_requests", "Upstream requests, by status.", ("provider", "status")
         )
-        self._reserved = Gauge("tollgate_budget_reserved_usd", "USD reserved by in-flight steps.", registry=r)
-        if budget_reserved is not None:
-            self._reserved.set_function(budget_reserved)
+        self._reserved = GaugeValue("tollgate_budget_reserved_usd", "USD reserved by in-flight steps.", budget_reserved)
+        r.register(self._reserved)
         if spans_dropped is not None:
             read_dropped = spans_dropped
             r.register(
@@ -151,11 +150,15 @@ class Metrics:
 
     def _histogram(
         self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
-    ) -> Children[Histogram]:
-        return Children(Histogram(name, doc, labels, registry=self.registry, buckets=buckets))
+    ) -> HistogramFamily:
+        family = HistogramFamily(name, doc, labels, buckets)
+        self.registry.register(family)
+        return family
 
-    def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Children[Counter]:
-        return Children(Counter(name, doc, labels, registry=self.registry))
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> CounterFamily:
+        family = CounterFamily(name, doc, labels)
+        self.registry.register(family)
+        return family
 
     def _genai(
         self,
@@ -192,11 +195,11 @@ class Metrics:
     ) -> None:
         """One finished upstream inference: duration, and token usage when the provider reported it."""
         common = self._genai(operation, provider, request_model, response_model, server_address, server_port)
-        self._duration(*common, error_type or "").observe(duration_s)
+        self._duration.labels(*common, error_type or "").observe(duration_s)
         if input_tokens is not None:
-            self._tokens(*common, INPUT).observe(input_tokens)
+            self._tokens.labels(*common, INPUT).observe(input_tokens)
         if output_tokens is not None:
-            self._tokens(*common, OUTPUT).observe(output_tokens)
+            self._tokens.labels(*common, OUTPUT).observe(output_tokens)
 
     @guarded("metrics.observe_first_chunk")
     def observe_first_chunk(
@@ -209,7 +212,7 @@ class Metrics:
         server_port: int | None,
         seconds: float,
     ) -> None:
-        self._ttfc(
+        self._ttfc.labels(
             *self._genai(operation, provider, request_model, None, server_address, server_port)
         ).observe(seconds)
 
@@ -228,7 +231,7 @@ class Metrics:
         duration_s: float,
     ) -> None:
         port = str(server_port) if server_address and server_port is not None else ""
-        self._mcp(
+        self._mcp.labels(
             method,
             self._tool(tool_name),
             operation or "",
@@ -241,7 +244,7 @@ class Metrics:
 
     @guarded("metrics.guard_decision")
     def guard_decision(self, guard: str, decision: str, reason: str | None = None) -> None:
-        self._guard(guard, decision, reason or "").inc()
+        self._guard.labels(guard, decision, reason or "").inc()
 
     @guarded("metrics.guard_decision")
     def guard_decisions(self, decisions: Iterable[tuple[str, str, str | None]]) -> None:
@@ -254,7 +257,7 @@ class Metrics:
             for guard, decision, reason in key:
                 labels = (guard, decision, reason or "")
                 counts[labels] = counts.get(labels, 0) + 1
-            plan = tuple((self._guard(*labels), count) for labels, count in counts.items())
+            plan = tuple((self._guard.labels(*labels), count) for labels, count in counts.items())
             if len(self._guard_plans) >= 1024:
                 self._guard_plans.clear()
             self._guard_plans[key] = plan
@@ -263,21 +266,21 @@ class Metrics:
 
     @guarded("metrics.guard_error")
     def guard_error(self, guard: str) -> None:
-        self._guard_errors(guard).inc()
+        self._guard_errors.labels(guard).inc()
 
     @guarded("metrics.run_stopped")
     def run_stopped(self, reason: str) -> None:
-        self._stopped(reason).inc()
+        self._stopped.labels(reason).inc()
 
     @guarded("metrics.tool_call")
     def tool_call(self, decision: str) -> None:
         """A tool call proposed or executed: `allowed`, `rejected`, `dropped`, `approved`, `denied`..."""
-        self._tools(decision).inc()
+        self._tools.labels(decision).inc()
 
     @guarded("metrics.output_check")
     def output_check(self, kind: str, result: str) -> None:
         """A grammar verdict: kind `json_schema`/`regex`/..., result `pass`/`fail`."""
-        self._checks(kind, result).inc()
+        self._checks.labels(kind, result).inc()
 
     @guarded("metrics.reask")
     def reask(self) -> None:
@@ -287,12 +290,12 @@ class Metrics:
     def cost(self, agent: str, provider: str, model: str, usd: float) -> None:
         """Settled spend of one step (after guard.after)."""
         if usd > 0:
-            self._cost(self._agent(agent), provider, self._model(model)).inc(usd)
+            self._cost.labels(self._agent(agent), provider, self._model(model)).inc(usd)
 
     @guarded("metrics.upstream_request")
     def upstream_request(self, provider: str, status: int | str) -> None:
         """One upstream HTTP exchange: its status code, or `timeout` / `unreachable`."""
-        self._upstream(provider, str(status)).inc()
+        self._upstream.labels(provider, str(status)).inc()
 
     @guarded("metrics.set_budget_reserved")
     def set_budget_reserved(self, usd: float) -> None:
@@ -301,4 +304,4 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """(payload, content type) of the Prometheus text exposition format 0.0.4."""
-        return generate_latest(self._scrape), CONTENT_TYPE_PLAIN_0_0_4
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
