@@ -23,7 +23,12 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
 from typing import Final
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -78,7 +83,7 @@ class HistogramChild:
 
     def observe(self, amount: float) -> None:
         self.sum += amount
-        if amount == amount:  # not NaN
+        if not math.isnan(amount):
             self.counts[bisect_left(self._bounds, amount)] += 1
 
 

@@ -25,7 +25,14 @@ from opentelemetry.semconv.attributes import server_attributes as Server
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from otel._prometheus import BoundedLabel, CallbackCounter, CounterChild, CounterFamily, GaugeValue, HistogramFamily
+from otel._prometheus import (
+    BoundedLabel,
+    CallbackCounter,
+    CounterChild,
+    CounterFamily,
+    GaugeValue,
+    HistogramFamily,
+)
 from otel._safe import ErrorCounter, guarded
 
 __all__ = ["DURATION_BUCKETS", "INPUT", "MCP_BUCKETS", "OUTPUT", "TOKEN_BUCKETS", "Metrics", "label"]
