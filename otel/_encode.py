@@ -24,7 +24,7 @@ from typing import Any, Final
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace import SpanKind
 
 from otel._wire import Unsupported, attributes, field, pack_fixed32, pack_fixed64, utf8, varint
 
@@ -40,10 +40,6 @@ _KIND: Final[Mapping[SpanKind, bytes]] = {
 }
 _FLAGS_LOCAL: Final = b"\x85\x01" + pack_fixed32(0x100)  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _FLAGS_REMOTE: Final = b"\x85\x01" + pack_fixed32(0x300)  # ... | SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
-
-
-def _flags(context: SpanContext | None) -> bytes:
-    return _FLAGS_REMOTE if context is not None and context.is_remote else _FLAGS_LOCAL
 
 
 def _events(span: ReadableSpan) -> list[bytes]:
@@ -75,6 +71,21 @@ def _links(span: ReadableSpan) -> list[bytes]:
     return out
 
 
+_UNSET_STATUS: Final = b"\x7a\x00"  # Status{} : code UNSET (0, not written), no message
+_NAMES: Final[dict[str, bytes]] = {}  # span name -> its field (names repeat: `chat <model>`, `tools/call`)
+_NAMES_LIMIT: Final = 4096
+
+
+def _name_field(name: str) -> bytes:
+    encoded = _NAMES.get(name)
+    if encoded is None:
+        encoded = field(b"\x2a", utf8(name))
+        if len(_NAMES) >= _NAMES_LIMIT:
+            _NAMES.clear()
+        _NAMES[name] = encoded
+    return encoded
+
+
 def _span(span: ReadableSpan) -> bytes:
     """Payload of one `Span`, fields in number order as the SDK encoder sets them."""
     context = span.get_span_context()
@@ -90,13 +101,15 @@ def _span(span: ReadableSpan) -> bytes:
     parent = span.parent
     if parent:
         parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-    if span.name:
-        parts.append(field(b"\x2a", utf8(span.name)))
+    name = span.name
+    if name:
+        parts.append(_name_field(name))
     parts.append(_KIND[span.kind])
-    if span.start_time:
-        parts.append(b"\x39" + pack_fixed64(span.start_time))
-    if span.end_time:
-        parts.append(b"\x41" + pack_fixed64(span.end_time))
+    start, end = span.start_time, span.end_time
+    if start:
+        parts.append(b"\x39" + pack_fixed64(start))
+    if end:
+        parts.append(b"\x41" + pack_fixed64(end))
     parts += attributes(b"\x4a", span.attributes)
     if span.dropped_attributes:
         parts.append(b"\x50" + varint(span.dropped_attributes))
@@ -110,10 +123,13 @@ def _span(span: ReadableSpan) -> bytes:
         parts.append(b"\x70" + varint(span.dropped_links))
     status = span.status
     if status is not None:
-        payload = field(b"\x12", utf8(status.description)) if status.description else b""
         code = status.status_code.value
-        parts.append(field(b"\x7a", payload + (b"\x18" + varint(code) if code else b"")))
-    parts.append(_flags(parent))
+        if not code and not status.description:
+            parts.append(_UNSET_STATUS)
+        else:
+            payload = field(b"\x12", utf8(status.description)) if status.description else b""
+            parts.append(field(b"\x7a", payload + (b"\x18" + varint(code) if code else b"")))
+    parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
     return b"".join(parts)
 
 

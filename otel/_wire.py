@@ -78,14 +78,33 @@ def _any_value(value: Any) -> bytes:
 
 class _Memo:
     """Encodings of attribute keys, and of whole attribute fields (tag, key and value) for values that
-    repeat: short strings, ints, bools and short tuples of short strings (exact types only: `True == 1`
-    and `0.0 == -0.0` must not share an encoding). At most `_CACHE_LIMIT` entries of bounded size."""
+    repeat: short strings, ints, bools and short tuples of short strings. Fields are kept per tag, then
+    per exact value type (`True == 1` and `0.0 == -0.0` must not share an encoding), keyed by the
+    `(key, value)` item itself: a lookup builds nothing. At most `_CACHE_LIMIT` fields in all, each of
+    bounded size."""
 
-    __slots__ = ("fields", "keys")
+    __slots__ = ("count", "keys", "tables")
 
     def __init__(self) -> None:
         self.keys: dict[str, bytes] = {}
-        self.fields: dict[tuple[bytes, str, type, object], bytes] = {}
+        self.tables: dict[bytes, dict[type, dict[tuple[str, Any], bytes]]] = {}
+        self.count = 0
+
+    def kinds(self, tag: bytes) -> dict[type, dict[tuple[str, Any], bytes]]:
+        """The tables of `tag`, one per memoised value type."""
+        kinds = self.tables.get(tag)
+        if kinds is None:
+            kinds = self.tables[tag] = {str: {}, int: {}, bool: {}, tuple: {}}
+        return kinds
+
+    def keep(self, table: dict[tuple[str, Any], bytes], item: tuple[str, Any], encoded: bytes) -> None:
+        if self.count >= _CACHE_LIMIT:
+            for kinds in self.tables.values():
+                for other in kinds.values():
+                    other.clear()
+            self.count = 0
+        table[item] = encoded
+        self.count += 1
 
 
 _MEMO: Final = _Memo()
@@ -114,23 +133,32 @@ def _key_value(key: str, value: Any) -> bytes:
 
 
 def attributes(tag: bytes, attrs: Mapping[str, Any] | None) -> list[bytes]:
-    """One `tag` field per attribute. BoundedAttributes' `copy()` is a plain dict (cheap to iterate)."""
+    """One `tag` field per attribute. BoundedAttributes' `copy()` is a plain dict (cheap to iterate).
+
+    Runs for every attribute of every exported span (a gateway span has ~16), on the export thread
+    that shares the GIL with the event loop: a repeated field costs one lookup of the item."""
     if not attrs:
         return []
-    copy = getattr(attrs, "copy", None)
-    items = copy().items() if callable(copy) else attrs.items()
-    fields = _MEMO.fields
+    if type(attrs) is not dict:
+        copy = getattr(attrs, "copy", None)
+        attrs = copy() if callable(copy) else attrs
+    kinds = _MEMO.kinds(tag)
     out = []
-    for key, value in items:
+    for item in attrs.items():
+        value = item[1]
         kind = type(value)
-        if _memoisable(kind, value):
-            memo = (tag, key, kind, value)
-            encoded = fields.get(memo)
-            if encoded is None:
-                if len(fields) >= _CACHE_LIMIT:
-                    fields.clear()
-                encoded = fields[memo] = field(tag, _key_value(key, value))
-            out.append(encoded)
-        else:
-            out.append(field(tag, _key_value(key, value)))
+        table = kinds.get(kind)
+        if table is not None:
+            try:
+                encoded = table.get(item)
+            except TypeError:  # a tuple holding something unhashable: never memoised (nor valid)
+                table = None
+            else:
+                if encoded is not None:
+                    out.append(encoded)
+                    continue
+        encoded = field(tag, _key_value(item[0], value))
+        if table is not None and _memoisable(kind, value):
+            _MEMO.keep(table, item, encoded)
+        out.append(encoded)
     return out

@@ -9,7 +9,17 @@ from google.protobuf.internal.encoder import _VarintBytes  # type: ignore[import
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from otel._wire import Unsupported, _any_value, _key_value, attributes, field, utf8, varint
+from otel._wire import (
+    _CACHE_LIMIT,
+    _MEMO,
+    Unsupported,
+    _any_value,
+    _key_value,
+    attributes,
+    field,
+    utf8,
+    varint,
+)
 
 
 def expected_any(value: Any) -> AnyValue:
@@ -106,3 +116,23 @@ def test_memoised_fields_never_mix_equal_values_of_other_types(first: Any, secon
 @pytest.mark.parametrize("attrs", [None, {}])
 def test_no_attributes_no_fields(attrs: dict[str, Any] | None) -> None:
     assert attributes(b"\x4a", attrs) == []
+
+
+def _decoded(encoded: list[bytes]) -> list[tuple[str, AnyValue]]:
+    span = Span()
+    span.MergeFromString(b"".join(encoded))
+    return [(kv.key, kv.value) for kv in span.attributes]
+
+
+def test_a_tuple_holding_something_unhashable_is_encoded_unmemoised() -> None:
+    attrs = {"k": ("a", ["x", 1])}
+    assert _decoded(attributes(b"\x4a", attrs)) == [("k", expected_any(("a", ["x", 1])))]
+    assert _decoded(attributes(b"\x4a", attrs)) == [("k", expected_any(("a", ["x", 1])))]
+
+
+def test_the_memo_stays_bounded_and_right_across_a_clear() -> None:
+    for i in range(_CACHE_LIMIT + 50):
+        attrs = {"id": f"r-{i}", "n": i, "stable": "chat"}
+        assert _decoded(attributes(b"\x4a", attrs)) == [(k, expected_any(v)) for k, v in attrs.items()]
+        assert _MEMO.count <= _CACHE_LIMIT
+    assert sum(len(table) for kinds in _MEMO.tables.values() for table in kinds.values()) == _MEMO.count
