@@ -1,10 +1,49 @@
-"""What a step's metrics are labelled with (`otel.spans.StepSpan`), and label-value helpers."""
+"""What a step's metrics are labelled with (`otel.spans.StepSpan`), the Prometheus label names of the
+GenAI and MCP histograms, and label-value helpers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
-__all__ = ["StepLabels", "is_rpc_code"]
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
+from opentelemetry.semconv._incubating.attributes import mcp_attributes as Mcp
+from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
+from opentelemetry.semconv.attributes import error_attributes as Error
+from opentelemetry.semconv.attributes import server_attributes as Server
+
+__all__ = ["GENAI_LABELS", "MCP_LABELS", "StepLabels", "is_rpc_code", "label"]
+
+
+def label(attribute: str) -> str:
+    """Prometheus label name of a semconv attribute (`gen_ai.request.model` -> `gen_ai_request_model`)."""
+    return attribute.replace(".", "_")
+
+
+GENAI_LABELS: Final = tuple(
+    label(a)
+    for a in (
+        GenAI.GEN_AI_OPERATION_NAME,
+        GenAI.GEN_AI_PROVIDER_NAME,
+        GenAI.GEN_AI_REQUEST_MODEL,
+        GenAI.GEN_AI_RESPONSE_MODEL,
+        Server.SERVER_ADDRESS,
+        Server.SERVER_PORT,
+    )
+)
+MCP_LABELS: Final = tuple(
+    label(a)
+    for a in (
+        Mcp.MCP_METHOD_NAME,
+        GenAI.GEN_AI_TOOL_NAME,
+        GenAI.GEN_AI_OPERATION_NAME,
+        Mcp.MCP_PROTOCOL_VERSION,
+        Server.SERVER_ADDRESS,
+        Server.SERVER_PORT,
+        Rpc.RPC_RESPONSE_STATUS_CODE,
+        Error.ERROR_TYPE,
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,19 +18,18 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
-from opentelemetry.semconv._incubating.attributes import mcp_attributes as Mcp
-from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
 from opentelemetry.semconv.attributes import error_attributes as Error
-from opentelemetry.semconv.attributes import server_attributes as Server
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from otel._labels import GENAI_LABELS, MCP_LABELS, label
 from otel._prometheus import (
     BoundedLabel,
     CallbackCounter,
     CounterChild,
     CounterFamily,
     GaugeValue,
+    HistogramChild,
     HistogramFamily,
 )
 from otel._safe import ErrorCounter, guarded
@@ -47,35 +46,19 @@ INPUT: Final = GenAI.GenAiTokenTypeValues.INPUT.value
 OUTPUT: Final = GenAI.GenAiTokenTypeValues.OUTPUT.value
 
 
-def label(attribute: str) -> str:
-    """Prometheus label name of a semconv attribute (`gen_ai.request.model` -> `gen_ai_request_model`)."""
-    return attribute.replace(".", "_")
+_PLANS: Final = 1024  # memoised label sets -> children (keys hold raw, agent-controlled values)
 
 
-_GENAI: Final = tuple(
-    label(a)
-    for a in (
-        GenAI.GEN_AI_OPERATION_NAME,
-        GenAI.GEN_AI_PROVIDER_NAME,
-        GenAI.GEN_AI_REQUEST_MODEL,
-        GenAI.GEN_AI_RESPONSE_MODEL,
-        Server.SERVER_ADDRESS,
-        Server.SERVER_PORT,
-    )
-)
-_MCP: Final = tuple(
-    label(a)
-    for a in (
-        Mcp.MCP_METHOD_NAME,
-        GenAI.GEN_AI_TOOL_NAME,
-        GenAI.GEN_AI_OPERATION_NAME,
-        Mcp.MCP_PROTOCOL_VERSION,
-        Server.SERVER_ADDRESS,
-        Server.SERVER_PORT,
-        Rpc.RPC_RESPONSE_STATUS_CODE,
-        Error.ERROR_TYPE,
-    )
-)
+class _InferencePlan:
+    """The children one `observe_inference` label set feeds (token ones made on first use)."""
+
+    __slots__ = ("common", "duration", "tokens_in", "tokens_out")
+
+    def __init__(self, common: tuple[str, ...], duration: HistogramChild) -> None:
+        self.common = common
+        self.duration = duration
+        self.tokens_in: HistogramChild | None = None
+        self.tokens_out: HistogramChild | None = None
 
 
 class Metrics:
@@ -102,28 +85,29 @@ class Metrics:
         self._duration = histogram(
             "gen_ai_client_operation_duration_seconds",
             "GenAI operation duration (semconv gen_ai.client.operation.duration).",
-            (*_GENAI, label(Error.ERROR_TYPE)),
+            (*GENAI_LABELS, label(Error.ERROR_TYPE)),
             DURATION_BUCKETS,
         )
         self._tokens = histogram(
             "gen_ai_client_token_usage",
             "Tokens used per operation (semconv gen_ai.client.token.usage).",
-            (*_GENAI, label(GenAI.GEN_AI_TOKEN_TYPE)),
+            (*GENAI_LABELS, label(GenAI.GEN_AI_TOKEN_TYPE)),
             TOKEN_BUCKETS,
         )
         self._ttfc = histogram(
             "gen_ai_client_operation_time_to_first_chunk_seconds",
             "Time to the first streamed chunk (semconv gen_ai.client.operation.time_to_first_chunk).",
-            _GENAI,
+            GENAI_LABELS,
             DURATION_BUCKETS,
         )
         self._mcp = histogram(
             "mcp_client_operation_duration_seconds",
             "MCP request duration (semconv mcp.client.operation.duration).",
-            _MCP,
+            MCP_LABELS,
             MCP_BUCKETS,
         )
         self._guard = counter("tollgate_guard_decisions", "Guard decisions.", ("guard", "decision", "reason"))
+        self._inference_plans: dict[tuple[str | int | None, ...], _InferencePlan] = {}
         self._guard_plans: dict[tuple[tuple[str, str, str | None], ...], tuple[tuple[CounterChild, int], ...]] = {}
         self._guard_errors = counter("tollgate_guard_errors", "Guards that raised.", ("guard",))
         self._stopped = counter("tollgate_runs_stopped", "Runs stopped, by stop code.", ("reason",))
@@ -200,13 +184,26 @@ class Metrics:
         input_tokens: int | None = None,
         output_tokens: int | None = None,
     ) -> None:
-        """One finished upstream inference: duration, and token usage when the provider reported it."""
-        common = self._genai(operation, provider, request_model, response_model, server_address, server_port)
-        self._duration.labels(*common, error_type or "").observe(duration_s)
+        """One finished upstream inference: duration, and token usage when the provider reported it.
+        Steps mostly repeat the same few label sets, so each set's children are memoised (a token
+        series is only created, and so exposed, once a count is observed)."""
+        key = (operation, provider, request_model, response_model, server_address, server_port, error_type)
+        plan = self._inference_plans.get(key)
+        if plan is None:
+            common = self._genai(operation, provider, request_model, response_model, server_address, server_port)
+            plan = _InferencePlan(common, self._duration.labels(*common, error_type or ""))
+            if len(self._inference_plans) >= _PLANS:
+                self._inference_plans.clear()
+            self._inference_plans[key] = plan
+        plan.duration.observe(duration_s)
         if input_tokens is not None:
-            self._tokens.labels(*common, INPUT).observe(input_tokens)
+            if plan.tokens_in is None:
+                plan.tokens_in = self._tokens.labels(*plan.common, INPUT)
+            plan.tokens_in.observe(input_tokens)
         if output_tokens is not None:
-            self._tokens.labels(*common, OUTPUT).observe(output_tokens)
+            if plan.tokens_out is None:
+                plan.tokens_out = self._tokens.labels(*plan.common, OUTPUT)
+            plan.tokens_out.observe(output_tokens)
 
     @guarded("metrics.observe_first_chunk")
     def observe_first_chunk(
@@ -265,7 +262,7 @@ class Metrics:
                 labels = (guard, decision, reason or "")
                 counts[labels] = counts.get(labels, 0) + 1
             plan = tuple((self._guard.labels(*labels), count) for labels, count in counts.items())
-            if len(self._guard_plans) >= 1024:
+            if len(self._guard_plans) >= _PLANS:
                 self._guard_plans.clear()
             self._guard_plans[key] = plan
         for child, count in plan:

@@ -159,6 +159,24 @@ def test_agent_controlled_labels_are_bounded() -> None:
     assert models == {"m1": 2.0, "m2": 1.0, "_OTHER": 2.0}
 
 
+def test_memoised_inference_label_sets_stay_bounded_and_counted() -> None:
+    """More distinct (agent-controlled) models than the memo holds: every observation still lands in
+    its series, models past the label limit in `_OTHER`, and token series exist only once counted."""
+    metrics = Metrics(label_limit=2)
+    models = [f"m{i}" for i in range(1500)] + ["m0", "m1", "m0"]
+    for model in models:
+        metrics.observe_inference(operation="chat", provider="openai", request_model=model, response_model=None,
+                                  server_address="h", server_port=1, error_type=None, duration_s=0.1,
+                                  input_tokens=1 if model == "m0" else None)
+    assert len(metrics._inference_plans) <= 1024
+    family = samples(metrics)["gen_ai_client_operation_duration_seconds"]
+    counts = {s.labels["gen_ai_request_model"]: s.value for s in family if s.name.endswith("_count")}
+    assert counts == {"m0": 3.0, "m1": 2.0, "_OTHER": 1498.0}
+    tokens = samples(metrics)["gen_ai_client_token_usage"]
+    assert {(s.labels["gen_ai_request_model"], s.labels["gen_ai_token_type"], s.value)
+            for s in tokens if s.name.endswith("_count")} == {("m0", "input", 3.0)}
+
+
 def test_mcp_protocol_version_label_is_bounded() -> None:
     """The `MCP-Protocol-Version` header is the agent's to write: its label is bounded like model names."""
     metrics = Metrics(label_limit=2)
