@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
+from functools import lru_cache
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
@@ -43,18 +44,22 @@ HOP_BY_HOP = frozenset(
 )
 
 
+@lru_cache(maxsize=1024)
+def _own(name: str) -> bool:
+    """A hop-by-hop or `x-tollgate-*` field: never forwarded (cached: names repeat on every step)."""
+    lower = name.lower()
+    return lower in HOP_BY_HOP or lower.startswith("x-tollgate-")
+
+
 def forwardable(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()) -> CIMultiDict[str]:
     """Headers minus hop-by-hop ones, those named in `Connection`, and `drop` (lower-case names)."""
-    skip = HOP_BY_HOP | drop if drop else HOP_BY_HOP
     getall = getattr(headers, "getall", None)  # repeated `Connection` fields form one list (RFC 9110)
     fields = getall("connection", ()) if getall is not None else [v for k, v in headers.items()
                                                                   if k.lower() == "connection"]
-    if fields:
-        skip = skip | {h.strip().lower() for value in fields for h in value.split(",")}
+    skip = drop | {h.strip().lower() for value in fields for h in value.split(",")} if fields else drop
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
-        lower = key.lower()
-        if lower in skip or lower.startswith("x-tollgate-"):
+        if _own(key) or (skip and key.lower() in skip):
             continue
         out.add(key, value)
     return out

@@ -20,6 +20,30 @@ def test_header_splitting_is_refused() -> None:
         request_head("GET", "/", "h", {"Transfer-Encoding ": "chunked"}, None)
 
 
+@pytest.mark.parametrize(
+    ("headers", "refused"),
+    [
+        ({"X-A": "tab\tinside"}, None),  # a tab is allowed in a value
+        ({"X-A": "caf\u00e9 \u2028 ok"}, None),  # non-ASCII (even non-printable) is not a control character
+        ({"X-A": "ok", "X-B": "bell\x07"}, "X-B"),  # the offending one is named, not the first
+        ({"X-A": "del\x7f"}, "X-A"),
+        ({"": "v"}, ""),
+        ({"X A": "v"}, "X A"),
+        ({"Connection": "close\r\n"}, None),  # ours: never written, so never judged
+        ({"X-A": "v"}, None),  # a name seen before (cached) is judged the same
+        ({"X-A": "v\n"}, "X-A"),
+    ],
+)
+def test_header_names_and_values_table(headers: dict[str, str], refused: str | None) -> None:
+    if refused is None:
+        head = request_head("GET", "/", "h", headers, None)
+        for name, value in headers.items():
+            assert (f"{name}: {value}\r\n".encode() in head) is (name != "Connection")
+        return
+    with pytest.raises(InvalidRequest, match=f"header {refused!r} is not a valid header"):
+        request_head("GET", "/", "h", headers, None)
+
+
 def test_head_owns_host_framing_and_encoding() -> None:
     head = request_head("POST", "/p", "up:1", {"Host": "evil", "Content-Length": "9", "X-K": "v"}, 3)
     assert head == b"POST /p HTTP/1.1\r\nHost: up:1\r\nX-K: v\r\nContent-Length: 3\r\nAccept-Encoding: identity\r\n\r\n"
