@@ -21,7 +21,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -87,40 +87,51 @@ class HistogramChild:
             self.counts[bisect_left(self._bounds, amount)] += 1
 
 
-class _Family(Collector):
-    """Children by label values, created on first use (`labels(*values)`, memoised)."""
+C = TypeVar("C", CounterChild, HistogramChild)
+
+
+class _Family(Collector, Generic[C]):
+    """Children by label values, created on first use (`labels(*values)`, memoised); a subclass says
+    how a child is made (`_child`), which family it is exposed as (`_family`) and with which samples
+    (`collect`)."""
 
     def __init__(self, name: str, doc: str, labelnames: Iterable[str]) -> None:
         self._name = name
         self._doc = doc
         self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], C] = {}
 
-    def _check(self, values: tuple[str, ...]) -> None:
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, got {len(values)}")
+    def labels(self, *values: str) -> C:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, got {len(values)}")
+            child = self._children[values] = self._child()
+        return child
+
+    def _child(self) -> C:
+        raise NotImplementedError
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
 
 
-class CounterFamily(_Family):
+class CounterFamily(_Family[CounterChild]):
     """A counter (`<name>_total`); with no label names, its one series exists from the start."""
 
     def __init__(self, name: str, doc: str, labelnames: Iterable[str] = ()) -> None:
         super().__init__(name, doc, labelnames)
-        self._children: dict[tuple[str, ...], CounterChild] = {}
         if not self._labelnames:
-            self._children[()] = CounterChild()
+            self.labels()
 
-    def labels(self, *values: str) -> CounterChild:
-        child = self._children.get(values)
-        if child is None:
-            self._check(values)
-            child = self._children[values] = CounterChild()
-        return child
+    def _child(self) -> CounterChild:
+        return CounterChild()
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
-
-    def describe(self) -> Iterator[Metric]:
-        yield self._family()
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
@@ -129,7 +140,7 @@ class CounterFamily(_Family):
         yield family
 
 
-class HistogramFamily(_Family):
+class HistogramFamily(_Family[HistogramChild]):
     """A histogram over sorted finite `buckets` (upper bounds; `+Inf` is added)."""
 
     def __init__(self, name: str, doc: str, labelnames: Iterable[str], buckets: Iterable[float]) -> None:
@@ -139,20 +150,12 @@ class HistogramFamily(_Family):
             raise ValueError(f"{name}: buckets must be finite, distinct and sorted")
         self._bounds = bounds
         self._le = (*(floatToGoString(b) for b in bounds), "+Inf")
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
 
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._children.get(values)
-        if child is None:
-            self._check(values)
-            child = self._children[values] = HistogramChild(self._bounds)
-        return child
+    def _child(self) -> HistogramChild:
+        return HistogramChild(self._bounds)
 
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-
-    def describe(self) -> Iterator[Metric]:
-        yield self._family()
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
