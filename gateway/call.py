@@ -15,6 +15,7 @@ from typing import Any, Literal
 import orjson
 
 from gateway import exact_json
+from gateway.frozen_init import fast_init
 
 Protocol_ = Literal["openai", "anthropic", "openai_responses", "mcp"]
 
@@ -52,6 +53,7 @@ def digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
     """A tool offered to the model (OpenAI `tools[].function`, Anthropic `tools[]`, MCP `tools/list`)."""
@@ -61,6 +63,7 @@ class ToolSpec:
     parameters: Mapping[str, Any] | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """A tool call proposed by the model, or an MCP `tools/call` request."""
@@ -75,6 +78,7 @@ class ToolCall:
         return digest(self.name.encode("utf-8", "surrogatepass"), canonical_arguments(self.arguments))
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ToolResult:
     """A tool result the agent sends back (`role: tool`, `tool_result` block, MCP result)."""
@@ -88,6 +92,7 @@ class ToolResult:
         return digest(self.content.encode("utf-8", "surrogatepass"))
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token usage in semconv terms: `input_tokens` includes cached tokens (Anthropic's are summed)."""
@@ -124,6 +129,7 @@ class Usage:
 _COUNTS = tuple(f.name for f in fields(Usage) if f.name != "other_models")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestParams:
     """Sampling parameters the request carried (None when absent); telemetry reads them."""
@@ -138,6 +144,7 @@ class RequestParams:
     choice_count: int | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Call:
     """One request step in neutral form.
@@ -205,6 +212,7 @@ class Call:
     audio_output: bool = False  # the answer may be spoken (Chat Completions `modalities` lists audio)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Answer:
     """The upstream's answer in neutral form (first choice for text; tool calls of every choice)."""

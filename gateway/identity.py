@@ -10,6 +10,7 @@ from urllib.parse import unquote
 
 from gateway.config import Agent, Config, Limits
 from gateway.errors import InvalidApiKey, InvalidRequest
+from gateway.frozen_init import fast_init
 
 RUN_ID_HEADER = "x-tollgate-run-id"
 AGENT_HEADER = "x-tollgate-agent"
@@ -18,6 +19,7 @@ _AGENT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 DEFAULT_POLICY = Agent()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Identity:
     agent: str

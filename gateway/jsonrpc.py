@@ -21,6 +21,7 @@ import orjson
 from gateway import exact_json
 from gateway.call import canonical_json
 from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, RequestTimeout, RequestTooLarge
+from gateway.frozen_init import fast_init
 from gateway.providers.common import json_depth_ok
 
 PARSE_ERROR = -32700
@@ -50,6 +51,7 @@ class BadArguments(InvalidRequest):
     """`tools/call` arguments that break the tool's `inputSchema` (JSON-RPC -32602)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Message:
     """One parsed message. `id` is None for notifications; `body` is the whole parsed object."""

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import StateUnavailable
+from gateway.frozen_init import fast_init
 from gateway.ledger_chain import (
     COLUMNS,
     GENESIS,
@@ -68,6 +69,7 @@ _LAST = ("SELECT id, entry_hash, (SELECT seq FROM sqlite_sequence WHERE name = '
 _log = logging.getLogger(__name__)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
     """One step decision as the pipeline reports it. `ts` 0 means "now, at append"."""

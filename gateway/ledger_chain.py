@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.frozen_init import fast_init
+
 GENESIS = "0" * 64
 COLUMNS = ("id", "ts", "agent", "run_id", "operation", "model", "input_hash", "decision", "reason",
            "detail", "prev_hash", "entry_hash")
@@ -40,6 +42,7 @@ SELECT = f"SELECT {', '.join(COLUMNS)} FROM ledger"
 INSERT = f"INSERT INTO ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     """Outcome of `verify`. `rows`: rows that verified before the first bad one (all when ok). `head`:

@@ -15,10 +15,12 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
+from gateway.frozen_init import fast_init
 from grammars.requests import request_constraints
 from grammars.spec import ConstraintSpec
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Job:
     """One parsed request. `sampling` holds transformers' generate() flags."""
@@ -34,6 +36,7 @@ class Job:
     include_usage: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Result:
     text: str

@@ -32,6 +32,7 @@ import orjson
 from gateway.call import Answer, Call, RequestParams, Usage, digest
 from gateway.config import Limits
 from gateway.errors import InvalidRequest
+from gateway.frozen_init import fast_init
 from gateway.providers.base import StreamStep
 from gateway.providers.common import opt_int, opt_number, require_model, required_count
 from gateway.providers.openai_chat import MAX_CHOICES, OpenAIChat, OpenAIStreamReader
@@ -56,6 +57,7 @@ MAX_BEST_OF = 20
 Output = Literal["none", "max_tokens", "model_limit"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Meter:
     """How one metered path is bounded and settled."""

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from gateway.call import Answer, Call
 from gateway.errors import InvalidGrammar
+from gateway.frozen_init import fast_init
 from gateway.identity import header_values
 from grammars.checker import IncrementalChecker
 from grammars.compile import Constraint, compile_async
@@ -64,6 +65,7 @@ def _native_in_body(call: Call, dialect: str) -> tuple[bool, bool]:
     return False, False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class OutputPlan:
     constraints: tuple[Constraint, ...]
@@ -81,6 +83,7 @@ class OutputPlan:
         return [c.checker(native=self.native_exact and i == 0) for i, c in enumerate(self.constraints)]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class OutputVerdict:
     violation: Violation

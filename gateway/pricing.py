@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from gateway.call import Usage
 from gateway.config import Price
+from gateway.frozen_init import fast_init
 
 _MTOK = 1_000_000
 
@@ -69,6 +70,7 @@ def reserved_tier(requested: str | None) -> str:
     return STANDARD_TIER if requested is None or requested in _STANDARD_REQUESTS else requested
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Rate:
     """USD per token, with optional tiers `(start_input_tokens, usd_per_token)`."""
@@ -88,6 +90,7 @@ class Rate:
         return max([self.base, *(r for _, r in self.tiers)])
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ModelPrice:
     input: Rate

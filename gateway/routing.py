@@ -10,8 +10,10 @@ from fnmatch import fnmatchcase
 
 from gateway.config import Config, Provider
 from gateway.errors import ModelNotFound
+from gateway.frozen_init import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Route:
     provider_name: str

@@ -14,12 +14,14 @@ from typing import Any
 
 from gateway.call import Answer, Call, ToolCall
 from gateway.errors import ToolNotAllowed
+from gateway.frozen_init import fast_init
 from gateway.providers.tool_wire import filter_request_tools, offers_tools
 from gateway.tools import ToolPolicy, refusal_detail
 
 TOOL_NOT_ALLOWED = "tool_not_allowed"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ToolVerdict:
     denied: tuple[ToolCall, ...]

@@ -23,10 +23,12 @@ from typing import Final
 
 from gateway.config import Agent
 from gateway.errors import InvalidRequest
+from gateway.frozen_init import fast_init
 
 __all__ = ["BYPASSES", "FREE", "Bypass", "bypass_for", "forbidden", "refusal"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Bypass:
     """A billed call that is not a step. `why` completes "tollgate refuses it for this agent: ...";

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 import llguidance as llg
 
 from gateway.errors import InvalidGrammar
+from gateway.frozen_init import fast_init
 from grammars import engine
 from grammars.checker import IncrementalChecker
 from grammars.spec import ConstraintSpec, Kind, Violation, parse_json
@@ -44,6 +45,7 @@ _STREAM_IGNORED: Final[frozenset[str]] = frozenset({"format"})
 V = TypeVar("V")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, eq=False)
 class _Core:
     """What compiling produced; shared by every Constraint with the same key."""
@@ -55,6 +57,7 @@ class _Core:
     warnings: tuple[str, ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, eq=False)
 class Constraint:
     """A compiled constraint. Thread-safe; each `checker()` is for one stream."""

@@ -30,6 +30,7 @@ from typing import Final
 import orjson
 
 from gateway.errors import ConfigError, InvalidGrammar
+from gateway.frozen_init import fast_init
 from grammars.compile import compile_constraint
 from grammars.spec import JSON_OBJECT, ConstraintSpec, Kind, parse_json
 
@@ -50,6 +51,7 @@ INLINE_PREFIXES: Final[dict[str, Kind]] = {
 }
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, eq=False)
 class GrammarLibrary:
     """An immutable name -> spec table; every spec in it compiles (see the module doc for when)."""

@@ -31,6 +31,7 @@ from jsonschema.protocols import Validator
 from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignore[import-untyped]
 
 from gateway.errors import InvalidGrammar
+from gateway.frozen_init import fast_init
 from grammars.regexes import UnsupportedPattern, compile_pattern, search
 from grammars.spec import Violation, parse_json
 
@@ -128,6 +129,7 @@ _NO_RETRIEVAL: Final[referencing.Registry[Any]] = referencing.Registry()
 _DATA_KEYWORDS: Final[frozenset[str]] = frozenset({"enum", "const", "default", "examples"})
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SchemaCheck:
     """A compiled schema verdict: `check(text)` for a whole output, `check_value(value)` once parsed."""

@@ -14,11 +14,14 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from gateway.frozen_init import fast_init
+
 Kind = Literal["json_schema", "json_object", "regex", "lark", "gbnf", "choice"]
 KINDS: Final[tuple[Kind, ...]] = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
 JSON_KINDS: Final[frozenset[str]] = frozenset({"json_schema", "json_object"})
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ConstraintSpec:
     """One output constraint.
@@ -51,6 +54,7 @@ class ConstraintSpec:
         return self.kind in JSON_KINDS
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Violation:
     """Why an output does not satisfy its constraint.

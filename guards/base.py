@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from gateway.call import Answer, Call
 from gateway.config import Agent
+from gateway.frozen_init import fast_init
 from gateway.pricing import ModelPrice
 from gateway.store.base import Add, Claim, Push, RunState
 
@@ -25,6 +26,7 @@ __all__ = ["REASK", "Add", "BaseGuard", "Decision", "Effect", "Push", "StepConte
 Effect = Add | Push
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What one guard decided about one step."""
@@ -67,6 +69,7 @@ def _plain_allow(guard: str) -> Decision:
 REASK = "reask"  # StepContext.extra: the step is a re-ask tollgate sends, not the agent's own request
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StepContext:
     """Everything a guard may read about a step. `run` is None for a run's first step."""

@@ -9,12 +9,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.call import Answer
+from gateway.frozen_init import fast_init
 from gateway.store.base import Claim
 from guards.base import Decision, Effect, StepContext, StopCondition
 
 GUARD_ERROR = "guard_error"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """The chain's combined decision: the first stop (if any), all claims and effects, every decision."""

@@ -45,6 +45,8 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import AttributeValue
 
+from gateway.frozen_init import fast_init
+
 __all__ = ["FastSpan", "FastTracer", "Reserved"]
 
 _SAMPLED_DECISIONS = frozenset({Decision.RECORD_AND_SAMPLE})
@@ -57,6 +59,7 @@ def _stored(value: AttributeValue) -> AttributeValue:
     return tuple(value) if type(value) is list else value
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Reserved:
     """A span decided but not started: its context (what goes upstream), its parent, whether it

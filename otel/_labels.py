@@ -12,6 +12,8 @@ from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
 from opentelemetry.semconv.attributes import error_attributes as Error
 from opentelemetry.semconv.attributes import server_attributes as Server
 
+from gateway.frozen_init import fast_init
+
 __all__ = ["GENAI_LABELS", "MCP_LABELS", "StepLabels", "is_rpc_code", "label"]
 
 
@@ -46,6 +48,7 @@ MCP_LABELS: Final = tuple(
 )
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StepLabels:
     """What a step's metrics are labelled with, known at start (computed even when not recording)."""

@@ -30,6 +30,7 @@ from opentelemetry.semconv.attributes import error_attributes as Error
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, set_span_in_context
 
 from gateway.call import digest
+from gateway.frozen_init import fast_init
 from otel.attributes import (
     TOLLGATE_AGENT,
     TOLLGATE_COST_USD,
@@ -56,6 +57,7 @@ GATEWAY_PROVIDER = "tollgate"
 """`gen_ai.provider.name` of a run root whose steps used several providers (custom value)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RunTotals:
     """What the root span of a run reports. `provider_name` is the run's single provider, if any."""

@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from gateway.demo.toolserver import PROTOCOL_VERSION
+from gateway.frozen_init import fast_init
 
 __all__ = ["DemoError", "LoopEnd", "SampleAgent", "openai_tools"]
 
@@ -26,6 +27,7 @@ class DemoError(Exception):
     """The tour could not run or did not show what it should; the message says what happened."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class LoopEnd:
     """How `run_loop` ended: `code` is the gateway's error code (None: the model answered), `answer`

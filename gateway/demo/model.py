@@ -19,11 +19,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.frozen_init import fast_init
+
 __all__ = ["SCRIPT_TAG", "Script", "ScriptedModel", "Turn"]
 
 SCRIPT_TAG = re.compile(r"\[script:([a-z0-9_-]+)\]")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Turn:
     """One scripted answer: `tool` set means a tool call with `arguments`, else the text `text`."""

@@ -20,6 +20,7 @@ from typing import Any
 from gateway.demo.agent import SampleAgent, openai_tools
 from gateway.demo.model import Script, Turn
 from gateway.demo.toolserver import DemoTool, ScriptedToolServer
+from gateway.frozen_init import fast_init
 
 __all__ = ["MCP_SERVER", "MODEL", "Scenario", "scenarios", "scripts", "tools"]
 
@@ -85,6 +86,7 @@ def scripts() -> dict[str, Script]:
 Play = Callable[[SampleAgent, ScriptedToolServer], Awaitable[list[str]]]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Scenario:
     """One run of the tour. `policy` is the agent's config section (its key is added by the tour)."""

@@ -16,11 +16,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.frozen_init import fast_init
+
 __all__ = ["PROTOCOL_VERSION", "DemoTool", "ScriptedToolServer"]
 
 PROTOCOL_VERSION = "2025-11-25"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DemoTool:
     """One tool: `handler(arguments)` returns the text result."""

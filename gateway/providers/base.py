@@ -14,9 +14,11 @@ from typing import Any, Protocol
 from gateway.call import Answer, Call
 from gateway.config import Limits
 from gateway.errors import GatewayError
+from gateway.frozen_init import fast_init
 from gateway.providers.sse import SseEvent
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StreamStep:
     """What to do with one upstream event: bytes to relay now (possibly b""), and whether it ended."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gateway.frozen_init import fast_init
+
 # An event ends at an empty line: two line terminators in a row, each CRLF, LF or CR, mixed as they
 # come (the SSE spec; SDK clients accept every mix, so a filter must cut events where they do)
 _EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SseEvent:
     raw: bytes  # the event's bytes including its terminating blank line

@@ -18,7 +18,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.frozen_init import fast_init
 
+
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Claim:
     """Reserve `fixed + per_unit * units` of `counter`, keeping used + reserved <= `limit`.
@@ -33,6 +36,7 @@ class Claim:
     code: str = ""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ReserveRequest:
     """All claims of one step, granted together or not at all.
@@ -47,6 +51,7 @@ class ReserveRequest:
     clamp_units: int | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Add:
     """Add `amount` to counter `counter`; exceeding `limit` stops the run with `code`."""
@@ -57,6 +62,7 @@ class Add:
     code: str = ""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Push:
     """Append `values` to the run's history list `key`, keeping the last `keep`.
@@ -75,6 +81,7 @@ class Push:
     detail: str = ""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Reservation:
     id: str
@@ -84,6 +91,7 @@ class Reservation:
     amounts: Mapping[str, float]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Denial:
     """A claim that did not fit, or the run was already stopped. The run is stopped with `reason`,
@@ -95,6 +103,7 @@ class Denial:
     held: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WriteClaim:
     """What `RunStore.claim_write` found for a side-effecting tool call of a run.
@@ -111,6 +120,7 @@ RunsCursor = tuple[float, str]
 """A position in the listing order of runs: (`updated_at`, with 0 for a run that has none; `run_id`)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RunsPage:
     """One page of `RunStore.runs_page`. `next`: the position of the page's last run when more runs

@@ -39,11 +39,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from gateway.frozen_init import fast_init
 from gateway.store.base import Reservation
 
 log = logging.getLogger("gateway.store.redis")  # the store's own logger: one place to silence or watch
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Granted(Reservation):
     """A reservation the Redis store granted, with the agent it was granted to and when."""
