@@ -1,10 +1,11 @@
-"""`make bench`'s CPU layout: the proxy under test alone on one CPU, the load on the others."""
+"""`make bench`: its CPU layout (the proxy under test alone on one CPU, the load on the others) and how
+its throughput figure is read from alternating rounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.__main__ import Layout, core_layout
+from bench.__main__ import Layout, Round, core_layout, median_ratio
 
 
 @pytest.mark.parametrize(
@@ -19,3 +20,39 @@ from bench.__main__ import Layout, core_layout
 )
 def test_core_layout(available: set[int], expected: Layout | None) -> None:
     assert core_layout(available) == expected
+
+
+def rounded(rps: tuple[float, float], cpu: tuple[float, float] | None) -> Round:
+    """A round with tollgate's and the bare proxy's req/s and (optionally) CPU ms per request."""
+    one = Round(rps={"tollgate": rps[0], "bare proxy": rps[1], "direct": 9999.0})
+    if cpu is not None:
+        one.cpu_ms = {"tollgate": cpu[0], "bare proxy": cpu[1]}
+    return one
+
+
+@pytest.mark.parametrize(
+    ("one", "expected"),
+    [
+        (rounded((500, 1000), (0.5, 0.25)), 0.5),  # both ratios agree
+        (rounded((900, 1000), (0.5, 0.25)), 0.5),  # the load side saturated first: the CPU ratio counts
+        (rounded((400, 1000), (0.3, 0.27)), 0.4),  # the req/s ratio is the lower one
+        (rounded((400, 1000), None), 0.4),  # no CPU figures: req/s alone
+        (rounded((400, 1000), (0.0, 0.25)), 0.4),  # an unreadable CPU figure is not divided by
+    ],
+)
+def test_round_ratio_is_the_lower_of_req_s_and_cpu(one: Round, expected: float) -> None:
+    assert one.ratio() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "expected"),
+    [
+        ([0.5], 0.5),
+        ([0.5, 0.3, 0.4], 0.4),
+        ([0.6, 0.3], 0.3),  # even count: the lower middle, never the flattering one
+        ([0.5, 0.2, 0.45, 0.9], 0.45),
+    ],
+)
+def test_median_ratio(ratios: list[float], expected: float) -> None:
+    rounds = [rounded((r * 1000, 1000), None) for r in ratios]
+    assert median_ratio(rounds) == pytest.approx(expected)
