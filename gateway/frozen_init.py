@@ -13,7 +13,9 @@ directly; `fast_init` generates an `__init__` that does exactly that, so instanc
 Contract: `cls` is a `@dataclass(frozen=True, slots=True)` class. The new `__init__` takes the same
 parameters, in the same order, with the same defaults; `default_factory` is called per instance as the
 dataclass does; fields with `init=False` get their default; `__post_init__` runs last. `InitVar`,
-`KW_ONLY` and keyword-only fields are refused (TypeError at decoration): nothing here uses them.
+`KW_ONLY` and keyword-only fields are refused (TypeError at decoration): nothing here uses them. So is
+a class whose `__init__` its body wrote (or that has none: `init=False`), and one where a field is no
+longer a slot (a subclass shadowed it): replacing those would change what the class does.
 Applied at class creation (import time of the class's module, like `@dataclass` itself).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 from typing import Any, TypeVar
 
 __all__ = ["fast_init"]
@@ -31,56 +34,71 @@ T = TypeVar("T")
 def fast_init(cls: type[T]) -> type[T]:
     """Replace `cls.__init__` (see the module docstring); returns `cls`."""
     params = getattr(cls, "__dataclass_params__", None)
-    if params is None or not params.frozen or "__slots__" not in vars(cls):
+    if params is None or not params.frozen or not params.init or "__slots__" not in vars(cls):
         raise TypeError(f"fast_init: {cls.__qualname__} is not a @dataclass(frozen=True, slots=True)")
+    # the generated __init__ replaces the dataclass's own (compiled from "<string>"), never one the class
+    # body wrote: that one does what its author wrote and is not ours to drop
+    own = vars(cls).get("__init__")
+    if own is None or getattr(getattr(own, "__code__", None), "co_filename", None) != "<string>":
+        raise TypeError(f"fast_init: {cls.__qualname__} defines its own __init__")
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # a dataclass: checked above
+    # each field must still be a slot: a subclass may have shadowed one with a property or a plain value
+    for f in fields:
+        if not isinstance(inspect.getattr_static(cls, f.name, None), types.MemberDescriptorType):
+            raise TypeError(f"fast_init: {cls.__qualname__}.{f.name} is not a slot")
     # the dataclass's own __init__ says what it takes: an InitVar is an extra parameter, KW_ONLY fields
     # are keyword-only ones; neither is supported
-    taken = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    taken = list(inspect.signature(own).parameters.values())[1:]
     expected = [f.name for f in fields if f.init]
     if [p.name for p in taken] != expected or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in taken):
         raise TypeError(f"fast_init: {cls.__qualname__} has an InitVar or keyword-only fields")
+    # the generated code's own names (`self`, setters, defaults) take a prefix no field starts with, so
+    # a field named `self` or `_set_x` cannot shadow one
+    prefix = "_fi_"
+    while any(f.name.startswith(prefix) for f in fields):
+        prefix += "_"
+    this = f"{prefix}self" if any(f.name == "self" for f in fields) else "self"
     # a factory field's parameter defaults to the dataclass's own marker (shown as `<factory>`), so
     # the signature is the dataclass's
     markers = {p.name: p.default for p in taken}
     scope: dict[str, Any] = {}
     signature: list[str] = []
     body: list[str] = []
-    for f in fields:
-        setter = f"_set_{f.name}"
+    for i, f in enumerate(fields):
+        setter, default, factory, marker = (f"{prefix}{kind}{i}" for kind in ("set", "default", "factory", "marker"))
         scope[setter] = getattr(cls, f.name).__set__  # the slot's member descriptor
         has_default = f.default is not dataclasses.MISSING
         has_factory = f.default_factory is not dataclasses.MISSING
         if has_default:
-            scope[f"_default_{f.name}"] = f.default
+            scope[default] = f.default
         if has_factory:
-            scope[f"_factory_{f.name}"] = f.default_factory
+            scope[factory] = f.default_factory
         if not f.init:
             if has_default:
-                body.append(f"{setter}(self, _default_{f.name})")
+                body.append(f"{setter}({this}, {default})")
             elif has_factory:
-                body.append(f"{setter}(self, _factory_{f.name}())")
+                body.append(f"{setter}({this}, {factory}())")
             continue  # no default: left unset for __post_init__, as the dataclass does
         if has_default:
-            signature.append(f"{f.name}=_default_{f.name}")
-            body.append(f"{setter}(self, {f.name})")
+            signature.append(f"{f.name}={default}")
+            body.append(f"{setter}({this}, {f.name})")
         elif has_factory:
-            scope[f"_marker_{f.name}"] = markers[f.name]
-            signature.append(f"{f.name}=_marker_{f.name}")
-            body.append(f"{setter}(self, _factory_{f.name}() if {f.name} is _marker_{f.name} else {f.name})")
+            scope[marker] = markers[f.name]
+            signature.append(f"{f.name}={marker}")
+            body.append(f"{setter}({this}, {factory}() if {f.name} is {marker} else {f.name})")
         else:
             signature.append(f.name)
-            body.append(f"{setter}(self, {f.name})")
+            body.append(f"{setter}({this}, {f.name})")
     if hasattr(cls, "__post_init__"):
-        body.append("self.__post_init__()")
+        body.append(f"{this}.__post_init__()")
     lines = "".join(f"    {line}\n" for line in body) or "    pass\n"
-    source = f"def __init__(self{''.join(', ' + p for p in signature)}):\n{lines}"
+    source = f"def __init__({this}{''.join(', ' + p for p in signature)}):\n{lines}"
     namespace: dict[str, Any] = {}
     exec(source, scope, namespace)  # noqa: S102 - generated from the dataclass's own field names, as dataclasses does
     init = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
-    init.__doc__ = cls.__init__.__doc__
-    init.__annotations__ = dict(cls.__init__.__annotations__)
+    init.__doc__ = own.__doc__
+    init.__annotations__ = dict(own.__annotations__)
     setattr(cls, "__init__", init)  # noqa: B010 - a method assigned after the class exists
     return cls

@@ -128,6 +128,29 @@ def test_an_inherited_field_is_set_through_the_base_slot() -> None:
     assert (value.a, value.b) == (1, 2)
 
 
+BASE_A = dataclass(frozen=True, slots=True)(type("BaseA", (), {"__annotations__": {"a": "int"}}))
+
+
+def test_a_hand_written_init_is_refused_not_replaced() -> None:
+    made = dataclass(frozen=True, slots=True)(
+        type("H", (), {"__annotations__": {"a": "int"}, "__init__": lambda s, a: object.__setattr__(s, "a", a * 2)}))
+    with pytest.raises(TypeError, match="its own __init__"):
+        fast_init(made)
+    assert made(2).a == 4
+
+
+@pytest.mark.parametrize("names", [("self", "other"), ("_set_a", "a"), ("_fi_set0", "_fi_self", "self", "x"),
+                                   ("_factory_b", "b"), ("_marker_items", "items")])
+def test_field_names_that_look_like_its_own_names_are_kept_apart(names: tuple[str, ...]) -> None:
+    namespace: dict[str, Any] = {"__annotations__": dict.fromkeys(names, "Any")}
+    namespace[names[-1]] = field(default_factory=list)
+    plain, fast = both(namespace)
+    assert inspect.signature(fast) == inspect.signature(plain)
+    values = {name: f"value of {name}" for name in names}
+    assert fields_of(fast(**values)) == fields_of(plain(**values)) == values
+    assert fields_of(fast(*list(values.values())[:-1])) == fields_of(plain(*list(values.values())[:-1]))
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -139,6 +162,13 @@ def test_an_inherited_field_is_set_through_the_base_slot() -> None:
             id="InitVar"),
         pytest.param(lambda: dataclass(frozen=True, slots=True, kw_only=True)(type("K", (), {"__annotations__": {"a": "int"}})),
                      id="keyword-only"),
+        pytest.param(lambda: dataclass(frozen=True, slots=True, init=False)(type("F", (), {"__annotations__": {"a": "int"}})),
+                     id="init=False"),
+        pytest.param(lambda: dataclass(frozen=True, slots=True)(
+            type("H", (), {"__annotations__": {"a": "int"}, "__init__": lambda s, a: object.__setattr__(s, "a", a * 2)})),
+            id="hand-written __init__"),
+        pytest.param(lambda: type("S", (BASE_A,), {"__slots__": (), "__init__": BASE_A.__init__, "a": property(lambda s: 1)}),
+                     id="a field shadowed by a property"),
     ],
 )
 def test_what_it_cannot_keep_the_contract_of_is_refused(make: Any) -> None:
@@ -161,7 +191,7 @@ def test_every_frozen_slotted_dataclass_of_the_gateway_uses_it() -> None:
                 if not isinstance(node, ast.ClassDef):
                     continue
                 decorators = [ast.unparse(d) for d in node.decorator_list]
-                frozen = any(d.startswith("dataclass(") and "frozen=True" in d and "slots=True" in d for d in decorators)
+                frozen = any(d.startswith(("dataclass(", "dataclasses.dataclass(")) and "frozen=True" in d and "slots=True" in d for d in decorators)
                 if frozen and decorators[0] != "fast_init":
                     missing.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert missing == []
