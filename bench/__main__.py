@@ -149,6 +149,7 @@ class Round:
 
     rps: dict[str, float] = field(default_factory=dict)
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    latencies: dict[str, list[float]] = field(default_factory=dict)
 
     def ratio(self) -> float:
         """tollgate's throughput as a fraction of the bare proxy's: the lower of the req/s ratio and the
@@ -159,10 +160,17 @@ class Round:
         return min(by_rps, bare / tollgate) if tollgate and bare else by_rps
 
 
-def median_ratio(rounds: list[Round]) -> float:
-    """The median round's ratio (the lower middle one for an even count: never flattering)."""
-    ratios = sorted(r.ratio() for r in rounds)
-    return ratios[(len(ratios) - 1) // 2]
+def median_round(rounds: list[Round]) -> Round:
+    """The round with the median ratio (the lower middle one for an even count: never flattering); its
+    figures are the ones reported, so the table, the paced rate and the ratio describe one round."""
+    ordered = sorted(rounds, key=Round.ratio)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def round_order(names: list[str], index: int) -> list[str]:
+    """The targets' order in round `index`: reversed every other round (A B C, C B A, ...), so no target
+    always runs first, right after the previous round's last, or always last, when the machine has drifted most."""
+    return names if index % 2 == 0 else names[::-1]
 
 
 async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: int) -> None:
@@ -211,23 +219,28 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: i
             results[(name, 1)] = await load(url, BODY, 1, requests)
         # c=16 in rounds, the targets alternating: the machine's speed drifts within minutes, and a
         # ratio of runs minutes apart measures the drift as much as the proxies
+        for p in targets.values():
+            await load(f"http://127.0.0.1:{p}/v1/chat/completions", BODY, 16, min(200, requests))  # warm-up
         measured: list[Round] = []
-        for _ in range(rounds):
+        for index in range(rounds):
             one = Round()
-            for name, p in targets.items():
+            for name in round_order(list(targets), index):
                 before = cpu_seconds(pids[name]) if name in pids else 0.0
-                results[(name, 16)] = await load(f"http://127.0.0.1:{p}/v1/chat/completions", BODY, 16, requests)
-                one.rps[name] = results[(name, 16)][0]
+                one.rps[name], one.latencies[name] = await load(
+                    f"http://127.0.0.1:{targets[name]}/v1/chat/completions", BODY, 16, requests)
                 if name in pids:
                     one.cpu_ms[name] = (cpu_seconds(pids[name]) - before) / requests * 1000
             measured.append(one)
+        middle = median_round(measured)
+        for name in targets:
+            results[(name, 16)] = middle.rps[name], middle.latencies[name]
         print(f"{'target':<12}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}  (closed loop, saturated at c=16; "
-              f"c=16: the last of {rounds} rounds)")
+              f"c=16: the median of {rounds} rounds)")
         for (name, c), (rps, lat) in results.items():
             print(f"{name:<12}{c:>5}{rps:>10.0f}{pct(lat, 0.5):>9.2f}{pct(lat, 0.99):>9.2f}")
         for index, one in enumerate(measured, 1):
             print(f"round {index} at c=16: " + ", ".join(f"{n} {ms:.3f} ms CPU per request" for n, ms in one.cpu_ms.items())
-                  + f"; throughput ratio {one.ratio() * 100:.0f}%")
+                  + f"; throughput ratio {one.ratio() * 100:.0f}%" + (" (the median)" if one is middle else ""))
         # half the smaller proxy capacity: a load both proxies carry, so latency is not queueing
         rate = min(results[("bare proxy", 16)][0], results[("tollgate", 16)][0]) / 2
         paced_lat = {name: await paced(f"http://127.0.0.1:{p}/v1/chat/completions", BODY, 16, rate, requests)
@@ -243,11 +256,11 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: i
         add1 = pct(results[("tollgate", 1)][1], 0.5) - pct(results[("direct", 1)][1], 0.5)
         add16 = pct(paced_lat["tollgate"], 0.99) - pct(paced_lat["direct"], 0.99)
         saturated = pct(results[("tollgate", 16)][1], 0.99) - pct(results[("direct", 16)][1], 0.99)
-        print(f"throughput vs bare proxy (c=16): {median_ratio(measured) * 100:.0f}% (target >= 80%; the median "
+        print(f"throughput vs bare proxy (c=16): {middle.ratio() * 100:.0f}% (target >= 80%; the median "
               f"of {rounds} rounds, each the lower of its req/s and CPU-per-request ratios)")
         print(f"p50 added latency (c=1): {add1:.2f} ms (target <= 1)")
         print(f"p99 added latency (c=16, paced): {add16:.2f} ms (target <= 5); "
-              f"saturated closed loop: {saturated:.2f} ms")
+              f"saturated closed loop, the median round: {saturated:.2f} ms")
         print(f"stream time to first byte added (c=1, p50): {ttfb['tollgate'] - ttfb['direct']:.2f} ms (target <= 1)")
         print(f"tollgate peak RSS: {rss_mb(gate.pid):.0f} MB (target <= 80)")
     finally:

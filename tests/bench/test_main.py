@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.__main__ import Layout, Round, core_layout, median_ratio
+from bench.__main__ import Layout, Round, core_layout, median_round, round_order
 
 
 @pytest.mark.parametrize(
@@ -53,6 +53,15 @@ def test_round_ratio_is_the_lower_of_req_s_and_cpu(one: Round, expected: float) 
         ([0.5, 0.2, 0.45, 0.9], 0.45),
     ],
 )
-def test_median_ratio(ratios: list[float], expected: float) -> None:
+def test_median_round(ratios: list[float], expected: float) -> None:
     rounds = [rounded((r * 1000, 1000), None) for r in ratios]
-    assert median_ratio(rounds) == pytest.approx(expected)
+    middle = median_round(rounds)
+    assert middle.ratio() == pytest.approx(expected)
+    assert any(middle is one for one in rounds)  # the round itself: its table and paced rate are reported
+
+
+def test_round_order_alternates_so_no_target_is_always_first() -> None:
+    names = ["direct", "bare proxy", "tollgate"]
+    orders = [round_order(names, index) for index in range(4)]
+    assert orders == [names, names[::-1], names, names[::-1]]
+    assert {order[0] for order in orders} == {"direct", "tollgate"}
