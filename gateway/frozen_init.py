@@ -15,7 +15,10 @@ parameters, in the same order, with the same defaults; `default_factory` is call
 dataclass does; fields with `init=False` get their default; `__post_init__` runs last. `InitVar`,
 `KW_ONLY` and keyword-only fields are refused (TypeError at decoration): nothing here uses them. So is
 a class whose `__init__` its body wrote (or that has none: `init=False`), and one where a field is no
-longer a slot (a subclass shadowed it): replacing those would change what the class does.
+longer a slot (a subclass shadowed it): replacing those would change what the class does. The
+dataclass's own `__init__` is told apart by its origin (compiled from a string, as `dataclasses` does),
+so one its author compiled with `exec` is not recognised. A subclass that inherits the new `__init__`
+without being a dataclass itself is built by the dataclass's own `__init__`, exactly as before.
 Applied at class creation (import time of the class's module, like `@dataclass` itself).
 """
 
@@ -91,7 +94,14 @@ def fast_init(cls: type[T]) -> type[T]:
             body.append(f"{setter}({this}, {f.name})")
     if hasattr(cls, "__post_init__"):
         body.append(f"{this}.__post_init__()")
-    lines = "".join(f"    {line}\n" for line in body) or "    pass\n"
+    # a subclass that is not itself a dataclass inherits this __init__, and may have shadowed a field
+    # (a slot of its own, a property) after `cls` was checked: it gets the dataclass's own __init__,
+    # which looks every name up on the instance's class, as it always did
+    scope[f"{prefix}type"], scope[f"{prefix}cls"], scope[f"{prefix}plain"] = type, cls, own
+    passed = "".join(f", {f.name}" for f in fields if f.init)
+    body.insert(0, f"if {prefix}type({this}) is not {prefix}cls:\n"
+                   f"        return {prefix}plain({this}{passed})")
+    lines = "".join(f"    {line}\n" for line in body)
     source = f"def __init__({this}{''.join(', ' + p for p in signature)}):\n{lines}"
     namespace: dict[str, Any] = {}
     exec(source, scope, namespace)  # noqa: S102 - generated from the dataclass's own field names, as dataclasses does

@@ -131,6 +131,30 @@ def test_an_inherited_field_is_set_through_the_base_slot() -> None:
 BASE_A = dataclass(frozen=True, slots=True)(type("BaseA", (), {"__annotations__": {"a": "int"}}))
 
 
+def outcome(make: Any) -> tuple[str, Any]:
+    """What building an instance gives: its fields, or the error's type and message."""
+    try:
+        return "built", fields_of(make())
+    except (AttributeError, TypeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize(
+    "subclass",
+    [
+        pytest.param({"__slots__": ("a",)}, id="a slot of its own for a field"),
+        pytest.param({"a": property(lambda s: 42)}, id="a property over a field"),
+        pytest.param({"__slots__": ("extra",)}, id="a slot of its own for something else"),
+        pytest.param({}, id="nothing of its own"),
+    ],
+)
+def test_a_plain_subclass_built_later_behaves_as_with_the_dataclass_init(subclass: dict[str, Any]) -> None:
+    plain, fast = both({"__annotations__": {"a": "int", "b": "list[int]"}, "b": field(default_factory=list)})
+    plain_sub, fast_sub = type("Sub", (plain,), dict(subclass)), type("Sub", (fast,), dict(subclass))
+    assert outcome(lambda: fast_sub(1)) == outcome(lambda: plain_sub(1))
+    assert outcome(lambda: fast_sub(1, [2])) == outcome(lambda: plain_sub(1, [2]))
+
+
 def test_a_hand_written_init_is_refused_not_replaced() -> None:
     made = dataclass(frozen=True, slots=True)(
         type("H", (), {"__annotations__": {"a": "int"}, "__init__": lambda s, a: object.__setattr__(s, "a", a * 2)}))
