@@ -205,7 +205,8 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: i
         pin(gate.pid, proxy_cpus)  # before its first request: start-up stays in the cold start
         await wait_ready(f"http://127.0.0.1:{tg}/v1/chat/completions", BODY, 30)
         cold = time.perf_counter() - started
-        targets = {"direct": up, "bare proxy": bare, "tollgate": tg}
+        urls = {name: f"http://127.0.0.1:{p}/v1/chat/completions"
+                for name, p in {"direct": up, "bare proxy": bare, "tollgate": tg}.items()}
         print(f"tollgate: state {state}, tracing {'on (local OTLP sink)' if tracing else 'off'}, "
               "budget + caps + loop guards, an output grammar")
         print(f"CPUs: proxy under test on {sorted(layout.proxy)}, load generator and upstream on {sorted(layout.load)}"
@@ -213,26 +214,24 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: i
         print(f"cold start to first proxied answer: {cold * 1000:.0f} ms (target <= 1000)")
         pids = {"bare proxy": procs[1].pid, "tollgate": gate.pid}
         results: dict[tuple[str, int], tuple[float, list[float]]] = {}
-        for name, p in targets.items():
-            url = f"http://127.0.0.1:{p}/v1/chat/completions"
+        for name, url in urls.items():
             await load(url, BODY, 16, min(200, requests))  # warm-up
             results[(name, 1)] = await load(url, BODY, 1, requests)
         # c=16 in rounds, the targets alternating: the machine's speed drifts within minutes, and a
         # ratio of runs minutes apart measures the drift as much as the proxies
-        for p in targets.values():
-            await load(f"http://127.0.0.1:{p}/v1/chat/completions", BODY, 16, min(200, requests))  # warm-up
+        for url in urls.values():
+            await load(url, BODY, 16, min(200, requests))  # warm-up
         measured: list[Round] = []
         for index in range(rounds):
             one = Round()
-            for name in round_order(list(targets), index):
+            for name in round_order(list(urls), index):
                 before = cpu_seconds(pids[name]) if name in pids else 0.0
-                one.rps[name], one.latencies[name] = await load(
-                    f"http://127.0.0.1:{targets[name]}/v1/chat/completions", BODY, 16, requests)
+                one.rps[name], one.latencies[name] = await load(urls[name], BODY, 16, requests)
                 if name in pids:
                     one.cpu_ms[name] = (cpu_seconds(pids[name]) - before) / requests * 1000
             measured.append(one)
         middle = median_round(measured)
-        for name in targets:
+        for name in urls:
             results[(name, 16)] = middle.rps[name], middle.latencies[name]
         print(f"{'target':<12}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}  (closed loop, saturated at c=16; "
               f"c=16: the median of {rounds} rounds)")
@@ -243,14 +242,13 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: i
                   + f"; throughput ratio {one.ratio() * 100:.0f}%" + (" (the median)" if one is middle else ""))
         # half the smaller proxy capacity: a load both proxies carry, so latency is not queueing
         rate = min(results[("bare proxy", 16)][0], results[("tollgate", 16)][0]) / 2
-        paced_lat = {name: await paced(f"http://127.0.0.1:{p}/v1/chat/completions", BODY, 16, rate, requests)
-                     for name, p in targets.items()}
+        paced_lat = {name: await paced(url, BODY, 16, rate, requests) for name, url in urls.items()}
         for name, lat in paced_lat.items():
             print(f"paced c=16 at {rate:.0f} req/s (half the smaller proxy capacity) {name:<11} "
                   f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms")
         ttfb: dict[str, float] = {}
-        for name, p in targets.items():
-            _, lat = await load(f"http://127.0.0.1:{p}/v1/chat/completions", STREAM, 1, min(500, requests), ttfb=True)
+        for name, url in urls.items():
+            _, lat = await load(url, STREAM, 1, min(500, requests), ttfb=True)
             ttfb[name] = pct(lat, 0.5)
             print(f"stream ttfb {name:<11} p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms")
         # each added figure is shown for the bare proxy too: what any Python proxy adds on this machine
