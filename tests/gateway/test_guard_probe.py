@@ -339,12 +339,15 @@ async def rpc_error(coro: Any) -> dict[str, Any]:
     return info.value.error.model_dump()
 
 
-async def pending_approval(h: Harness) -> dict[str, Any]:
+async def pending_approval(h: Harness, call: asyncio.Task[Any]) -> dict[str, Any]:
+    """The approval `call` is parked on; fails at once, with the call's outcome, if it ended unparked."""
     for _ in range(2000):
         async with h.session.get(f"{h.admin_url}/admin/approvals?status=pending") as resp:
             items = (await resp.json())["approvals"]
         if items:
             return items[0]  # type: ignore[no-any-return]
+        if call.done():
+            raise AssertionError(f"the call ended without being parked: {call.exception() or call.result()!r}")
         await asyncio.sleep(0.005)
     raise AssertionError("no pending approval appeared")
 
@@ -354,14 +357,16 @@ async def test_a_call_approved_after_the_time_cap_does_not_run(gateway_factory: 
     """A `tools/call` is decided before the server sees it, the time cap among the guards. One parked for
     approval until after the run's time cap must not run when it is approved late: the check after the
     approval re-reads only whether the run is stopped, and no step has stopped it yet."""
-    # a cap wide enough for the second call to be parked before it passes on a loaded machine (at 0.3 s
-    # it once passed first, so the call was refused at once and never parked)
-    h = await mcp_gateway(gateway_factory, files, caps={"seconds": 1.0})
+    # a cap wide enough for the second call to be parked before it passes on a loaded machine (at 0.3 s,
+    # and once at 1.0 s during a full suite on two busy cores, it passed first, so the call was refused
+    # at once and never parked)
+    cap = 3.0
+    h = await mcp_gateway(gateway_factory, files, caps={"seconds": cap})
     async with mcp_client(h, "late") as client:
         assert not (await client.call_tool("read_file", {"path": "a"})).is_error  # the run's clock starts
         call = asyncio.create_task(client.call_tool("delete_file", {"path": "a"}))
-        item = await pending_approval(h)
-        await asyncio.sleep(1.0)  # the time cap itself is what is being waited for
+        item = await pending_approval(h, call)
+        await asyncio.sleep(cap)  # the time cap itself is what is being waited for
         async with h.session.post(f"{h.admin_url}/admin/approvals/{item['id']}",
                                   json={"decision": "approve", "by": "alice"}) as resp:
             assert resp.status == 200
