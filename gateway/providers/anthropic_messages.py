@@ -21,6 +21,7 @@ from gateway.providers.anthropic_billing import (
 from gateway.providers.anthropic_tools import (
     FETCH_CONTENT_TOKENS,
     SERVER_TOOLS,
+    check_limits,
     count,
     input_overhead,
     offers_server_tools,
@@ -111,6 +112,7 @@ class AnthropicMessages:
     def parse_request(self, body: Mapping[str, Any], raw: bytes, limits: Limits) -> Call:
         model, messages, raw_tools, stream = request_basics(body, limits, lambda role: role in ("user", "assistant"), "role must be user or assistant")
         stop = body.get("stop_sequences")  # a list in Anthropic's API (a bare string is not one)
+        check_limits(body)
         images, documents = input_parts(body, raw)  # a PDF is billed per page: bounded like images
         unbounded = unbounded_params(body)
         params = RequestParams(

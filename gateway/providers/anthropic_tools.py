@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gateway.errors import InvalidRequest
+from gateway.providers.common import MAX_TOKEN_COUNT
 from guards.bounds import SEARCH_INPUT_TOKENS
 
 MAX_USES_TOOLS = ("web_search_", "web_fetch_", "advisor_")
@@ -56,6 +58,25 @@ def count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+_LIMIT_KEYS = ("max_uses", "max_content_tokens")
+
+
+def check_limits(body: Mapping[str, Any]) -> None:
+    """Raises InvalidRequest (400) for a server tool's `max_uses` or `max_content_tokens` that is not an
+    integer from 0 to `MAX_TOKEN_COUNT` (null is absent). The budget and the tool-call cap lower these
+    limits and reserve for what they allow: one they could not read (`1000.0`, `1e3`, a number beyond 64
+    bits, which JSON parsers read as a float) would reach the API unlowered, and an API that reads it as
+    an integer would run more searches than were reserved."""
+    for index, tool in enumerate(_tool_list(body)):
+        if not type_starts(tool, MAX_USES_TOOLS):
+            continue
+        for key in _LIMIT_KEYS:
+            value = tool.get(key)
+            if value is not None and (count(value) is None or value > MAX_TOKEN_COUNT):
+                raise InvalidRequest(f"'tools[{index}].{key}' must be an integer from 0 to {MAX_TOKEN_COUNT}",
+                                     param=f"tools.{index}.{key}")
+
+
 def type_starts(tool: Any, prefixes: tuple[str, ...]) -> bool:
     """The tool's `type` is a string starting with one of `prefixes`."""
     kind = tool.get("type") if isinstance(tool, Mapping) else None
@@ -68,7 +89,7 @@ def _tool_list(body: Mapping[str, Any]) -> list[Any]:
 
 
 def with_max_uses(tool: Any, limit: int) -> Any:
-    """`max_uses` held to `limit`; one that is no count is left as it came, for the API to refuse. A web
+    """`max_uses` held to `limit` (`check_limits` refused one that is no count). A web
     fetch tool without `max_content_tokens` is given `FETCH_CONTENT_TOKENS` (what `search_limits` held)."""
     if not type_starts(tool, MAX_USES_TOOLS):
         return tool

@@ -24,6 +24,7 @@ from gateway.config import Limits
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.providers.base import StreamStep
 from gateway.providers.common import (
+    MAX_TOKEN_COUNT,
     content_text,
     input_parts,
     may_contain,
@@ -201,6 +202,9 @@ class OpenAIResponses:
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean", param="stream")
+        # the budget and the tool-call cap lower `max_tool_calls` and reserve for what it allows: one they
+        # cannot read (`50.0`, `1e2`) would reach the API unlowered, and it may read it as an integer
+        opt_int(body, "max_tool_calls", minimum=0, maximum=MAX_TOKEN_COUNT)
         images, unbounded = input_parts(body, raw)  # a PDF is billed per page: bounded like images
         unbounded_reasons, stored_reasoning = _unbounded(body, items, raw)
         offered = offered_tools(body, raw)

@@ -128,8 +128,8 @@ def search_limits(body: Mapping[str, Any], offered: Iterable[Any]) -> tuple[int 
 
 def limit_hosted_calls(body: dict[str, Any], limit: int) -> bool:
     """`max_tool_calls` (calls of the tools OpenAI runs, over the whole response) held to `limit` when the
-    request offers such a tool anywhere; with none left (`limit` <= 0) those tools are not offered. A
-    `max_tool_calls` that is no count is left as it came, for the API to refuse. True when the body changed."""
+    request offers such a tool anywhere; with none left (`limit` <= 0) those tools are not offered (a
+    `max_tool_calls` that is no count was refused when the request was read). True when the body changed."""
     hosted_kinds = {item_type(t) for t in offered_tools(body) if hosted(t)}
     if not hosted_kinds:
         return False

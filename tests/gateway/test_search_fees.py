@@ -133,6 +133,26 @@ async def test_responses_search_limit_of_the_agent_is_kept(gateway_factory: Gate
     assert h.fake.seen[-1].json["max_tool_calls"] == 2
 
 
+@pytest.mark.parametrize("limit", [1000.0, 2.0**64])
+async def test_a_search_limit_that_is_no_integer_is_refused_before_anything_is_reserved(
+    gateway_factory: GatewayFactory, limit: float,
+) -> None:
+    """1000.0 is no count the budget can lower: forwarded, an API reading it as 1000 would run a thousand
+    searches against a reservation for the few the budget pays. Refused in each wire format instead."""
+    h = await gateway_factory(agents=agents(0.10))
+    with pytest.raises(anthropic.BadRequestError) as claude:
+        await ask_claude(h, "ws-float", [{**WEB_SEARCH, "max_uses": limit}])
+    assert claude.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "tools[0].max_uses" in claude.value.message
+    with pytest.raises(openai.BadRequestError) as gpt:
+        await ask_gpt(h, "rs-float", [{"type": "web_search"}], max_tool_calls=limit)
+    assert gpt.value.code == "invalid_request" and gpt.value.param == "max_tool_calls"
+    assert h.fake.seen == []
+    for run in ("ws-float", "rs-float"):  # refused while reading the request: no run began, nothing reserved
+        async with h.session.get(f"{h.admin_url}/admin/runs/{run}") as resp:
+            assert resp.status == 404
+
+
 async def test_without_a_budget_the_request_is_forwarded_as_sent(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents={"bot": {}})
     h.fake.queue(Reply(body=searched(1)))

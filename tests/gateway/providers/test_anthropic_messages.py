@@ -371,12 +371,9 @@ def test_with_no_calls_left_a_tool_choice_naming_a_removed_tool_goes(choice: dic
         ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5}], (None,)),
         ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 5, "max_content_tokens": 20000}], (5,)),
         ([{"type": "web_fetch_20250910", "name": "f", "max_content_tokens": 8000}], (None,)),
-        ([{"type": "web_fetch_20250910", "name": "f", "max_uses": 2, "max_content_tokens": "x"}], (None,)),
         ([{"type": "web_search_20250305", "name": "w", "max_uses": 3},
           {"type": "web_fetch_20250910", "name": "f", "max_uses": 1, "max_content_tokens": 9000}], (3, 1)),
         ([{"type": "web_search_20250305", "name": "web_search"}], (None,)),
-        ([{"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
-          {"type": "web_search_20250305", "name": "w2", "max_uses": "x"}], (3, None)),
     ],
 )
 def test_search_limits_are_each_web_search_tools_max_uses(tools: list[Any], limits: tuple[int | None, ...]) -> None:
@@ -384,6 +381,40 @@ def test_search_limits_are_each_web_search_tools_max_uses(tools: list[Any], limi
                             "messages": [{"role": "user", "content": "hi"}]}
     assert parse({**body, "tools": tools} if tools else body).search_limits == limits
     assert ADAPTER.search_limits({"tools": tools}) == limits
+
+
+def test_search_limits_read_a_limit_that_is_no_count_as_no_limit() -> None:
+    """The pure reading, for a body `parse_request` did not check: no count is no limit."""
+    fetch = {"type": "web_fetch_20250910", "name": "f", "max_uses": 2, "max_content_tokens": "x"}
+    assert ADAPTER.search_limits({"tools": [fetch]}) == (None,)
+    searches = [{"type": "web_search_20250305", "name": "w", "max_uses": 3},
+                {"type": "web_search_20250305", "name": "w2", "max_uses": "x"}]
+    assert ADAPTER.search_limits({"tools": searches}) == (3, None)
+
+
+@pytest.mark.parametrize("value", ["3", 1000.0, 1e3, 2.5, -1, True, float(2**64), 2**53 + 1, [3], {"n": 3}])
+@pytest.mark.parametrize(("tool", "key"), [
+    ({"type": "web_search_20250305", "name": "w"}, "max_uses"),
+    ({"type": "web_fetch_20250910", "name": "f"}, "max_uses"),
+    ({"type": "web_fetch_20250910", "name": "f"}, "max_content_tokens"),
+    ({"type": "advisor_20260301", "name": "a", "model": "claude-opus-4-1"}, "max_uses"),
+])
+def test_a_server_tool_limit_that_is_no_integer_is_refused(tool: dict[str, Any], key: str, value: Any) -> None:
+    """The budget and the tool-call cap lower these limits and reserve for what they allow: one they could
+    not read (1000.0 among them, which an API may read as 1000) would reach the API unlowered."""
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "mine", "input_schema": {}}, {**tool, key: value}]}
+    with pytest.raises(InvalidRequest) as caught:
+        parse(body)
+    assert caught.value.param == f"tools.1.{key}"
+    assert f"'tools[1].{key}' must be an integer from 0 to" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [None, 0, 1, 2**53])
+def test_a_server_tool_limit_that_is_a_count_or_null_is_read(value: Any) -> None:
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "web_search_20250305", "name": "w", "max_uses": value}]}
+    assert parse(body).search_limits == (value,)
 
 
 def test_a_fetch_content_limit_past_any_context_is_held_at_the_largest_context() -> None:

@@ -931,12 +931,29 @@ def test_a_cut_stream_still_counts_the_calls_openai_ran() -> None:
         ({"tools": [{"type": "web_search_preview_2025_03_11"}], "max_tool_calls": 4}, (4,)),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}, {"type": "web_search"}],
           "max_tool_calls": 2}, (2,)),  # one limit over every call of OpenAI's tools
-        ({"tools": [{"type": "web_search"}], "max_tool_calls": True}, (None,)),  # no count: none sent
     ],
 )
 def test_search_limits(fields: dict[str, Any], limits: tuple[int | None, ...]) -> None:
     assert parse({"model": "gpt-4o", "input": "hi", **fields}).search_limits == limits
     assert ADAPTER.search_limits(fields) == limits
+
+
+def test_search_limits_read_a_limit_that_is_no_count_as_no_limit() -> None:
+    """The pure reading, for a body `parse_request` did not check: no count is no limit."""
+    assert ADAPTER.search_limits({"tools": [{"type": "web_search"}], "max_tool_calls": True}) == (None,)
+
+
+@pytest.mark.parametrize("value", ["3", 50.0, 1e2, 2.5, -1, True, float(2**64), 2**53 + 1, [3]])
+@pytest.mark.parametrize("tools", [[{"type": "web_search"}], [FN], None])
+def test_a_max_tool_calls_that_is_no_integer_is_refused(tools: list[Any] | None, value: Any) -> None:
+    """The budget and the tool-call cap lower `max_tool_calls` and reserve for what it allows: one they could
+    not read (50.0 among them, which an API may read as 50) would reach the API unlowered."""
+    body: dict[str, Any] = {"model": "gpt-4o", "input": "hi", "max_tool_calls": value}
+    if tools is not None:
+        body["tools"] = tools
+    with pytest.raises(InvalidRequest) as caught:
+        parse(body)
+    assert caught.value.param == "max_tool_calls"
 
 
 def test_searches_the_answer_ran_are_counted_in_its_usage() -> None:
