@@ -31,18 +31,24 @@ class Raw:
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
         self.conns = 0
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def close(self) -> None:
+        """Close the listener and every connection still open: since Python 3.12 `wait_closed` waits for
+        them, and the gateway keeps its pooled connections to this upstream until it stops itself."""
         assert self.server is not None
         self.server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
         await self.server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.conns += 1
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -55,6 +61,7 @@ class Raw:
                 if close:
                     return
         finally:
+            self._writers.discard(writer)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()  # closed before the test's loop ends, never left to the collector
