@@ -368,6 +368,10 @@ class OpenAIStreamReader:
         choices = chunk.get("choices") or []
         for choice in choices:
             index = int(choice.get("index") or 0)
+            if not 0 <= index < self._choices:
+                # a choice the request did not ask for: relayed as it arrives, its text would reach the
+                # agent unjudged (only `n` choices are checked), and no budget reserved for it
+                raise ValueError(f"a choice with index {index}, beyond the {self._choices} asked for (`n`)")
             delta = choice.get("delta") or {}
             content = delta.get("content")
             refusal = refusal_of(delta)

@@ -162,6 +162,30 @@ async def test_stream_cut_at_the_breaking_chunk(gateway_factory: GatewayFactory,
     assert "output" in str(info.value.message) or "constraint" in str(info.value.message)
 
 
+async def test_a_streamed_choice_the_request_did_not_ask_for_is_never_relayed(gateway_factory: GatewayFactory) -> None:
+    """Without `n` one choice is judged as it streams: an upstream that adds a second one is malformed,
+    and the stream ends with an error before that choice's text reaches the agent."""
+    h = await gateway_factory(agents={"default": {"output": {"grammar": 'choice:["yes","no"]', "retries": 0}}})
+
+    def chunk(index: int, content: str) -> bytes:
+        data = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
+                "choices": [{"index": index, "delta": {"role": "assistant", "content": content},
+                             "finish_reason": None}]}
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    h.fake.queue(Reply(chunks=[chunk(0, "yes"), chunk(1, "DROP TABLE users"), *openai_stream([])]))
+    texts: list[str] = []
+    async with client(h.url, "extra-choice") as c:
+        stream = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, stream=True)
+        with pytest.raises(openai.APIError) as info:
+            async for part in stream:
+                texts.extend(choice.delta.content or "" for choice in part.choices)
+    assert "DROP TABLE users" not in texts
+    assert "beyond the 1 asked for" in str(info.value.message)
+    run = await h.settled("extra-choice")
+    assert run["reserved_usd"] == 0
+
+
 async def test_stream_buffer_mode_reasks(gateway_factory: GatewayFactory) -> None:
     h = await gateway_factory(agents={"default": {"output": {"stream_check": "buffer", "retries": 1}}})
     h.fake.queue(Reply(chunks=openai_stream(["not json"])), Reply(chunks=openai_stream(['{"answer":', " 4}"])))

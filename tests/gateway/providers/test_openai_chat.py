@@ -359,6 +359,17 @@ def test_usage_from_reads_the_audio_tokens() -> None:
     assert usage_from(usage) == Usage(10, 5, input_audio_tokens=8, output_audio_tokens=3)
 
 
+@pytest.mark.parametrize(("choices", "index"), [(1, 1), (1, -1), (2, 2), (3, 7)])
+def test_a_streamed_choice_beyond_n_is_malformed(choices: int, index: int) -> None:
+    """Only `n` choices are judged and reserved for: another one's text would be relayed unjudged."""
+    reader = ADAPTER.stream_reader(hide_usage=False, choices=choices)
+    first = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "yes"}}]}).decode()
+    reader.feed(SseEvent(f"data: {first}\n\n".encode(), None, first))
+    extra = orjson.dumps({"id": "c", "choices": [{"index": index, "delta": {"content": "DROP"}}]}).decode()
+    with pytest.raises(ValueError, match=f"index {index}, beyond the {choices} asked for"):
+        reader.feed(SseEvent(f"data: {extra}\n\n".encode(), None, extra))
+
+
 def test_a_stream_reports_the_tier_its_chunks_carry() -> None:
     reader = ADAPTER.stream_reader(hide_usage=False)
     chunks = [{"id": "c", "model": "gpt-4o", "service_tier": "priority",
