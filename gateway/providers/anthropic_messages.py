@@ -388,6 +388,10 @@ class AnthropicStreamReader:
         kind = data.get("type")
         if kind == "message_start":
             message = data.get("message") or {}
+            if message.get("content"):
+                # Anthropic streams content in content blocks only; the SDK starts its message from this
+                # one, so a block in it (a tool call) would reach the agent without being judged
+                raise ValueError("message_start carries content: a stream's content comes in content blocks")
             self.started = True
             self._id, self._model = message.get("id"), message.get("model")
             self._merge_usage(message.get("usage"))

@@ -411,6 +411,10 @@ class ResponsesStreamReader:
             raise ValueError(f"the upstream stream failed: {data.get('message') or data.get('code')}")
         if kind == "response.created" and isinstance(data.get("response"), dict):
             self.created = data["response"]
+        if kind not in _FINAL and isinstance(data.get("response"), Mapping) and data["response"].get("output"):
+            # output streams as output items (only the final event repeats it); the SDK starts its
+            # snapshot from the response these events carry, so an item in it would reach the agent unjudged
+            raise ValueError(f"{kind} carries output: a stream's output comes in output items")
         if kind in _FINAL:
             self._finish(data.get("response"))
             return self._relay(event, done=True)

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory
+from tests.fakes.responses import call_item, response_stream
 from tests.fakes.upstream import (
     Reply,
     anthropic_message,
@@ -193,6 +194,48 @@ async def test_anthropic_reject_and_drop(gateway_factory: GatewayFactory, stream
         with pytest.raises(anthropic.PermissionDeniedError) as info:
             await ac.messages.create(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG, tools=AN_TOOLS)  # type: ignore[arg-type]
     assert info.value.body["error"]["code"] == "tool_not_allowed"  # type: ignore[index]
+
+
+async def test_a_tool_call_in_the_anthropic_stream_s_message_start_never_reaches_the_agent(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """Anthropic streams content in content blocks; the SDK starts its message from `message_start`, so a
+    tool_use there would be the agent's without any judgement: such a stream is malformed."""
+    h = await gateway_factory(agents=policy("reject"))
+    chunks = anthropic_stream(["hi"])
+    start = orjson.loads(chunks[0].split(b"data: ", 1)[1])
+    start["message"]["content"] = [{"type": "tool_use", "id": "t9", "name": "delete_db", "input": {}}]
+    chunks[0] = b"event: message_start\ndata: " + orjson.dumps(start) + b"\n\n"
+    h.fake.queue(Reply(chunks=chunks))
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                        default_headers={"x-tollgate-run-id": "start-call"}) as ac:
+        with pytest.raises(anthropic.APIError) as info:
+            async with ac.messages.stream(model="claude-3-5-haiku-latest", max_tokens=50, messages=MSG,
+                                          tools=AN_TOOLS) as s:  # type: ignore[arg-type]
+                await s.get_final_message()
+    assert "message_start carries content" in str(info.value.message)
+    run = await h.settled("start-call")
+    assert run["tool_calls"] == 0 and run["reserved_usd"] == 0
+
+
+async def test_a_function_call_in_a_responses_stream_s_created_event_never_reaches_the_agent(
+    gateway_factory: GatewayFactory,
+) -> None:
+    h = await gateway_factory(agents=policy("reject"))
+    chunks = response_stream(["hi"])
+    created = orjson.loads(chunks[0].split(b"data: ", 1)[1])
+    created["response"]["output"] = [call_item("delete_db", "{}", "c9")]
+    chunks[0] = b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
+    h.fake.queue(Reply(chunks=chunks))
+    async with oa(h.url, "created-call") as c:
+        stream = await c.responses.create(model="gpt-4o-mini", input="do it", stream=True,
+                                          tools=[{"type": "function", "name": "delete_db", "parameters": {}}])
+        with pytest.raises(openai.APIError) as info:
+            async for _ in stream:
+                pass
+    assert "response.created carries output" in str(info.value.message)
+    run = await h.settled("created-call")
+    assert run["tool_calls"] == 0 and run["reserved_usd"] == 0
 
 
 async def test_lookalike_tool_name_is_refused(gateway_factory: GatewayFactory) -> None:

@@ -552,3 +552,23 @@ def test_a_stream_restarts_its_answer_text_at_a_tool_the_provider_runs() -> None
 def test_a_request_offering_tools_the_provider_runs_says_so(body: dict[str, Any], provider_tools: bool) -> None:
     full = {"model": "claude-x", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **body}
     assert ADAPTER.parse_request(full, orjson.dumps(full), Limits()).provider_tools is provider_tools
+
+
+@pytest.mark.parametrize("content", [
+    [{"type": "tool_use", "id": "t9", "name": "delete_everything", "input": {}}],
+    [{"type": "text", "text": "unjudged"}],
+])
+def test_a_message_start_carrying_content_is_malformed(content: list[dict[str, Any]]) -> None:
+    """The SDK starts its message from `message_start`: content there would skip every judgement."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    start = {"type": "message_start", "message": {"id": "m", "model": "claude", "content": content,
+                                                  "usage": {"input_tokens": 3, "output_tokens": 1}}}
+    with pytest.raises(ValueError, match="message_start carries content"):
+        reader.feed(sse(start))
+
+
+def test_a_message_start_with_empty_content_starts_the_stream() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    reader.feed(sse({"type": "message_start", "message": {"id": "m", "model": "claude", "content": [],
+                                                          "usage": {"input_tokens": 3, "output_tokens": 1}}}))
+    assert reader.started

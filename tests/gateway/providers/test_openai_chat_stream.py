@@ -85,7 +85,7 @@ def test_stream_reader(
     events: list[Any], hide: bool, relayed: list[int], answer: Answer, chars: int, holding: bool,
     complete: bool,
 ) -> None:
-    reader = ADAPTER.stream_reader(hide_usage=hide)
+    reader = ADAPTER.stream_reader(hide_usage=hide, choices=2 if events is TWO else 1)  # TWO answers n=2
     steps = [reader.feed(sse(e)) for e in events]
     assert [s.out for s in steps] == [sse(e).raw if r else b"" for e, r in zip(events, relayed, strict=True)]
     assert [s.done for s in steps] == [e == "[DONE]" for e in events]
@@ -118,7 +118,7 @@ def test_relayed_bytes_still_assemble_in_the_sdk(events: list[Any], text: str | 
 
 
 def test_delta_is_the_first_choice_text_of_the_last_event() -> None:
-    reader = ADAPTER.stream_reader(hide_usage=False)
+    reader = ADAPTER.stream_reader(hide_usage=False, choices=2)
     deltas = [(reader.feed(sse(e)), reader.delta)[1] for e in [*TWO, *TEXT]]
     assert deltas == ["ab", "", "", "Hel", "lo", "", "", ""]
 

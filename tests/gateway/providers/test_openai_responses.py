@@ -1028,3 +1028,19 @@ def test_commentary_before_calls_is_not_the_answers_text() -> None:
     reader, _ = relay(raws)
     assert reader.answer().text == ""
     assert [c.name for c in reader.answer().tool_calls] == ["get"]
+
+
+@pytest.mark.parametrize("kind", ["response.created", "response.in_progress", "response.queued"])
+def test_an_event_before_the_final_one_carrying_output_is_malformed(kind: str) -> None:
+    """The SDK starts its snapshot from the response these events carry: an item there skips every judgement."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    item = {"type": "function_call", "id": "fc", "call_id": "c", "name": "delete_everything", "arguments": "{}"}
+    with pytest.raises(ValueError, match=f"{kind} carries output"):
+        reader.feed(sse({"type": kind, "sequence_number": 0, "response": {"id": "r", "output": [item]}}, kind))
+
+
+def test_a_created_event_without_output_is_read() -> None:
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    reader.feed(sse({"type": "response.created", "sequence_number": 0, "response": {"id": "r", "output": []}},
+                    "response.created"))
+    assert reader.created == {"id": "r", "output": []}
