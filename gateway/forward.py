@@ -44,7 +44,7 @@ from gateway.proxy import GATEWAY, handle_chat
 from gateway.runtime import Gateway
 from gateway.store.base import RunState
 from gateway.unguarded import forbidden
-from gateway.upstream import answer_headers, forwardable, lenient_segment, scrub, secret_bytes
+from gateway.upstream import Scrubber, answer_headers, forwardable, lenient_segment, scrub, secret_bytes
 from otel.http import operation_for_path
 from otel.spans import StepSpan
 
@@ -143,8 +143,9 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     out = web.StreamResponse(status=upstream.status, headers=headers_out)
     failure: str | None = None
     try:
-        # read whole: an error may echo the key tollgate sent (scrubbed); a batch object's provider URLs
-        # are moved to the gateway (`gateway.batches`). Other 2xx bodies stream through, a chunk at a time
+        # read whole: an error may echo the key tollgate sent (scrubbed, as in every answer); a batch
+        # object's provider URLs are moved to the gateway (`gateway.batches`). Other bodies stream through,
+        # a chunk at a time
         batch = rewrites_urls(path) and upstream.headers.get("Content-Type", "").startswith(JSON)
         if upstream.status >= 400 or batch:
             try:  # bounded by `limits.max_answer_bytes`
@@ -152,9 +153,8 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             except GatewayError as exc:  # nothing was sent yet: the error in the caller's wire format
                 failure = exc.code
                 return error_response(adapter, exc, base_headers(identity))
-            if upstream.status >= 400:
-                body = scrub(body, secret_bytes(secret))
-            else:
+            body = scrub(body, secret_bytes(secret))
+            if upstream.status < 400:
                 body = with_gateway_urls(body, provider.base_url, str(request.url.origin()))
             out.content_length = len(body)
             await out.prepare(request)
@@ -165,8 +165,12 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             await out.prepare(request)
         else:
             await out.prepare(request)
+            scrubber = Scrubber(secret_bytes(secret))  # a success may echo the key too (a debugging upstream)
             async for chunk in upstream.chunks():
-                await out.write(chunk)
+                if sent := scrubber.feed(chunk):
+                    await out.write(sent)
+            if rest := scrubber.finish():
+                await out.write(rest)
         await out.write_eof()
     except GatewayError as exc:
         failure = exc.code  # the status line is gone; closing the stream early is the only signal left

@@ -52,7 +52,7 @@ from gateway.proxy import GATEWAY, conclude, respond
 from gateway.relay import relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.upstream import UpstreamResponse, answer_headers, scrub, secret_bytes
+from gateway.upstream import Scrubber, UpstreamResponse, answer_headers, scrub, secret_bytes
 from guards.chain import GuardChain
 from otel.http import HTTP_RESPONSE_STATUS_CODE
 
@@ -184,9 +184,10 @@ async def _pass_through(gw: Gateway, step: Step, request: web.Request, upstream:
     parts: list[bytes] = []
     size = 0
     ended = False
-    headers = answer_headers(upstream.headers, base_headers(step.identity, step),
-                             secret=provider_secret(step.route.provider))
+    secret = provider_secret(step.route.provider)
+    headers = answer_headers(upstream.headers, base_headers(step.identity, step), secret=secret)
     out = web.StreamResponse(status=upstream.status, headers=headers)
+    scrubber = Scrubber(secret_bytes(secret))  # a success may echo the key too (a debugging upstream)
     try:
         await out.prepare(request)
         async for chunk in upstream.chunks():
@@ -197,7 +198,10 @@ async def _pass_through(gw: Gateway, step: Step, request: web.Request, upstream:
                 parts.clear()  # too long to read its usage whole: charged its reservation
             if step.first_chunk_at is None:
                 step.first_chunk_at = time.monotonic()
-            await out.write(chunk)
+            if sent := scrubber.feed(chunk):
+                await out.write(sent)
+        if rest := scrubber.finish():
+            await out.write(rest)
         ended = True
     except GatewayError as exc:
         step.error_type = exc.code

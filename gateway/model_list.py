@@ -27,10 +27,19 @@ from gateway.errors import (
 from gateway.forward import passing_run, refuse_stopped, wire_of
 from gateway.identity import Identity
 from gateway.observe_forward import end_forward, refused_forward, start_forward
-from gateway.pipeline import CREDENTIALS, JSON, add_credentials, base_headers, echo_headers, error_response
+from gateway.pipeline import (
+    CREDENTIALS,
+    JSON,
+    add_credentials,
+    base_headers,
+    echo_headers,
+    error_response,
+    provider_secret,
+)
 from gateway.proxy import GATEWAY
 from gateway.routing import Route
 from gateway.runtime import Gateway
+from gateway.upstream import scrub, secret_bytes
 
 MAX_PAGES = 50  # a provider's list read page by page stops here (50,000 models at Anthropic's largest page)
 PAGE_LIMIT = 1000  # Anthropic's largest page
@@ -108,8 +117,8 @@ async def _models_of(gw: Gateway, route: Route, asked: Mapping[str, str], identi
         end_forward(span, status=upstream.status)
         if upstream.status >= 300:
             return None
-        try:
-            answer = orjson.loads(data)
+        try:  # a debugging upstream may echo the key it was sent: never in the merged list
+            answer = orjson.loads(scrub(data, secret_bytes(provider_secret(provider))))
             found = answer.get("data") or []
         except (orjson.JSONDecodeError, AttributeError):
             return None

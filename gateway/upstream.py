@@ -91,6 +91,45 @@ def scrub(data: bytes, secret: bytes | None) -> bytes:
     return data.replace(secret, REDACTED) if secret is not None and secret in data else data
 
 
+class Scrubber:
+    """`scrub` for a body relayed a chunk at a time: a copy of the secret split between chunks is replaced
+    too. `feed` returns what may be sent now; it holds back only an end of the chunk that could begin the
+    secret (fewer bytes than the secret; none for a chunk that ends otherwise, so an event's end is never
+    delayed). `finish` returns what is held once the body ended. With no secret it passes chunks as they are."""
+
+    __slots__ = ("_secret", "_tail")
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._secret = secret
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        secret = self._secret
+        if secret is None:
+            return chunk
+        data = self._tail + chunk if self._tail else chunk
+        if secret in data:
+            data = data.replace(secret, REDACTED)
+        held = _secret_start(data, secret)
+        self._tail = data[len(data) - held:] if held else b""
+        return data[:len(data) - held] if held else data
+
+    def finish(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
+
+
+def _secret_start(data: bytes, secret: bytes) -> int:
+    """The length of the longest end of `data` that is a beginning of `secret` (shorter than it)."""
+    first = secret[:1]
+    at = data.find(first, max(0, len(data) - len(secret) + 1))
+    while at != -1:
+        if secret.startswith(data[at:]):
+            return len(data) - at
+        at = data.find(first, at + 1)
+    return 0
+
+
 class UpstreamResponse(Protocol):
     """An open upstream response. Read it with `read()` or `chunks()`; always `release()` it. `read()`
     of a network transport refuses a body over `limits.max_answer_bytes` with `UpstreamUnavailable`

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.config import ConfigError
 from tests.conftest import GatewayFactory
-from tests.fakes.upstream import Reply, openai_completion, openai_stream
+from tests.fakes.upstream import FakeProvider, Reply, openai_completion, openai_stream
 
 RUN = "x-tollgate-run-id"
 STOP = "x-tollgate-stop-reason"
@@ -144,6 +144,37 @@ async def test_a_provider_key_echoed_in_a_non_streamed_answer_is_redacted_as_in_
     assert PROVIDER_KEY not in streamed and "[redacted by tollgate]" in streamed
     text = answer.choices[0].message.content or ""
     assert PROVIDER_KEY not in text, text
+
+
+async def test_a_provider_key_echoed_in_any_successful_answer_never_reaches_the_agent(
+        gateway_factory: GatewayFactory, fake: tuple[FakeProvider, str]) -> None:
+    """The same promise on every other path: embeddings and completions (metered, relayed a chunk at a
+    time), a file's content (forwarded as it streams, the key split between chunks), and the merged
+    model list. Observed: each reached the SDK with the key verbatim (only errors were scrubbed)."""
+    h = await gateway_factory(providers={"openai": {  # one provider: the fake's model list echoes its key
+        "type": "openai", "base_url": fake[1] + "/v1", "api_key": PROVIDER_KEY}}, models={"*": "openai"})
+    echoed = f"debug: upstream saw Authorization: Bearer {PROVIDER_KEY}"
+    embedding = {"object": "list", "model": "text-embedding-3-small",
+                 "data": [{"object": "embedding", "index": 0, "embedding": [0.5]}],
+                 "usage": {"prompt_tokens": 2, "total_tokens": 2}, "debug": echoed}
+    completion = {"id": "c", "object": "text_completion", "created": 1, "model": "gpt-3.5-turbo-instruct",
+                  "choices": [{"index": 0, "text": echoed, "finish_reason": "stop", "logprobs": None}],
+                  "usage": {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11}}
+    half = len(PROVIDER_KEY) // 2
+    content = [b"line one\nkey " + PROVIDER_KEY[:half].encode(), PROVIDER_KEY[half:].encode() + b" tail\n"]
+    h.fake.queue(Reply(body=embedding), Reply(body=completion),
+                 Reply(chunks=content, headers={"Content-Type": "application/octet-stream"}))
+    h.fake.models = [{"id": "gpt-4o-mini", "object": "model", "owned_by": echoed}]
+    async with oai(h.url, "key-echo-paths") as client:
+        embedded = await client.embeddings.with_raw_response.create(model="openai/text-embedding-3-small", input="hi")
+        completed = await client.completions.create(model="gpt-3.5-turbo-instruct", prompt="hi")
+        file = await client.files.content("file-1")
+        models = await client.models.list()
+    seen = [embedded.http_response.text, completed.choices[0].text, file.text,
+            str([m.model_dump() for m in models.data])]
+    for text in seen:
+        assert PROVIDER_KEY not in text and "[redacted by tollgate]" in text, text
+    assert file.text == "line one\nkey [redacted by tollgate] tail\n"
 
 
 # -- the admin view of a run ------------------------------------------------------------------------------

@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from gateway.config import Limits, Timeouts
 from gateway.errors import InvalidRequest, UpstreamUnavailable
 from gateway.upstream import (
     HOP_BY_HOP,
+    REDACTED,
+    Scrubber,
     Upstream,
     answer_headers,
     check_target,
@@ -251,3 +255,41 @@ async def test_create_defaults_to_the_configs_default() -> None:
     upstream = Upstream.create()
     assert upstream._pool.max_answer_bytes == Limits().max_answer_bytes == 64 * 1024 * 1024
     await upstream.close()
+
+
+KEY_BYTES = b"sk-provider-openai"
+
+
+def scrubbed(chunks: list[bytes], secret: bytes | None = KEY_BYTES) -> list[bytes]:
+    scrubber = Scrubber(secret)
+    return [*(scrubber.feed(c) for c in chunks), scrubber.finish()]
+
+
+@pytest.mark.parametrize(("chunks", "sent"), [
+    ([b"plain", b" text"], [b"plain", b" text", b""]),
+    ([b"key sk-provider-openai here"], [b"key " + REDACTED + b" here", b""]),
+    ([b"key sk-prov", b"ider-openai here"], [b"key ", REDACTED + b" here", b""]),  # split: held, then whole
+    ([b"ends s", b"k", b"-provider-openai"], [b"ends ", b"", REDACTED, b""]),
+    ([b"ends sk-pro"], [b"ends ", b"sk-pro"]),  # the body ended: what was held is no key after all
+    ([b"sk sk-provider-openaisk-provider-openai"], [b"sk " + REDACTED * 2, b""]),
+    ([b"data: {}\n\n", b"data: {}\n\n"], [b"data: {}\n\n", b"data: {}\n\n", b""]),  # an event's end waits for nothing
+])
+def test_a_scrubber_replaces_the_key_across_chunks(chunks: list[bytes], sent: list[bytes]) -> None:
+    assert scrubbed(chunks) == sent
+
+
+def test_a_scrubber_without_a_secret_passes_chunks_as_they_are() -> None:
+    chunk = b"sk-provider-openai"
+    assert scrubbed([chunk], None) == [chunk, b""]
+    assert scrubbed([chunk], None)[0] is chunk
+
+
+@given(st.lists(st.sampled_from([b"sk-", b"provider", b"-openai", b"s", b"k", b"x", b"sk-provider-openai", b"\n"]),
+                max_size=30), st.data())
+def test_a_scrubbed_stream_is_the_scrubbed_body_however_it_is_cut(parts: list[bytes], data: st.DataObject) -> None:
+    body = b"".join(parts)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8)))
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+    out = scrubbed(chunks)
+    assert b"".join(out) == scrub(body, KEY_BYTES)
+    assert all(KEY_BYTES not in part for part in out)
