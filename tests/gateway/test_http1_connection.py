@@ -53,10 +53,13 @@ class ThreadedUpstream:
                 pending += chunk
                 while b"\r\n\r\n" in pending:
                     _, pending = pending.split(b"\r\n\r\n", 1)
-                    self._send(conn, self.head_and_start)
-                    if self.rest:
+                    # read before the head goes: the test sets the next answer once this one arrived,
+                    # which may be before this thread looks again (the warm-up answer must stay whole)
+                    head, rest = self.head_and_start, self.rest
+                    self._send(conn, head)
+                    if rest:
                         self.more.wait(5)
-                        self._send(conn, self.rest)
+                        self._send(conn, rest)
 
     def close(self) -> None:
         self.more.set()
