@@ -56,7 +56,9 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
             upstream = await mcp.open(request.method, None)
             return await relay(mcp, upstream, None, _no_responses if request.method == "GET" else None)
         headers["Allow"] = "GET, POST, DELETE"
-        return web.Response(status=405, headers=headers)
+        body = error_body(None, -32600, f"method_not_allowed: the MCP endpoint takes GET, POST and DELETE, "
+                          f"not {request.method[:20]}", {"code": "method_not_allowed"})
+        return web.Response(status=405, body=body, content_type="application/json", headers=headers)
     except GatewayError as exc:
         return refusal(exc, None, headers)
 

@@ -435,8 +435,12 @@ async def test_unknown_server_is_404_for_every_method(gateway_factory: GatewayFa
             status, _, data = await raw(h, method, body, server=name)
             assert status == 404, (method, name, data)
             assert orjson.loads(data)["error"]["data"] == {"code": "mcp_server_not_found"}
-    status, headers, _ = await raw(h, "PUT", LIST)
-    assert status == 405 and "POST" in headers.get("Allow", "")
+    for method in ("PUT", "PATCH", "OPTIONS"):  # a JSON-RPC error, as every other refusal of the endpoint
+        status, headers, data = await raw(h, method, LIST)
+        assert status == 405 and "POST" in headers.get("Allow", "")
+        error = orjson.loads(data)["error"]
+        assert error["code"] == -32600 and error["data"] == {"code": "method_not_allowed"}
+        assert method in error["message"]
     assert files.seen.requests == []
 
 
