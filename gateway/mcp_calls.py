@@ -391,7 +391,7 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         refused: InvalidRequest | None = None
         try:  # judged on the run as it is now: calls of one run may overlap (see guard_after)
             run = await _current(step) if ctx.policy.loop is not None else ctx.run
-            await _apply(step, chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer))
+            await _apply(step, chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer), in_flight=True)
         except Stopped as exc:  # e.g. no_progress: the result is withheld
             mcp.headers[STOP_HEADER] = exc.reason
             response = step.outcome = gateway_error(message.id, exc)[1]
@@ -452,9 +452,10 @@ async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
     return False
 
 
-async def _apply(step: ToolStep, verdict: Verdict) -> None:
+async def _apply(step: ToolStep, verdict: Verdict, *, in_flight: bool = False) -> None:
     """A stop stops the run (a reject refuses only this call: InvalidRequest); effects go to the store in
-    one atomic operation (an `Add` over its limit stops the run there). Raises Stopped."""
+    one atomic operation (an `Add` over its limit stops the run there; `in_flight`: the effects of the
+    call's result, judged on the limits and not on a stop since, see `RunStore.apply`). Raises Stopped."""
     gw, ctx = step.mcp.gw, step.ctx
     step.decisions.extend(verdict.decisions)
     if step.unguarded:
@@ -467,7 +468,7 @@ async def _apply(step: ToolStep, verdict: Verdict) -> None:
             await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
             raise Stopped(reason, verdict.stop.detail)
     with uncut(step.flight):
-        denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects)
+        denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects, in_flight=in_flight)
         if denial is not None:
             raise Stopped(denial.reason, denial.detail)
 

@@ -302,12 +302,13 @@ async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> NoRetur
     raise Stopped(reason, detail)
 
 
-async def apply_effects(gw: Gateway, step: Step, verdict: Verdict) -> None:
-    """A step's counter additions and history pushes, in one atomic store operation."""
+async def apply_effects(gw: Gateway, step: Step, verdict: Verdict, *, in_flight: bool = False) -> None:
+    """A step's counter additions and history pushes, in one atomic store operation (`in_flight`: those
+    of its answer, see `RunStore.apply`)."""
     if not verdict.effects or step.extra.get("state_failed"):
         return
     try:
-        denial = await gw.write_effects(step.run_id, step.agent, verdict.effects)
+        denial = await gw.write_effects(step.run_id, step.agent, verdict.effects, in_flight=in_flight)
     except StateUnavailable as exc:
         await _state_failed(step, exc)
         return
@@ -416,7 +417,8 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
         if await _reset_since(gw, step):
             return  # judged on a history a reset cleared while the step was in flight: the fresh run goes on
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
-    await apply_effects(gw, step, verdict)
+    # admitted before any stop of its run since: its answer is judged on the limits, not on that stop
+    await apply_effects(gw, step, verdict, in_flight=True)
 
 
 async def _reset_since(gw: Gateway, step: Step) -> bool:
@@ -440,7 +442,7 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
     limit = step.identity.policy.caps.tool_calls
     add = Add("tool_calls", float(hosted), None if limit is None else float(limit), "tool_call_cap")
     try:
-        denial = await gw.write_effects(step.run_id, step.agent, (add,))
+        denial = await gw.write_effects(step.run_id, step.agent, (add,), in_flight=True)
     except GatewayError:
         step.extra["record_failed"] = True  # the store is down; the answer is already decided
         return

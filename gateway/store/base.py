@@ -192,10 +192,13 @@ class RunStore(Protocol):
     async def push(self, run_id: str, agent: str, key: str, values: Sequence[str], keep: int) -> list[str]: ...
 
     async def apply(
-        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
+        *, in_flight: bool = False,
     ) -> Denial | None:
         """All of a step's counter additions and history pushes in one atomic operation. The first add
-        that would exceed its limit stops the run and nothing of the operation is applied."""
+        that would exceed its limit stops the run and nothing of the operation is applied. A stopped run
+        refuses any add, unless `in_flight` (the answer of a step admitted before the stop): then only a
+        breach is refused, with the run's own reason (`logic.apply`)."""
         ...
 
     async def take(self, run_id: str, key: str, value: str) -> bool: ...

@@ -153,9 +153,16 @@ def add(state: RunState, counter: str, amount: float, limit: float | None, code:
     return None
 
 
-def apply(state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: float) -> Denial | None:
-    """All adds and pushes of a step, or nothing: a limit breach stops the run and applies nothing."""
-    if adds and state.stopped:
+def apply(
+    state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: float, *, in_flight: bool = False
+) -> Denial | None:
+    """All adds and pushes of a step, or nothing: a limit breach stops the run and applies nothing.
+
+    A stopped run refuses the adds with its own reason (sticky), unless `in_flight`: the effects of a
+    step admitted before the stop (its answer) are judged against the limits as if it had ended first,
+    which is what a serial order of the steps gives, and only a breach is refused, with the run's own
+    reason. Without that, one refused step of a parallel agent withheld every answer it had paid for."""
+    if adds and state.stopped and not in_flight:
         return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
     for a in adds:
         current = state.used.get(a.counter, 0.0) + state.reserved.get(a.counter, 0.0)
@@ -164,9 +171,13 @@ def apply(state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: flo
     for p in pushes:
         if repeats(state.lists.get(p.key, []), p):
             stop(state, p.code, p.detail, now)
-            return Denial(p.code, p.detail)
-    for a in adds:
-        add(state, a.counter, a.amount, None, a.code, now)
+            return Denial(state.stop_reason or p.code, state.stop_detail or p.detail)
+    for a in adds:  # added as they are: a stopped run refuses nothing more here (judged above)
+        state.used[a.counter] = state.used.get(a.counter, 0.0) + a.amount
+    if adds:
+        if state.started_at is None:
+            state.started_at = now
+        state.updated_at = now
     for p in pushes:
         push(state, p.key, p.values, p.keep)
     if pushes:

@@ -59,9 +59,10 @@ class MemoryRunStore:
         return logic.push(self._run(run_id, agent), key, values, keep)
 
     async def apply(
-        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
+        *, in_flight: bool = False,
     ) -> Denial | None:
-        return logic.apply(self._run(run_id, agent), adds, pushes, now)
+        return logic.apply(self._run(run_id, agent), adds, pushes, now, in_flight=in_flight)
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         state = self._runs.get(run_id)

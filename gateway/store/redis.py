@@ -357,7 +357,8 @@ class RedisRunStore:
         return items
 
     async def apply(
-        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
+        *, in_flight: bool = False,
     ) -> Denial | None:
         if not adds and not pushes:
             return None  # nothing to do: no round trip, and no empty run created (as SQLite)
@@ -366,6 +367,7 @@ class RedisRunStore:
             [[a.counter, float(a.amount), opt_float(a.limit), a.code] for a in adds],
             [[p.key, int(p.keep), list(p.values), -1 if p.distinct_limit is None else int(p.distinct_limit),
               p.code, p.detail] for p in pushes],
+            in_flight,
         ]
         reply = orjson.loads(await self._call("apply", run_id, agent, args))
         return Denial(reply[1], reply[2]) if reply[0] == "deny" else None

@@ -216,22 +216,23 @@ return enc_list(items)
 """
 
 # logic.apply. A: [now, [[counter, amount, limit|null, code], ...],
-#                   [[list name, keep, [values...], distinct limit (-1: none), code, detail], ...]].
+#                   [[list name, keep, [values...], distinct limit (-1: none), code, detail], ...], in flight].
 # Answers ["ok"] or ["deny", reason, detail].
 _APPLY = """
 create()
-local now, adds, pushes = A[1], A[2], A[3]
-if #adds > 0 then
+local now, adds, pushes, in_flight = A[1], A[2], A[3], A[4]
+if #adds > 0 and not in_flight then
   local denied = stopped_denial()
   if denied then touch(); return cjson.encode(denied) end
 end
+-- a step in flight when its run stopped: only a breach is refused, with the run's own reason
 -- every add is judged against the run as it was, before any of them applies
 for _, a in ipairs(adds) do
   local limit = opt(a[3])
   if limit ~= nil then
     local current = (getnum('u:' .. a[1]) or 0.0) + (getnum('r:' .. a[1]) or 0.0)
     if current + a[2] > limit + EPS then
-      local denied = add_one(a[1], a[2], limit, a[4], now)
+      local denied = stopped_denial() or add_one(a[1], a[2], limit, a[4], now)
       touch()
       return cjson.encode(denied)
     end
@@ -246,9 +247,10 @@ for _, p in ipairs(pushes) do
       if not seen[item] then seen[item] = true; distinct = distinct + 1 end
     end
     if distinct <= p[4] then
+      local denied = stopped_denial() or {'deny', p[5], p[6]}
       stop(p[5], p[6], now)
       touch()
-      return cjson.encode({'deny', p[5], p[6]})
+      return cjson.encode(denied)
     end
   end
 end

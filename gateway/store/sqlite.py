@@ -327,11 +327,13 @@ class SqliteRunStore:
         return self._change(self._state(run_id, agent), lambda s: logic.push(s, key, values, keep), behind=True)
 
     async def apply(
-        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float
+        self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
+        *, in_flight: bool = False,
     ) -> Denial | None:
         if not adds and not pushes:
             return None
-        return self._change(self._state(run_id, agent), lambda s: logic.apply(s, adds, pushes, now), behind=True)
+        return self._change(self._state(run_id, agent),
+                            lambda s: logic.apply(s, adds, pushes, now, in_flight=in_flight), behind=True)
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         state = self._existing(run_id)

@@ -159,6 +159,26 @@ async def test_apply_is_all_or_nothing(store: RunStore) -> None:
     assert state is not None and state.lists == {"calls": ["b", "d"]} and state.updated_at == NOW + 3
 
 
+async def test_an_in_flight_apply_on_a_stopped_run_refuses_only_a_breach(store: RunStore) -> None:
+    """The answer of a step admitted before its run stopped counts and goes on when it fits the limits
+    (a serial order of the steps gives that); one that breaches a limit is refused with the run's own
+    reason and applies nothing; a fresh step's adds are still refused (sticky)."""
+    await store.apply("run-1", "bot", [Add("tool_calls", 6.0)], [Push("calls", ("a",), 3)], NOW)
+    await store.stop("run-1", "bot", "llm_call_cap", "llm_calls limit 7 would be exceeded", NOW + 1)
+    fits = [Add("tool_calls", 3.0, 9.0, "tool_call_cap")]
+    assert isinstance(await store.apply("run-1", "bot", fits, [], NOW + 2), Denial)  # not in flight: sticky
+    assert await store.apply("run-1", "bot", fits, [Push("calls", ("b",), 3)], NOW + 3, in_flight=True) is None
+    breach = [Add("tool_calls", 1.0, 9.0, "tool_call_cap")]
+    denial = await store.apply("run-1", "bot", breach, [Push("calls", ("c",), 3)], NOW + 4, in_flight=True)
+    assert denial == Denial("llm_call_cap", "llm_calls limit 7 would be exceeded")  # the run's own reason
+    loop = await store.apply("run-1", "bot", [], [Push("calls", ("b", "b"), 3, 1, "loop_detected", "x")], NOW + 5,
+                             in_flight=True)
+    assert loop == Denial("llm_call_cap", "llm_calls limit 7 would be exceeded")
+    state = await store.get("run-1", steps=False)
+    assert state is not None and state.status == "stopped" and state.stop_reason == "llm_call_cap"
+    assert state.used == {"tool_calls": 9.0} and state.lists == {"calls": ["a", "b"]}
+
+
 def loop_claim(*values: str) -> Push:
     return Push("calls", values, 3, distinct_limit=1, code="loop_detected", detail="3 calls, 1 distinct")
 

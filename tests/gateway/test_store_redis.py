@@ -101,7 +101,7 @@ async def apply(store: RunStore, op: tuple[Any, ...], grants: list[Reservation |
     if kind == "step":
         return await store.record_step(run, "bot", {"n": op[3], "x": 0.1 * op[3]}, now)
     if kind == "apply":
-        return await store.apply(run, "bot", op[3], op[4], now)
+        return await store.apply(run, "bot", op[3], op[4], now, in_flight=op[5])
     if kind == "get":
         state = await store.get(run, steps=False)
         return (
@@ -175,10 +175,11 @@ def random_ops(r: random.Random, count: int) -> list[tuple[Any, ...]]:
                     r.choice(["calls", "tools"]),
                     tuple(r.choice(["x", "z"]) for _ in range(r.randint(0, 2))),
                     r.choice([1, 6]),
+                    *r.choice([(), (1, "loop_detected", "a loop")]),
                 )
                 for _ in range(r.randint(0 if adds else 1, 2))
             ]
-            ops.append(("apply", run, now, adds, pushes))
+            ops.append(("apply", run, now, adds, pushes, r.random() < 0.5))
         elif roll < 0.88:
             ops.append(("get", run, now))
         elif roll < 0.93:
