@@ -23,6 +23,7 @@ from multidict import CIMultiDict
 from gateway.body_codings import refuse_unread_codings
 from gateway.call import Answer
 from gateway.config import Limits, Provider
+from gateway.duplicate_keys import repeated_key
 from gateway.errors import (
     HELD,
     BudgetHeld,
@@ -113,6 +114,9 @@ def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
     # a body with no more brackets than the limit cannot nest deeper: skip the walk (the common case)
     if raw.count(b"{") + raw.count(b"[") > depth and not json_depth_ok(body, depth):
         raise InvalidRequest(f"request JSON nests deeper than {depth} levels")
+    repeated = repeated_key(raw)
+    if repeated is not None:  # forwarded as sent, it could mean to the provider what tollgate did not judge
+        raise InvalidRequest(f"request JSON repeats the key {repeated!r} in one object", param=repeated)
     return body
 
 

@@ -1,0 +1,61 @@
+"""Request bodies that repeat a key tollgate acts on, refused before anything is reserved or forwarded.
+
+tollgate forwards the agent's original bytes when it changed nothing, and orjson keeps the last of two
+equal names in one object. An upstream whose parser keeps the first would then run a request tollgate
+did not judge: `"max_tokens": 100000, "max_tokens": 5` reserved for 5 tokens, or a first `tools` list
+holding a tool the allow-list removed from the second. RFC 8259 leaves such a body's meaning to the
+parser, so one that repeats a name tollgate reads is a 400 instead.
+
+Cost: one regular expression pass over the raw bytes (about 1 µs for a short request, 26 µs for a
+46 KB agent request); the exact check (the standard parser, every object's pairs) runs only when a
+watched name occurs twice anywhere or the body holds a `\\u` escape (a key may be spelled with one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+# what the budget, the caps, the allow-list, the grammar check and routing read from a request
+WATCHED = frozenset({
+    "model", "messages", "input", "system", "instructions", "prompt",
+    "max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of", "stream", "stream_options",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "max_tool_calls",
+    "max_uses", "max_content_tokens", "response_format", "text", "format", "thinking", "budget_tokens",
+    "reasoning", "modalities", "audio", "prediction", "service_tier", "web_search_options",
+})
+
+_NAMES = re.compile(rb'"(' + b"|".join(re.escape(n.encode()) for n in sorted(WATCHED, key=len, reverse=True))
+                    + rb')"')
+
+
+class _Repeated(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen and name in WATCHED:
+            raise _Repeated(name)
+        seen.add(name)
+    return dict(pairs)
+
+
+def repeated_key(raw: bytes) -> str | None:
+    """The first watched name that some object of `raw` (a JSON document orjson accepted) holds twice,
+    else None. Exact: a body without an escape that names each watched key at most once needs no parse."""
+    if b"\\u" not in raw:
+        found = _NAMES.findall(raw)
+        if len(found) == len(set(found)):
+            return None
+    try:
+        json.loads(raw, object_pairs_hook=_pairs)
+    except _Repeated as exc:
+        return exc.name
+    except (ValueError, RecursionError):
+        return None  # orjson accepted it (its NaN, depth): nothing more to say than it did
+    return None

@@ -1,0 +1,103 @@
+"""`repeated_key`: the watched names some object of a request repeats, exactly (table and property
+tests against the standard parser's own pairs), and the 400 a running gateway answers for one."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.duplicate_keys import WATCHED, repeated_key
+from tests.conftest import GatewayFactory
+from tests.fakes.upstream import Reply, anthropic_message, openai_completion
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (b'{"model":"gpt-4o-mini","max_tokens":5}', None),
+    (b'{"model":"a","max_tokens":100000,"max_tokens":5}', "max_tokens"),
+    (b'{"model":"a","model":"b"}', "model"),
+    (b'{"model":"a","messages":[{"role":"user","content":"x"}],"tools":[],"tools":[{"type":"function"}]}', "tools"),
+    (b'{"thinking":{"type":"enabled","budget_tokens":2000,"budget_tokens":1}}', "budget_tokens"),
+    (b'{"tools":[{"type":"web_search_20250305","max_uses":1,"max_uses":99}]}', "max_uses"),
+    (b'{"model":"a","max_\\u0074okens":9,"max_tokens":5}', "max_tokens"),  # a key spelled with an escape
+    # the name twice, but in different objects or as a string value: no object repeats it
+    (b'{"messages":[{"role":"user","content":"model"},{"role":"user","content":"model"}],"model":"a"}', None),
+    (b'{"tools":[{"parameters":{"properties":{"n":{}}}},{"parameters":{"properties":{"n":{}}}}],"n":1}', None),
+    (b'{"metadata":{"a":1,"a":2}}', None),  # a name tollgate does not read: forwarded as sent
+    (b'{"content":"caf\\u00e9","model":"a"}', None),  # an escape outside any key
+    (b'{"model":"a","stream":true,"stream":false}', "stream"),
+])
+def test_repeated_key_table(raw: bytes, expected: str | None) -> None:
+    orjson.loads(raw)  # every case is a body orjson accepts
+    assert repeated_key(raw) == expected
+
+
+def reference(raw: bytes) -> set[str]:
+    """Every watched name some object repeats, by the standard parser's pairs."""
+    found: set[str] = set()
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        names = [name for name, _ in pairs]
+        found.update(n for n in names if names.count(n) > 1 and n in WATCHED)
+        return dict(pairs)
+
+    json.loads(raw, object_pairs_hook=hook)
+    return found
+
+
+NAMES = st.sampled_from(["model", "max_tokens", "n", "tools", "role", "content", "a", "max_uses"])
+LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), NAMES, st.text(max_size=3))
+
+
+@st.composite
+def objects(draw: st.DrawFn, depth: int = 3) -> str:
+    """A JSON object's text, which may repeat names (a dict cannot)."""
+    pairs = draw(st.lists(st.tuples(NAMES, values(depth - 1) if depth else LEAVES.map(json.dumps)), max_size=4))
+    return "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in pairs) + "}"
+
+
+def values(depth: int) -> st.SearchStrategy[str]:
+    return st.one_of(LEAVES.map(json.dumps), objects(depth), st.lists(objects(depth), max_size=2).map(
+        lambda items: "[" + ",".join(items) + "]"))
+
+
+@settings(max_examples=400, deadline=None)
+@given(objects())
+def test_repeated_key_agrees_with_the_standard_parser(text: str) -> None:
+    raw = text.encode()
+    found = reference(raw)
+    got = repeated_key(raw)
+    assert (got is None) == (not found) and (got is None or got in found)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions",
+     b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":100000,"max_tokens":5}'),
+    ("/v1/messages",
+     (b'{"model":"claude-3-5-haiku-latest","max_tokens":100000,"max_tokens":5,'
+      b'"messages":[{"role":"user","content":"hi"}]}')),
+    ("/v1/responses", b'{"model":"gpt-4o-mini","input":"hi","max_output_tokens":100000,"max_output_tokens":16}'),
+])
+async def test_a_running_gateway_refuses_a_repeated_key_in_the_callers_format(
+    gateway_factory: GatewayFactory, path: str, body: bytes
+) -> None:
+    h = await gateway_factory(agents={"bot": {"budget": {"usd": 1.0}}})
+    h.fake.queue(Reply(body=anthropic_message("x") if path == "/v1/messages" else openai_completion("x")))
+    hdrs = {"x-tollgate-run-id": "dup", "x-tollgate-agent": "bot", "content-type": "application/json"}
+    async with h.session.post(h.url + path, data=body, headers=hdrs) as resp:
+        status, answer = resp.status, await resp.json()
+    assert status == 400 and "repeats the key" in answer["error"]["message"]
+    if path == "/v1/messages":
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    else:
+        assert answer["error"]["code"] == "invalid_request" and answer["error"]["param"].startswith("max_")
+    assert h.fake.seen == []  # nothing went upstream
+    fine = body.replace(b',"max_tokens":5', b"").replace(b',"max_output_tokens":16', b"")
+    async with h.session.post(h.url + path, data=fine, headers=hdrs) as resp:
+        assert resp.status == 200, await resp.text()
+    view = await h.settled("dup")
+    assert view["reserved_usd"] == 0 and len(h.fake.seen) == 1
