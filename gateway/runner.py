@@ -7,21 +7,27 @@ both are plain text, which an SDK reports as an unreadable error. At that point 
 lost, so the caller's API is unknown: the answer is one JSON body that both wire formats read,
 Anthropic's `{"type": "error", "error": {...}}` whose inner object also has OpenAI's four fields.
 The status stays aiohttp's (400 for what the parser refused) and the connection still closes.
+
+A `CONNECT` request never reaches a handler either: its target is an authority (`host:port`), so the
+router has no path to match, not even the proxy's catch-all, and answers a plain-text 404. It gets the
+JSON 404 `not_found` of any path tollgate does not serve (tollgate is not a forward proxy).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.errors import GatewayError, InvalidRequest, both_formats
+from gateway.errors import GatewayError, InvalidRequest, PathNotFound, both_formats
 
 __all__ = ["GatewayRunner", "refusal_body"]
 
+Handler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
 MAX_DETAIL = 200  # characters of the parser's message kept: it may quote the refused bytes
 
 
@@ -67,6 +73,17 @@ class _Server(web.Server):
         return _JsonRefusals(self, loop=self._loop, **self._kwargs)
 
 
+def _refusing_connect(handler: Handler) -> Handler:
+    async def handle(request: BaseRequest) -> web.StreamResponse:
+        if request.method == "CONNECT":
+            error = PathNotFound("tollgate is not a forward proxy: CONNECT is not served (model calls are "
+                                 "under /v1/, MCP servers under /mcp/<server>)")
+            return web.Response(status=error.status, body=both_formats(error), content_type="application/json")
+        return await handler(request)
+
+    return handle
+
+
 class GatewayRunner(web.AppRunner):
     """`web.AppRunner` whose server answers its own refusals in JSON (see the module docstring).
 
@@ -76,6 +93,6 @@ class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup; its handler arguments are kept
         kwargs: dict[str, Any] = dict(plain._kwargs)
-        return _Server(plain.request_handler, request_factory=plain.request_factory,
+        return _Server(_refusing_connect(plain.request_handler), request_factory=plain.request_factory,
                        handler_cancellation=plain.handler_cancellation, loop=asyncio.get_running_loop(),
                        **kwargs)

@@ -127,3 +127,14 @@ async def test_a_handler_that_raises_is_a_json_500_without_its_detail(
     assert caught.value.code == "internal_error"
     assert "secret detail" not in str(caught.value.body)
     assert any(r.exc_info for r in caplog.records)  # the traceback is logged for the operator
+
+
+@pytest.mark.parametrize("target", [b"/v1/chat/completions", b"/mcp/files", b"example.com:443", b"/"])
+async def test_connect_is_a_json_404_not_a_forward_proxy(gw: Harness, target: bytes) -> None:
+    head = b"CONNECT " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    answer_head, answer_body = await raw(gw.url, head)
+    assert answer_head.split(b"\r\n")[0].endswith(b"404 Not Found"), answer_head
+    assert b"Content-Type: application/json" in answer_head
+    data = orjson.loads(answer_body)
+    assert data["type"] == "error" and data["error"]["code"] == "not_found" and "CONNECT" in data["error"]["message"]
+    assert gw.fake.seen == []
