@@ -26,8 +26,17 @@ WATCHED = frozenset({
     "reasoning", "modalities", "audio", "prediction", "service_tier", "web_search_options",
 })
 
-_NAMES = re.compile(rb'"(' + b"|".join(re.escape(n.encode()) for n in sorted(WATCHED, key=len, reverse=True))
-                    + rb')"')
+
+def _names_pattern() -> re.Pattern[bytes]:
+    """A watched name written as a key (`"name"` then `:`). The lookahead on the first letters lets the
+    scan leave most strings at their first character instead of trying every alternative."""
+    names = sorted(WATCHED, key=len, reverse=True)
+    firsts = re.escape(bytes(sorted({ord(n[0]) for n in names})))
+    alternatives = b"|".join(re.escape(n.encode()) for n in names)
+    return re.compile(rb'"(?=[' + firsts + rb"])(" + alternatives + rb')"\s*:')
+
+
+_NAMES = _names_pattern()
 
 
 class _Repeated(Exception):
