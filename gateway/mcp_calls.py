@@ -465,8 +465,8 @@ async def _apply(step: ToolStep, verdict: Verdict, *, in_flight: bool = False) -
             raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)
         reason = verdict.stop.reason or "stopped"
         with uncut(step.flight):  # the stop is decided: recorded as the stop, whoever leaves meanwhile
-            await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
-            raise Stopped(reason, verdict.stop.detail)
+            held = await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
+            raise Stopped(held.reason, held.detail)  # the run's own, when another step stopped it first
     with uncut(step.flight):
         denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects, in_flight=in_flight)
         if denial is not None:

@@ -134,7 +134,10 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         await _state_failed(step, exc)
         return
     step.extra["snapshot"] = snapshot
-    step.extra["epoch"] = snapshot.epoch if snapshot is not None else 1
+    epoch = snapshot.epoch if snapshot is not None else 1
+    if step.extra.get("epoch", epoch) != epoch:  # reset since the step's last attempt: what the provider ran
+        step.extra.pop("hosted_discarded", None)  # for the attempts before it counts in no run
+    step.extra["epoch"] = epoch
     step.extra[_MARK] = gw.history_marks.version(ident.run_id)
     if snapshot is not None and snapshot.stopped:  # sticky: the run's own reason, whatever else holds now
         step.stop_reason = snapshot.stop_reason or "stopped"
@@ -300,10 +303,12 @@ def output_limit(step: Step) -> int:
 
 
 async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> NoReturn:
-    """Stop the run (sticky) and raise the stop for the respond stage."""
+    """Stop the run (sticky) and raise the stop for the respond stage: the run's own, when another step
+    stopped it first (README: a stopped run answers with the reason that stopped it)."""
     step.stop_reason, step.stop_detail = reason, detail
-    await gw.store.stop(step.run_id, step.agent, reason, detail, time.time())
-    raise Stopped(reason, detail)
+    held = await gw.store.stop(step.run_id, step.agent, reason, detail, time.time())
+    step.stop_reason, step.stop_detail = held.reason, held.detail
+    raise Stopped(held.reason, held.detail)
 
 
 async def apply_effects(gw: Gateway, step: Step, verdict: Verdict, *, in_flight: bool = False) -> None:
@@ -401,9 +406,11 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     step.extra[JUDGED] = True  # what the provider ran is counted here (see count_unjudged_hosted)
     # the limits that must hold under concurrency (tool-call cap) are applied atomically; the histories
     # (loop detection) are judged on the run as it is now when the answer proposes calls, since steps of
-    # one run may overlap: read, judged and written without yielding to another step in this process
+    # one run may overlap: read, judged and written without yielding to another step in this process.
+    # Calls the provider ran itself count too, so they are judged on the run as it is now as well: a
+    # reset since the step was admitted leaves them out of the fresh run
     snapshot = step.extra.get("snapshot")
-    if answer.tool_calls and not step.extra.get("state_failed"):
+    if (answer.tool_calls or answer.hosted_calls) and not step.extra.get("state_failed"):
         try:
             snapshot = await gw.store.get(ident.run_id, steps=False, reservations=False)
         except StateUnavailable as exc:
@@ -441,7 +448,7 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
     if step.extra.get(JUDGED) or step.extra.get("state_failed") or step.error_type == StateUnavailable.code:
         return
     hosted = step.extra.get("hosted_discarded", 0) + (step.answer.hosted_calls if step.answer is not None else 0)
-    if not hosted:
+    if not hosted or await _reset_since(gw, step):  # a step from before a reset counts in no run
         return
     limit = step.identity.policy.caps.tool_calls
     add = Add("tool_calls", float(hosted), None if limit is None else float(limit), "tool_call_cap")

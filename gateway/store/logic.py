@@ -207,14 +207,14 @@ def take(state: RunState, key: str, value: str) -> bool:
     return True
 
 
-def stop(state: RunState, reason: str, detail: str, now: float) -> None:
-    """Stop the run; the first stop wins and stays until reset."""
-    if state.stopped:
-        return
-    state.status = "stopped"
-    state.stop_reason = reason
-    state.stop_detail = detail
-    state.updated_at = now
+def stop(state: RunState, reason: str, detail: str, now: float) -> Denial:
+    """Stop the run; the first stop wins and stays until reset. Answers the stop the run holds."""
+    if not state.stopped:
+        state.status = "stopped"
+        state.stop_reason = reason
+        state.stop_detail = detail
+        state.updated_at = now
+    return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
 
 
 def record_step(state: RunState, step: Mapping[str, Any], now: float) -> None:

@@ -68,8 +68,8 @@ class MemoryRunStore:
         state = self._runs.get(run_id)
         return state is not None and logic.take(state, key, value)
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None:
-        logic.stop(self._run(run_id, agent), reason, detail, now)
+    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
+        return logic.stop(self._run(run_id, agent), reason, detail, now)
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
         logic.record_step(self._run(run_id, agent), step, now)

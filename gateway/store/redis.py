@@ -375,8 +375,9 @@ class RedisRunStore:
     async def take(self, run_id: str, key: str, value: str) -> bool:
         return bool(await self._call("take", run_id, "", [key, value]))
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None:
-        await self._call("stop", run_id, agent, [reason, detail, float(now)])
+    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
+        reply = orjson.loads(await self._call("stop", run_id, agent, [reason, detail, float(now)]))
+        return Denial(reply[1], reply[2])
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
         encoded = orjson.dumps(dict(step)).decode()

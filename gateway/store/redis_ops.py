@@ -279,12 +279,12 @@ end
 return 0
 """
 
-# A: [reason, detail, now].
+# A: [reason, detail, now]. Answers the stop the run holds: {'deny', reason, detail} (the first stop wins).
 _STOP = """
 create()
 stop(A[1], A[2], A[3])
 touch()
-return 1
+return cjson.encode(stopped_denial())
 """
 
 # A: [step JSON, now, max steps kept].

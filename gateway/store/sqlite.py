@@ -341,8 +341,8 @@ class SqliteRunStore:
             return False  # nothing taken, nothing to write
         return self._change(state, lambda s: logic.take(s, key, value))
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> None:
-        self._change(self._state(run_id, agent), lambda s: logic.stop(s, reason, detail, now))
+    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
+        return self._change(self._state(run_id, agent), lambda s: logic.stop(s, reason, detail, now))
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
         """Buffer the step row and the run's activity time; written within `flush_after_s` (module

@@ -6,6 +6,9 @@ many used to lose every answer in flight: they had been admitted and paid for, a
 Now each one that fits the limits is delivered; one that breaches a limit is still withheld, with the
 run's own stop reason, and the caps hold exactly (`RunStore.apply(..., in_flight=True)`).
 
+A step in flight while its run is reset counts in no run: neither the tool calls it proposes nor the
+ones the provider ran itself (Responses `web_search_call` items) land in the fresh run.
+
 Driven by the official `openai` SDK against a running gateway; the upstream holds its answers until the
 test releases them, so the stop lands while they are in flight (no sleeps). Memory and Redis state.
 """
@@ -23,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import GatewayFactory, Harness
+from tests.fakes.responses import message_item, response_body
 from tests.fakes.upstream import openai_completion, openai_stream, serving, sse_response, tool_call
 from tests.redis_fixture import RedisServer, redis_server  # noqa: F401  (fixture, by name)
 
@@ -30,25 +34,36 @@ GPT = "gpt-4o-mini"
 
 
 class HeldUpstream:
-    """Answers a chat completion whose user message is `name` with `calls[name]` tool calls; a name in
-    `held` waits for `release(name)` first. `arrived` counts the requests in."""
+    """Answers a chat completion whose user message is `name` with `calls[name]` tool calls (a Responses
+    call: that many `web_search_call` items, which the provider ran itself); a name in `held` waits for
+    `release(name)` first. `arrived` counts the requests in."""
 
-    def __init__(self, calls: dict[str, int], held: set[str]) -> None:
+    def __init__(self, calls: dict[str, int], held: set[str], *, same: bool = False,
+                 again: dict[str, int] | None = None) -> None:
         self.calls = calls
+        self.again = again or {}  # the calls of a name's later requests (a re-ask), when not `calls`
+        self.same = same  # every call proposes search({"q": "same"}): a loop
         self.held = {name: asyncio.Event() for name in held}
         self.arrivals: list[str] = []
         self._changed = asyncio.Condition()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        name = body["messages"][-1]["content"]
+        name = body["messages"][-1]["content"] if "messages" in body else first_input(body["input"])
         async with self._changed:
             self.arrivals.append(name)
             self._changed.notify_all()
         if name in self.held:
             await self.held[name].wait()
-        calls = [tool_call("search", orjson.dumps({"q": f"{name}{i}"}).decode(), f"{name}{i}")
+        calls = [tool_call("search", orjson.dumps({"q": "same" if self.same else f"{name}{i}"}).decode(), f"{name}{i}")
                  for i in range(self.calls[name])]
+        if "input" in body:
+            count = self.again.get(name, self.calls[name]) if self.arrivals.count(name) > 1 else self.calls[name]
+            answer = response_body("", usage=(10, 5))
+            answer["output"] = [*({"id": f"ws_{name}{i}", "type": "web_search_call", "status": "completed",
+                                   "action": {"type": "search", "query": name}} for i in range(count)),
+                                message_item("searched")]
+            return web.json_response(answer)
         if body.get("stream"):
             return await sse_response(request, openai_stream([""], tool_calls=calls))
         return web.json_response(openai_completion("", tool_calls=calls))
@@ -60,6 +75,14 @@ class HeldUpstream:
     async def arrived(self, count: int) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: len(self.arrivals) >= count)
+
+
+def first_input(given: str | list[Any]) -> str:
+    """A Responses call's first user text (a re-ask sends it again, as an item, before its correction)."""
+    if isinstance(given, str):
+        return given
+    content = next(item["content"] for item in given if item.get("role") == "user")
+    return content if isinstance(content, str) else str(content[0]["text"])
 
 
 @asynccontextmanager
@@ -146,3 +169,85 @@ async def test_an_answer_in_flight_that_breaches_the_tool_call_cap_is_still_with
         view = await h.settled(run, steps=3)
         assert (view["status"], view["stop_reason"], view["tool_calls"]) == ("stopped", "tool_call_cap", 1)
         assert view["reserved_usd"] == 0
+
+
+async def test_an_answer_in_flight_that_repeats_a_call_is_withheld_with_the_runs_own_reason(
+    gateway_factory: GatewayFactory, state: dict[str, Any]
+) -> None:
+    """`loop: {window: 3, max_distinct: 1}` lets two `search({"q": "same"})` reach the agent. Three steps
+    in flight each propose it; a fourth step stops the run (`caps.llm_calls: 3`). The third answer is the
+    loop: withheld, with the reason the run is stopped with (it answered `loop_detected` before)."""
+    upstream = HeldUpstream({"a": 1, "b": 1, "c": 1, "d": 1}, held={"a", "b", "c"}, same=True)
+    run = f"par-loop-{state['backend']}"
+    async with serving(upstream.handle) as url:
+        h = await gateway_factory(
+            providers={"openai": {"type": "openai", "base_url": f"{url}/v1", "api_key": "sk-provider-openai"}},
+            models={"gpt-*": "openai"}, state=state,
+            agents={"bot": {"caps": {"llm_calls": 3}, "loop": {"window": 3, "max_distinct": 1}}})
+        async with client(h, run) as sdk:
+            steps = {name: asyncio.ensure_future(ask(sdk, name, stream=name == "b")) for name in "abc"}
+            await upstream.arrived(3)
+            with pytest.raises(openai.PermissionDeniedError) as stopped:
+                await ask(sdk, "d")
+            assert stopped.value.code == "llm_call_cap"
+            for name in "ab":
+                upstream.release(name)
+                assert await steps[name] == [f"{name}0"]
+            upstream.release("c")
+            with pytest.raises(openai.PermissionDeniedError) as withheld:
+                await steps["c"]
+            assert withheld.value.code == "llm_call_cap"
+            view = await h.settled(run, steps=4)
+            assert (view["stop_reason"], view["tool_calls"], view["reserved_usd"]) == ("llm_call_cap", 2, 0)
+
+
+async def test_calls_the_provider_ran_in_a_step_in_flight_across_a_reset_count_in_no_run(
+    gateway_factory: GatewayFactory, state: dict[str, Any]
+) -> None:
+    """`caps.tool_calls: 4`. A Responses step admitted before the reset comes back with 3 web searches the
+    provider ran; the fresh run has 2 tool calls by then. Counted there (5 > 4), they stopped the fresh
+    run with `tool_call_cap`; the step counts in no run."""
+    upstream = HeldUpstream({"old": 3, "new": 2}, held={"old"})
+    run = f"reset-hosted-{state['backend']}"
+    async with gateway(gateway_factory, upstream, state, {"tool_calls": 4}) as h, client(h, run) as sdk:
+        old = asyncio.ensure_future(sdk.responses.create(model=GPT, input="old", tools=[{"type": "web_search"}]))
+        await upstream.arrived(1)
+        async with h.session.post(f"{h.admin_url}/admin/runs/{run}/reset") as reset:
+            assert reset.status == 200
+        assert await ask(sdk, "new") == ["new0", "new1"]
+        upstream.release("old")
+        assert (await old).output_text == "searched"  # its answer is delivered: it breaches nothing
+        view = await h.settled(run, steps=1)
+        assert (view["status"], view["tool_calls"], view["reserved_usd"]) == ("active", 2, 0)
+        assert await ask(sdk, "new") == ["new0", "new1"]  # the fresh run goes on: 4 of its 4 tool calls
+
+
+async def test_calls_the_provider_ran_in_an_unjudged_step_across_a_reset_count_in_no_run(
+    gateway_factory: GatewayFactory, state: dict[str, Any]
+) -> None:
+    """As above, for a step that ends before its answer is judged (still not matching the output grammar
+    after its re-ask), whose calls the provider ran are counted at its end: the 3 searches of the attempt
+    before the reset count in no run, the 1 of its re-ask (admitted in the fresh run) counts there."""
+    upstream = HeldUpstream({"old": 3, "new": 2}, held={"old"}, again={"old": 1})
+    run = f"reset-unjudged-{state['backend']}"
+    async with serving(upstream.handle) as url:
+        h = await gateway_factory(
+            providers={"openai": {"type": "openai", "base_url": f"{url}/v1", "api_key": "sk-provider-openai"}},
+            models={"gpt-*": "openai"}, state=state,
+            agents={"bot": {"caps": {"tool_calls": 4}, "output": {"grammar": "regex:[0-9]+", "retries": 1}}})
+        async with client(h, run) as sdk:
+            old = asyncio.ensure_future(sdk.responses.create(model=GPT, input="old", tools=[{"type": "web_search"}]))
+            await upstream.arrived(1)
+            async with h.session.post(f"{h.admin_url}/admin/runs/{run}/reset") as reset:
+                assert reset.status == 200
+            async with h.session.post(f"{h.url}/v1/chat/completions", headers={"x-tollgate-run-id": run},
+                                      json={"model": GPT, "messages": [{"role": "user", "content": "new"}],
+                                            "tools": [{"type": "function", "function": {"name": "search"}}]}) as r:
+                assert r.status == 200  # a tool-call answer is not held to the grammar
+            upstream.release("old")
+            with pytest.raises(openai.APIStatusError):  # nonconforming after its re-ask
+                await old
+            assert upstream.arrivals.count("old") == 2
+            view = await h.settled(run, steps=1)
+            assert (view["status"], view["stop_reason"], view["tool_calls"], view["reserved_usd"]) == (
+                "active", None, 3, 0)

@@ -227,8 +227,10 @@ async def test_stop_reset_and_a_stale_settle(store: RunStore) -> None:
     old = await grant(store)
     await store.record_step("run-1", "bot", {"operation": "chat"}, NOW)
     await store.push("run-1", "bot", "calls", ["a"], 6)
-    await store.stop("run-1", "bot", "loop_detected", "repeating search", NOW + 1)
-    await store.stop("run-1", "bot", "time_cap", "later", NOW + 2)  # the first stop wins
+    first = await store.stop("run-1", "bot", "loop_detected", "repeating search", NOW + 1)
+    assert first == Denial("loop_detected", "repeating search")
+    # the first stop wins, and is what a later stop answers: its step reports the run's own reason
+    assert await store.stop("run-1", "bot", "time_cap", "later", NOW + 2) == first
     state = await store.get("run-1")
     assert state is not None and (state.stop_reason, state.stop_detail) == (
         "loop_detected",
