@@ -66,10 +66,12 @@ from gateway.jsonrpc import (
 )
 from gateway.mcp_flights import CLIENT_LEFT, Flight, cause_of, flights_of, uncut
 from gateway.mcp_guards import (
+    changes_run,
     check_arguments,
     refuse_if_stopped,
     release_claims,
     reserve_claims,
+    reset_since,
     settle_claims,
 )
 from gateway.mcp_transport import McpRequest, refusal, relay, state_of
@@ -391,7 +393,11 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         refused: InvalidRequest | None = None
         try:  # judged on the run as it is now: calls of one run may overlap (see guard_after)
             run = await _current(step) if ctx.policy.loop is not None else ctx.run
-            await _apply(step, chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer), in_flight=True)
+            verdict = chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer)
+            if changes_run(verdict) and reset_since(ctx.run, run if ctx.policy.loop else await _current(step)):
+                step.decisions.extend(verdict.decisions)  # judged, and delivered: it counts in no run
+            else:
+                await _apply(step, verdict, in_flight=True)
         except Stopped as exc:  # e.g. no_progress: the result is withheld
             mcp.headers[STOP_HEADER] = exc.reason
             response = step.outcome = gateway_error(message.id, exc)[1]
@@ -412,8 +418,7 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
 
 
 async def _current(step: ToolStep) -> RunState | None:
-    """The run as it is now; with the store down, a fail_open agent's call goes on unguarded (the tool
-    already ran: its result is delivered)."""
+    """The run as it is now; with the store down, a fail_open agent's call goes on unguarded (and delivered)."""
     if step.unguarded:
         return step.ctx.run
     try:

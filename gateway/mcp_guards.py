@@ -1,5 +1,6 @@
 """Checks of an MCP `tools/call` step before it runs: a stopped run refuses it, its arguments must match
-the tool's listed `inputSchema`, and the guards' claims are reserved.
+the tool's listed `inputSchema`, and the guards' claims are reserved. After it ran: a result that comes
+back after its run was reset counts in no run (README), as a model call's answer (`pipeline.guard_after`).
 
 What a guard claims on a tool call is reserved atomically before the call, as for a model call
 (`pipeline.guard_before`), and settled when the call ends.
@@ -24,6 +25,7 @@ from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunSt
 from grammars.tool_args import validate_tool_arguments
 from guards.base import StepContext
 from guards.budget import USAGE_COUNTERS
+from guards.chain import Verdict
 
 
 def refuse_if_stopped(run: RunState | None) -> None:
@@ -74,3 +76,14 @@ async def release_claims(gw: Gateway, reservation: Reservation) -> None:
     Never raises, like `settle_claims`."""
     with contextlib.suppress(StateUnavailable):
         await gw.store.settle(reservation, {}, time.time())
+
+
+def changes_run(verdict: Verdict) -> bool:
+    """The verdict on a result would change its run: effects to write, or a stop (a guard's reject only
+    withholds the result)."""
+    return bool(verdict.effects) or (verdict.stop is not None and verdict.stop.action != "reject")
+
+
+def reset_since(admitted: RunState | None, now: RunState | None) -> bool:
+    """The run was reset after the call was admitted (on `admitted`; None: a run not created yet)."""
+    return now is not None and now.epoch != (admitted.epoch if admitted is not None else 1)

@@ -114,8 +114,7 @@ def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
     # a body with no more brackets than the limit cannot nest deeper: skip the walk (the common case)
     if raw.count(b"{") + raw.count(b"[") > depth and not json_depth_ok(body, depth):
         raise InvalidRequest(f"request JSON nests deeper than {depth} levels")
-    repeated = repeated_key(raw)
-    if repeated is not None:  # forwarded as sent, it could mean to the provider what tollgate did not judge
+    if (repeated := repeated_key(raw)) is not None:  # forwarded as sent: the provider may read another
         raise InvalidRequest(f"request JSON repeats the key {repeated!r} in one object", param=repeated)
     return body
 
@@ -135,8 +134,8 @@ async def guard_before(gw: Gateway, step: Step) -> None:
         return
     step.extra["snapshot"] = snapshot
     epoch = snapshot.epoch if snapshot is not None else 1
-    if step.extra.get("epoch", epoch) != epoch:  # reset since the step's last attempt: what the provider ran
-        step.extra.pop("hosted_discarded", None)  # for the attempts before it counts in no run
+    if step.extra.get("epoch", epoch) != epoch:  # reset since the last attempt: its provider's calls count nowhere
+        step.extra.pop("hosted_discarded", None)
     step.extra["epoch"] = epoch
     step.extra[_MARK] = gw.history_marks.version(ident.run_id)
     if snapshot is not None and snapshot.stopped:  # sticky: the run's own reason, whatever else holds now
@@ -303,8 +302,7 @@ def output_limit(step: Step) -> int:
 
 
 async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> NoReturn:
-    """Stop the run (sticky) and raise the stop for the respond stage: the run's own, when another step
-    stopped it first (README: a stopped run answers with the reason that stopped it)."""
+    """Stop the run (sticky) and raise the stop it holds: another step's, when that one stopped it first."""
     step.stop_reason, step.stop_detail = reason, detail
     held = await gw.store.stop(step.run_id, step.agent, reason, detail, time.time())
     step.stop_reason, step.stop_detail = held.reason, held.detail
@@ -405,10 +403,8 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     ident = step.identity
     step.extra[JUDGED] = True  # what the provider ran is counted here (see count_unjudged_hosted)
     # the limits that must hold under concurrency (tool-call cap) are applied atomically; the histories
-    # (loop detection) are judged on the run as it is now when the answer proposes calls, since steps of
-    # one run may overlap: read, judged and written without yielding to another step in this process.
-    # Calls the provider ran itself count too, so they are judged on the run as it is now as well: a
-    # reset since the step was admitted leaves them out of the fresh run
+    # (loop detection) and the calls the provider ran are judged on the run as it is now when the answer
+    # has calls, since steps of one run may overlap (or a reset come): read, judged and written at once
     snapshot = step.extra.get("snapshot")
     if (answer.tool_calls or answer.hosted_calls) and not step.extra.get("state_failed"):
         try:
@@ -433,12 +429,11 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
 
 
 async def _reset_since(gw: Gateway, step: Step) -> bool:
-    """The run was reset after the step's snapshot was taken (its epoch moved on)."""
-    try:
+    """The run was reset after the step's snapshot was taken (its epoch moved on); not known: False."""
+    with contextlib.suppress(StateUnavailable):
         state = await gw.store.get(step.run_id, steps=False, reservations=False)
-    except StateUnavailable:
-        return False
-    return state is not None and state.epoch != step.extra.get("epoch", 1)
+        return state is not None and state.epoch != step.extra.get("epoch", 1)
+    return False
 
 
 async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:

@@ -1,7 +1,9 @@
 """`gateway.mcp_guards`: a stopped run refuses a tool call with its own reason; a guard's claims on a
 tool call are reserved atomically (a claim over its limit stops the run, one only held refuses the
-call) and settled: counts per step always, usage only when the tool may have run. End to end (a
-custom guard's claim limit on MCP calls): tests/gateway/test_readme_operate_probe.py."""
+call) and settled: counts per step always, usage only when the tool may have run; a result that would
+change a run reset since its call was admitted counts in no run. End to end (a custom guard's claim
+limit on MCP calls): tests/gateway/test_readme_operate_probe.py; a call in flight across a reset:
+tests/gateway/test_mcp_reset_in_flight.py."""
 
 from __future__ import annotations
 
@@ -13,10 +15,18 @@ import pytest
 from gateway.call import Call
 from gateway.config import Agent
 from gateway.errors import BudgetHeld, Stopped
-from gateway.mcp_guards import refuse_if_stopped, release_claims, reserve_claims, settle_claims
-from gateway.store.base import Claim, RunState
+from gateway.mcp_guards import (
+    changes_run,
+    refuse_if_stopped,
+    release_claims,
+    reserve_claims,
+    reset_since,
+    settle_claims,
+)
+from gateway.store.base import Claim, Push, RunState
 from gateway.store.memory import MemoryRunStore
-from guards.base import StepContext
+from guards.base import Decision, StepContext
+from guards.chain import Verdict
 
 CALL = Call(protocol="mcp", operation="execute_tool", model="files")
 
@@ -92,3 +102,24 @@ async def test_released_claims_count_nothing() -> None:
     state = await store.get("r1")
     assert state is not None and not state.open and state.used.get("probe_calls", 0.0) == 0.0
     assert await reserve_claims(gw, ctx(), (Claim("probe_calls", 1.0, 0.0, 1.0, "probe_cap"),)) is not None
+
+
+@pytest.mark.parametrize(("stop", "effects", "changes"), [
+    (None, (), False),
+    (None, (Push("progress", ("1",), 3),), True),
+    (Decision.stop("loop", "no_progress", "3 steps"), (), True),
+    (Decision.reject("guard", "bad_result", "refused"), (), False),  # withholds the result, changes no run
+])
+def test_what_changes_a_run(stop: Decision | None, effects: tuple[Push, ...], changes: bool) -> None:
+    assert changes_run(Verdict(stop, (), effects, ())) is changes
+
+
+@pytest.mark.parametrize(("admitted", "now", "reset"), [
+    (RunState("r1", "bot", epoch=2), RunState("r1", "bot", epoch=2), False),
+    (RunState("r1", "bot", epoch=2), RunState("r1", "bot", epoch=3), True),
+    (None, RunState("r1", "bot", epoch=1), False),  # admitted before its run existed: created at epoch 1
+    (None, RunState("r1", "bot", epoch=2), True),
+    (RunState("r1", "bot"), None, False),  # the run is gone (expired): nothing to change
+])
+def test_reset_since_admission(admitted: RunState | None, now: RunState | None, reset: bool) -> None:
+    assert reset_since(admitted, now) is reset
