@@ -438,7 +438,7 @@ async def _carry(step: ToolStep) -> None:
     if step.carried:
         return
     step.carried = True
-    if not step.unguarded:
+    if not step.unguarded and not reset_since(ctx.run, await _current(step)):  # else it counts in no run
         with uncut(step.flight):  # once begun, the count is carried whoever leaves meanwhile
             await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
                                          PENDING_KEEP)

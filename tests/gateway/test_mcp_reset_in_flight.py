@@ -1,6 +1,7 @@
 """An MCP `tools/call` in flight while its run is reset counts in no run (README: "a step in flight while
 its run is reset does not stop the fresh run, and counts in no run"): its result is delivered, but its
-progress marks and result fingerprints (`loop.stall_steps`) do not land in the fresh run.
+progress marks and result fingerprints (`loop.stall_steps`) do not land in the fresh run; a call parked
+before the reset and denied after it carries no count to a retry in the fresh run.
 
 The server holds the first `tools/call` until the test releases it, so the reset lands while it is in
 flight (no sleeps)."""
@@ -15,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from tests.conftest import GatewayFactory
-from tests.gateway.test_mcp_probe import TOOLS, RawServer, admin, call, gateway, post
+from tests.gateway.test_mcp_probe import TOOLS, RawServer, admin, call, gateway, pending, post, raw_server
 
 
 class HoldFirstCall(RawServer):
@@ -66,3 +67,29 @@ async def test_a_tools_call_in_flight_across_a_reset_does_not_stop_the_fresh_run
         assert (run["status"], run["stop_reason"], run["tool_calls"]) == ("active", None, 1)
         status, again = await post(h, call("write_note", {"text": "b"}, rpc_id=3), run="mr")
         assert (status, again["result"]["content"][0]["text"]) == (200, "note 1")  # the fresh run goes on
+
+
+async def test_a_parked_call_denied_after_a_reset_carries_no_count_into_the_fresh_run(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A counted call whose tool did not run carries its count to an identical retry, which does not
+    count again. Parked before a reset and denied after it, the call counted in the old run: carried into
+    the fresh one, its retry ran uncounted there, past `caps.tool_calls: 1`."""
+    async with raw_server() as server:
+        h = await gateway(gateway_factory, server.url, tools=TOOLS, caps={"tool_calls": 1})
+        parked = asyncio.ensure_future(post(h, call("delete_file", {"path": "x"}, rpc_id=1), run="cr"))
+        [old] = await pending(h)
+        assert (await admin(h, "POST", "/admin/runs/cr/reset"))[0] == 200
+        assert (await admin(h, "POST", f"/admin/approvals/{old['id']}", {"decision": "deny", "by": "ops"}))[0] == 200
+        status, denied = await parked
+        assert denied["error"]["data"]["code"] == "approval_denied"
+        retry = asyncio.ensure_future(post(h, call("delete_file", {"path": "x"}, rpc_id=2), run="cr"))
+        [again] = await pending(h)
+        await admin(h, "POST", f"/admin/approvals/{again['id']}", {"decision": "approve", "by": "ops"})
+        status, ran = await retry
+        assert (status, ran["result"]["content"][0]["text"]) == (200, "ran delete_file")  # counted: 1 of 1
+        status, over = await post(h, call("read_file", {"path": "a"}, rpc_id=3), run="cr")
+        assert over["error"]["data"]["code"] == "tool_call_cap"
+        assert server.calls == [("delete_file", {"path": "x"})]
+        _, run = await admin(h, "GET", "/admin/runs/cr")
+        assert (run["tool_calls"], run["stop_reason"]) == (1, "tool_call_cap")
