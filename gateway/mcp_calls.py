@@ -26,6 +26,7 @@ shutdown cuts it (it runs in a task of its own, `gateway.mcp_flights`): see the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import exact_json
-from gateway.approvals import Approval, queue_of
+from gateway.approvals import queue_of
 from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
 from gateway.errors import (
     ApprovalDenied,
@@ -74,54 +75,19 @@ from gateway.mcp_guards import (
     reset_since,
     settle_claims,
 )
+from gateway.mcp_step import ToolStep
 from gateway.mcp_transport import McpRequest, refusal, relay, state_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState, WriteClaim
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
-from guards.base import Decision, StepContext
+from guards.base import StepContext
 from guards.caps import PENDING_KEEP
 from guards.chain import GuardChain, Verdict
-from otel.spans import StepSpan
 
 PENDING = "pending_calls"
 LEGACY_WRITES = "tool_writes"  # the run's list of write calls that ran, kept by tollgate before the run store's claims
 CUT_STATUS = 499  # the step's status in the run view when nobody got an answer (nginx's "client closed")
-
-
-@dataclasses.dataclass(slots=True)
-class ToolStep:
-    mcp: McpRequest
-    message: Message
-    call: Call
-    qualified: str
-    arguments: dict[str, Any]
-    ctx: StepContext
-    started: float
-    recorded: bool = False  # the step is in the run's list (before its answer reached the agent)
-    outcome: Outcome | None = None  # the response message the agent got (for duplicates)
-    record: bool = False  # the outcome is a final result worth replaying
-    span: StepSpan | None = None  # the MCP client span, once the call is forwarded
-    response: dict[str, Any] | None = None  # the server's JSON-RPC response, as it answered
-    unguarded: bool = False  # the run store is down and the policy says `state_failure: fail_open`
-    approved_by: str | None = None  # who approved a call parked for approval (the ledger's audit trail)
-    lease: WriteLease | None = None  # a write-tier call: its claim in the run store, when it holds one
-    ran: bool = False  # the server answered a final result: the tool ran
-    flight: Flight = dataclasses.field(default_factory=Flight)  # what the handler and this execution share
-    writes: bool = False  # a `write` or `dangerous` tool: idempotent, and runs on when its client leaves
-    approval: Approval | None = None  # the call's approval, once parked
-    sending: Sending | None = None  # set when the call is forwarded: whether it may have reached the server
-    unknown: bool = False  # cut after it was sent and before its answer: it may have run
-    not_run: bool = False  # the server's answer says the tool did not run (a JSON-RPC error, a 4xx, input needed)
-    carried: bool = False  # its count went to an identical retry (once, however the call ended)
-    replayed: bool = False  # answered with the recorded result of an identical call (it did not run now)
-    lost: GatewayError | None = None  # the server's stream ended without a response to the call
-    decisions: list[Decision] = dataclasses.field(default_factory=list)  # the guards', for the span and metrics
-
-    @property
-    def sent(self) -> bool:
-        """The server may have the request (a transport that cannot tell says so)."""
-        return self.sending is not None and self.sending.started is not False
 
 
 async def call_tool(mcp: McpRequest, message: Message, size: int) -> web.StreamResponse:
@@ -391,13 +357,8 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         content, is_error = result_content(result)
         answer = Answer(is_error=is_error, tool_result=ToolResult(str(message.id), content, is_error))
         refused: InvalidRequest | None = None
-        try:  # judged on the run as it is now: calls of one run may overlap (see guard_after)
-            run = await _current(step) if ctx.policy.loop is not None else ctx.run
-            verdict = chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer)
-            if changes_run(verdict) and reset_since(ctx.run, run if ctx.policy.loop else await _current(step)):
-                step.decisions.extend(verdict.decisions)  # judged, and delivered: it counts in no run
-            else:
-                await _apply(step, verdict, in_flight=True)
+        try:
+            await _judge_result(step, chain, answer)
         except Stopped as exc:  # e.g. no_progress: the result is withheld
             mcp.headers[STOP_HEADER] = exc.reason
             response = step.outcome = gateway_error(message.id, exc)[1]
@@ -415,6 +376,21 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
     if step.response is None and upstream.status < 300:  # relay ended the stream with an error for the call
         step.lost = mcp.lost or UpstreamUnavailable("the MCP server's stream ended without a response to the call")
     return response
+
+
+async def _judge_result(step: ToolStep, chain: GuardChain, answer: Answer) -> None:
+    """Judge a result on the run as it is now (calls of one run may overlap, see guard_after). With
+    `stall_steps`, one result of a run at a time in this process from read to write, as a request's
+    no-progress judgement (`pipeline.guard_before`): identical results back at once cannot each pass.
+    A call admitted before a reset counts in no run. Raises Stopped, InvalidRequest (see `_apply`)."""
+    ctx, loop = step.ctx, step.ctx.policy.loop
+    async with step.mcp.gw.run_locks.hold(ctx.run_id) if loop and loop.stall_steps else contextlib.nullcontext():
+        run = await _current(step) if loop is not None else ctx.run
+        verdict = chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer)
+        if changes_run(verdict) and reset_since(ctx.run, run if loop else await _current(step)):
+            step.decisions.extend(verdict.decisions)  # judged, and delivered: it counts in no run
+        else:
+            await _apply(step, verdict, in_flight=True)
 
 
 async def _current(step: ToolStep) -> RunState | None:
