@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway.admin_guard import cross_site_refusal, host_refusal
 from gateway.approvals import routes as approval_routes
-from gateway.errors import InvalidRequest, StateUnavailable
+from gateway.errors import InvalidRequest, RequestTooLarge, StateUnavailable
 from gateway.proxy import GATEWAY
 from gateway.runtime import Gateway
 from gateway.store.base import RunsCursor
@@ -63,6 +63,9 @@ async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable
         return _json({"error": {"code": exc.code, "message": exc.message}}, exc.status)
     except web.HTTPNotFound:  # the router's own answer is plain text: JSON like every other admin answer
         return _json({"error": {"code": "not_found", "message": f"no admin endpoint at {request.path}"}}, 404)
+    except web.HTTPRequestEntityTooLarge as exc:  # a body over aiohttp's client_max_size: plain text too
+        message = exc.text or "request body too large"
+        return _json({"error": {"code": RequestTooLarge.code, "message": message}}, RequestTooLarge.status)
     except web.HTTPMethodNotAllowed as exc:
         response = _json({"error": {"code": "method_not_allowed",
                                     "message": f"{request.method} is not a method of {request.path}"}}, 405)

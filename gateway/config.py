@@ -61,6 +61,17 @@ class Admin(Frozen):
     port: Port = 9464
     token: str | None = None  # when set, admin endpoints other than /healthz require `Bearer <token>`
 
+    @field_validator("token")
+    @classmethod
+    def _check_token(cls, value: str | None) -> str | None:
+        # an empty token (`${ADMIN_TOKEN:-}` with the variable unset) would leave the admin API open
+        # without a word; a presented token is read without surrounding blanks, so one with them locks all out
+        if value is not None and not value:
+            raise ValueError("is empty: set a token, or leave `token` out for an admin API without one")
+        if value is not None and value != value.strip():
+            raise ValueError("has leading or trailing blanks, which a presented token never has")
+        return value
+
 
 class Timeouts(Frozen):
     """Seconds. There is deliberately no total timeout: it would cut long healthy streams."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import re
 from typing import Any
 from urllib.parse import quote
@@ -91,3 +92,13 @@ async def test_unknown_admin_paths_and_methods_answer_json(gw: Harness) -> None:
     async with gw.session.delete(f"{gw.admin_url}/admin/runs") as resp:
         assert resp.status == 405 and resp.content_type == "application/json"
         assert (await resp.json())["error"]["code"] == "method_not_allowed" and "GET" in resp.headers["Allow"]
+
+
+async def test_an_admin_body_over_the_size_limit_is_a_json_413(gw: Harness) -> None:
+    """aiohttp refuses a body over its `client_max_size` (1 MiB) in plain text; the admin API answers JSON."""
+    body = b'{"decision": "deny", "by": "' + b"x" * (2 << 20) + b'"}'
+    async with gw.session.post(f"{gw.admin_url}/admin/approvals/nope", data=io.BytesIO(body),
+                               headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 413 and resp.content_type == "application/json"
+        error = (await resp.json())["error"]
+        assert error["code"] == "request_too_large" and "1048576" in error["message"]

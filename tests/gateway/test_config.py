@@ -104,6 +104,9 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
     ("answer cap not an int", {"limits": {"max_answer_bytes": 1.5}}, "limits.max_answer_bytes", "integer"),
     ("port not an int", {"listen": {"port": "http"}}, "listen.port", ""),
     ("port out of range", {"admin": {"port": 70000}}, "admin.port", ""),
+    ("empty admin token", {"admin": {"token": ""}}, "admin.token", "is empty"),  # it left the admin API open
+    ("admin token defaulted empty", {"admin": {"token": "${TOLLGATE_TEST_UNSET:-}"}}, "admin.token", "is empty"),
+    ("admin token with blanks", {"admin": {"token": " t0ken "}}, "admin.token", "blanks"),  # never presentable
     ("provider type", {"providers": {"o": {**OPENAI, "type": "gemini"}}}, "providers.o.type", ""),
     ("provider without base_url", {"providers": {"o": {"type": "openai"}}}, "providers.o.base_url", ""),
     ("relative base_url", {"providers": {"o": {**OPENAI, "base_url": "/v1"}}}, "providers.o.base_url", "http"),
