@@ -168,7 +168,17 @@ async def _conclude(
                         outcome=step.response if step else None, refused=refused, stop=stop,
                         started_wall=started_wall, approved_by=step.approved_by if step else None,
                         failure=failure, replayed=step is not None and step.replayed, status=status,
-                        decisions=step.decisions if step is not None else ())
+                        decisions=step.decisions if step is not None else (),
+                        replayed_reason=step.replayed_refusal if step is not None else None)
+
+
+def _refusal_code(outcome: Outcome) -> str | None:
+    """The code of the refusal a recorded response holds (`approval_denied` shared by duplicates,
+    `duplicate_tool_call`): a replay's ledger reason, so a replayed refusal does not read as a result."""
+    error = outcome.get("error")
+    data = error.get("data") if isinstance(error, dict) else None
+    code = data.get("code") if isinstance(data, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
@@ -274,7 +284,7 @@ async def _record_write(step: ToolStep) -> None:
 def _replay(step: ToolStep, outcome: Outcome) -> web.Response:
     mcp, message = step.mcp, step.message
     assert message.id is not None
-    step.replayed = True
+    step.replayed, step.replayed_refusal = True, _refusal_code(outcome)
     headers = {**mcp.headers, "x-tollgate-idempotent-replay": "true"}
     body = replayed(outcome, message.id, mcp.request.headers.get("MCP-Protocol-Version"))
     return web.Response(body=body, content_type="application/json", headers=headers)

@@ -44,6 +44,7 @@ class ToolStep:
     not_run: bool = False  # the server's answer says the tool did not run (a JSON-RPC error, a 4xx, input needed)
     carried: bool = False  # its count went to an identical retry (once, however the call ended)
     replayed: bool = False  # answered with the recorded result of an identical call (it did not run now)
+    replayed_refusal: str | None = None  # replayed, a refusal: its code (`approval_denied`, ...)
     lost: GatewayError | None = None  # the server's stream ended without a response to the call
     decisions: list[Decision] = dataclasses.field(default_factory=list)  # the guards', for the span and metrics
 

@@ -149,6 +149,7 @@ async def end_tool_span(
     replayed: bool = False,
     status: int = 200,
     decisions: Sequence[Decision] = (),
+    replayed_reason: str | None = None,
 ) -> None:
     """End a `tools/call`'s span. `span` is None when the call never reached the server (refused,
     replayed): one is opened now, backdated to `started_wall`. `outcome` is the server's JSON-RPC
@@ -157,7 +158,8 @@ async def end_tool_span(
     when it was parked for approval (the ledger row says so); `failure` why nobody got the answer
     (`client_disconnected`, `shutting_down`: the span is an error; without a decision or a result the
     row's decision is `error`); `decisions` the guards' (the `tollgate.guards` attribute and
-    `tollgate_guard_decisions_total`, as for a model call). A stop exports the run's root span."""
+    `tollgate_guard_decisions_total`, as for a model call); `replayed_reason` the code of the refusal a
+    replay gave again (the row's reason). A stop exports the run's root span."""
     gw = mcp.gw
     telemetry = telemetry_of(gw)
     if telemetry is None:
@@ -212,7 +214,8 @@ async def end_tool_span(
             agent=mcp.identity.agent, run_id=mcp.identity.run_id, operation=f"{TOOLS_CALL} {tool}",
             model=mcp.server_name, input_hash=digest(tool.encode(), canonical_json(arguments or {})),
             decision=decision,
-            reason=stop or (refused.code if refused is not None else None) or (failure if decision == "error" else None),
+            reason=stop or (refused.code if refused is not None else None) or (failure if decision == "error" else None)
+            or (replayed_reason if decision == "replayed" else None),
             detail=_detail(refused, approved_by, failure if decision != "error" else None),
         )
         if stop:  # written before the agent hears of the stop, as a model call's stop is

@@ -63,6 +63,7 @@ async def test_a_write_whose_client_left_while_it_ran_runs_on_and_its_retry_gets
         rows = {r["decision"]: r for r in await tool_rows(h)}
         assert sorted(rows) == ["executed", "replayed"], rows
         assert "client_disconnected" in rows["executed"]["detail"], rows
+        assert rows["replayed"]["reason"] is None  # a replayed result: no refusal to name
 
 
 async def test_a_read_whose_client_left_while_it_ran_is_cut_and_still_a_step(gateway_factory: GatewayFactory) -> None:

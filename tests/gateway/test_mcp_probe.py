@@ -631,6 +631,24 @@ async def test_concurrent_identical_dangerous_calls_share_one_approval(
     assert len(listed["approvals"]) == 1
 
 
+async def test_identical_parked_calls_denied_together_say_so_in_the_ledger(
+    gateway_factory: GatewayFactory, files: mcp_server.RunningServer
+) -> None:
+    """The duplicate shares the first call's denial: its ledger row is a replay of `approval_denied`, not
+    a replay with no reason (which reads as a replayed result)."""
+    h = await gateway(gateway_factory, files.url)
+    tasks = [asyncio.create_task(post(h, call("delete_file", {"path": "a"}, rpc_id=i))) for i in (1, 2)]
+    [item] = await pending(h)
+    await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": "deny", "by": "alice"})
+    answers = await asyncio.gather(*tasks)
+    assert [a["error"]["data"]["code"] for _, a in answers] == ["approval_denied", "approval_denied"]
+    ledger = h.gateway.services["ledger"]
+    await ledger.flush()
+    rows = sorted((r["decision"], r["reason"]) for r in ledger.rows("r1") if r["operation"].startswith("tools/call"))
+    assert rows == [("denied", "approval_denied"), ("replayed", "approval_denied")]
+    assert files.seen.calls() == []
+
+
 async def test_a_caller_that_goes_away_while_parked_denies_its_approval(
     gateway_factory: GatewayFactory, files: mcp_server.RunningServer
 ) -> None:

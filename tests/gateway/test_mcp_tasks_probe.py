@@ -205,7 +205,9 @@ async def test_a_task_answer_nobody_asked_for_is_an_error_and_never_runs_again(g
         _, _, second = await send(h, call("write_note", {"text": "x"}, rpc_id=2), headers=MODERN)
         assert error_code(second) == "duplicate_tool_call", second
         assert len(srv.executions) == 1
-        assert [r["decision"] for r in await ledger_rows(h, "r1")] == ["refused", "replayed"]
+        # the repeat replays a refusal: its row names it (not a replayed result)
+        assert [(r["decision"], r["reason"]) for r in await ledger_rows(h, "r1")] == [
+            ("refused", "upstream_unavailable"), ("replayed", "duplicate_tool_call")]
 
 
 # -- the task's result reaches the agent unjudged ---------------------------------------------------------
