@@ -163,20 +163,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """Every run, newest activity first: `GET /admin/runs` page after page, following `next`."""
-    import urllib.error  # the HTTP client is only for this command, not for `serve` and the rest
+    import http.client  # the HTTP client is only for this command, not for `serve` and the rest
+    import urllib.error
 
     admin = args.admin if "://" in args.admin else f"http://{args.admin}"  # `127.0.0.1:9464` is meant
     url = admin.rstrip("/") + "/admin/runs"
     try:
-        runs = _all_runs(url)
+        table = format_runs(_all_runs(url))  # a run without the fields a table shows is not a listing
     except urllib.error.HTTPError as exc:
         exc.close()  # its body is never read: free the connection now
         print(_http_error_line(exc.filename or url, exc), file=sys.stderr)  # filename: the page's URL
         return 1
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+    except http.client.InvalidURL as exc:  # an HTTPException, not an OSError: `--admin` is no URL
+        print(f"error: --admin {args.admin!r} is not an http(s) URL: {exc}", file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"error: cannot read {url}: not a listing of runs (a run without {exc})", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, TypeError) as exc:
         print(f"error: cannot read {url}: {exc}", file=sys.stderr)
         return 1
-    print(format_runs(runs))
+    print(table)
     return 0
 
 
@@ -299,14 +306,26 @@ def cmd_ledger_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def port(text: str) -> int:
+    """A TCP port 0-65535 (0: any free one), as `listen.port` and `admin.port` take it: the OS would
+    otherwise take a larger number modulo 65536 and listen somewhere nobody asked for."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tollgate", description="Sidecar gateway for AI agents.")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--config")
     serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--admin-port", type=int)
+    serve.add_argument("--port", type=port)
+    serve.add_argument("--admin-port", type=port)
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

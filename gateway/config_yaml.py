@@ -24,7 +24,7 @@ def read_yaml(p: Path) -> Any:
     import yaml  # only reading a file needs the YAML parser (default_config, parse_config do not)
 
     try:
-        return yaml.safe_load(text)
+        return _load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([("<file>", f"invalid YAML: {_yaml_problem(exc)}")]) from None
     except RecursionError:
@@ -33,6 +33,82 @@ def read_yaml(p: Path) -> Any:
         # PyYAML converts an explicitly tagged scalar (`!!int x`) with int(), float() or a dict lookup,
         # whose own errors quote the scalar: the traceback would print a literal key
         raise ConfigError([("<file>", "invalid YAML: a value does not fit its tag (!!int, ...)")]) from None
+
+
+def _load(text: str) -> Any:
+    """`yaml.safe_load`, with the strict loader and the size check between composing and constructing."""
+    loader = _strict_loader()(text)  # its reader refuses characters YAML does not allow: a YAMLError
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_size(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+MAX_NODES = 100_000  # values of the tree once aliases are expanded; a real config has a few hundred
+
+
+def _strict_loader() -> type[yaml.SafeLoader]:
+    """PyYAML's safe loader, but a key repeated in one mapping is an error: PyYAML keeps the last one, so
+    a pasted `budget:` or a second `agents:` block would silently drop the first (and its limits).
+    Keys a merge (`<<: *defaults`) brings in may still be overridden: that is what a merge is for."""
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, yaml.Mark] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                first = seen.setdefault(key, key_node.start_mark) if _hashable(key) else key_node.start_mark
+                if first is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a key is repeated in one mapping (first{_at(first)})", key_node.start_mark)
+            return dict(super().construct_mapping(node, deep=deep))
+
+    return Strict
+
+
+def _hashable(key: Any) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False  # PyYAML refuses an unhashable key itself, with its own error
+    return True
+
+
+def _check_size(root: yaml.Node) -> None:
+    """Refuse a tree that aliases expand past MAX_NODES values (`a: &a [x, x]`, `b: &b [*a, *a]`, ... is a
+    few hundred bytes that the checks below it would walk billions of times), or that contains itself."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if id(node) in open_:
+            raise ConfigError([("<file>", f"invalid YAML: an alias refers to a value that contains it{_at(node.start_mark)}")])
+        open_.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(item) for item in node.value)
+        else:
+            total = 1
+        open_.discard(id(node))
+        if total > MAX_NODES:
+            raise ConfigError([("<file>", f"invalid YAML: aliases expand it past {MAX_NODES:,} values")])
+        sizes[id(node)] = total
+        return total
+
+    size(root)
 
 
 _TAG_FAILURES = (ValueError, TypeError, KeyError, AttributeError)

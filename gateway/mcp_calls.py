@@ -53,6 +53,7 @@ from gateway.http1_wire import Sending
 from gateway.idempotency import Key, Outcome, WriteLease, lease_for
 from gateway.jsonrpc import (
     IDEMPOTENCY_META_KEY,
+    POLICY_REFUSED,
     TASK_ANSWER,
     UPSTREAM_FAILED,
     BadArguments,
@@ -118,7 +119,9 @@ async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Fligh
             detail = refusal_detail(qualified)
             with uncut(flight):  # the stop is decided: its client leaving now must not make it a cut
                 if mcp.policy.on_violation == "reject":
-                    await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
+                    held = await mcp.gw.store.stop(ident.run_id, ident.agent, "tool_not_allowed", detail, time.time())
+                    if held.reason != "tool_not_allowed":  # stopped before: its own reason (a stopped run's)
+                        raise Stopped(held.reason, held.detail)
                 raise ToolNotAllowed(detail)
         unguarded = False
         try:
@@ -176,7 +179,9 @@ def _refusal_code(outcome: Outcome) -> str | None:
     """The code of the refusal a recorded response holds (`approval_denied` shared by duplicates,
     `duplicate_tool_call`): a replay's ledger reason, so a replayed refusal does not read as a result."""
     error = outcome.get("error")
-    data = error.get("data") if isinstance(error, dict) else None
+    if not isinstance(error, dict) or error.get("code") != POLICY_REFUSED:
+        return None  # the server's own error: its data is the server's to say, not a decision of tollgate
+    data = error.get("data")
     code = data.get("code") if isinstance(data, dict) else None
     return code if isinstance(code, str) else None
 
@@ -424,8 +429,10 @@ async def _carry(step: ToolStep) -> None:
     if step.carried:
         return
     step.carried = True
-    if not step.unguarded and not reset_since(ctx.run, await _current(step)):  # else it counts in no run
-        with uncut(step.flight):  # once begun, the count is carried whoever leaves meanwhile
+    if step.unguarded:
+        return
+    with uncut(step.flight):  # once begun (its epoch check included), the count is carried whoever leaves
+        if not reset_since(ctx.run, await _current(step)):  # else it was the old run's: it counts in no run
             await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
                                          PENDING_KEEP)
 

@@ -114,7 +114,7 @@ def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
     # a body with no more brackets than the limit cannot nest deeper: skip the walk (the common case)
     if raw.count(b"{") + raw.count(b"[") > depth and not json_depth_ok(body, depth):
         raise InvalidRequest(f"request JSON nests deeper than {depth} levels")
-    if (repeated := repeated_key(raw)) is not None:  # forwarded as sent: the provider may read another
+    if (repeated := repeated_key(raw)) is not None:  # forwarded as sent, a provider may read the other one
         raise InvalidRequest(f"request JSON repeats the key {repeated!r} in one object", param=repeated)
     return body
 
@@ -405,14 +405,13 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     # the limits that must hold under concurrency (tool-call cap) are applied atomically; the histories
     # (loop detection) and the calls the provider ran are judged on the run as it is now when the answer
     # has calls, since steps of one run may overlap (or a reset come): read, judged and written at once
-    snapshot = step.extra.get("snapshot")
+    snapshot, reset = step.extra.get("snapshot"), False
     if (answer.tool_calls or answer.hosted_calls) and not step.extra.get("state_failed"):
         try:
             snapshot = await gw.store.get(ident.run_id, steps=False, reservations=False)
         except StateUnavailable as exc:
             await _state_failed(step, exc)
-        if snapshot is not None and snapshot.epoch != step.extra.get("epoch", snapshot.epoch):
-            return  # the run was reset while this step was in flight: its answer counts in no run
+        reset = snapshot is not None and snapshot.epoch != step.extra.get("epoch", snapshot.epoch)
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
                       step.extra)
     verdict = _chain(gw, step).after(ctx, answer)
@@ -420,9 +419,10 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     if verdict.stop is not None and verdict.stop.action == "reject":
         del step.extra[JUDGED]  # nothing of the answer was applied: what the provider ran is counted at the end
         raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)  # withheld; the run goes on
+    # a guard's reject above still withholds it; what it would change (a stop, counts) was the old run's
+    if reset or (verdict.stop is not None and await _reset_since(gw, step)):
+        return  # the run was reset while this step was in flight: its answer counts in no run
     if verdict.stop is not None:
-        if await _reset_since(gw, step):
-            return  # judged on a history a reset cleared while the step was in flight: the fresh run goes on
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     # admitted before any stop of its run since: its answer is judged on the limits, not on that stop
     await apply_effects(gw, step, verdict, in_flight=True)

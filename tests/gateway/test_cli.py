@@ -92,13 +92,31 @@ async def test_runs_follows_next_and_prints_each_run_once_newest_first(capsys: p
     ({None: {"runs": [row("a")], "next": "c"}, "c": web.Response(status=400)}, "?cursor=c"),
     ({None: {"runs": {"a": 1}}}, "not a listing"),
     ({None: {"runs": [row("a")], "next": 7}}, "not a listing"),
-], ids=["cursor repeats", "later page refused", "runs not a list", "next not text"])
+    ({None: {"runs": [{"run_id": "a", "agent": "bot"}]}}, "not a listing of runs (a run without 'status')"),
+], ids=["cursor repeats", "later page refused", "runs not a list", "next not text", "run without status"])
 async def test_runs_reports_a_listing_it_cannot_follow(capsys: pytest.CaptureFixture[str],
                                                       pages: dict[str | None, Any], fragment: str) -> None:
     async with admin_pages(pages, []) as url:
         code, out, err = await run_cli(capsys, "runs", "--admin", url)
     assert code == 1 and out == ""
     assert err.startswith("error: ") and fragment in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("admin", ["not a url", "http://127.0.0.1:abc"])
+async def test_runs_with_an_admin_address_that_is_no_url_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                                          admin: str) -> None:
+    code, out, err = await run_cli(capsys, "runs", "--admin", admin)
+    assert (code, out) == (2, "") and err.startswith(f"error: --admin {admin!r} is not an http(s) URL"), err
+
+
+@pytest.mark.parametrize("flag", ["--port", "--admin-port"])
+@pytest.mark.parametrize("value", ["65536", "99999", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range(capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
+    """The OS takes a port above 65535 modulo 65536: `--port 99999` listened on 34463."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", flag, value])
+    assert info.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
 
 
 async def test_runs_prints_more_runs_than_one_page_of_a_real_gateway(

@@ -31,6 +31,16 @@ YAML_SLIPS: list[tuple[str, str, str]] = [
     ("key under !!int", f"admin: {{token: !!int {SECRET}}}\n", "does not fit its tag"),
     ("key under !!float", f"admin: {{token: !!float {SECRET}}}\n", "does not fit its tag"),
     ("key under !!bool", f"admin: {{token: !!bool {SECRET}}}\n", "does not fit its tag"),
+    # last-wins would silently drop the first budget (and an agent's limits with a second `agents:`)
+    ("repeated key", f"agents:\n  bot:\n    budget: {{usd: 0.01}}\n    keys: [{SECRET}]\n    budget: {{tokens: 9}}\n",
+     "a key is repeated in one mapping (first at line 3, column 5) at line 5, column 5"),
+    ("repeated top-level block", "agents: {a: {}}\nlisten: {port: 1}\nagents: {b: {}}\n",
+     "repeated in one mapping (first at line 1, column 1) at line 3, column 1"),
+    ("repeated flow key", f"admin: {{token: {SECRET}, token: x}}\n", "a key is repeated in one mapping"),
+    ("alias bomb", "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdef", "bcdefg")),
+     "aliases expand it past 100,000 values"),
+    ("recursive alias", "a: &a [1, *a]\n", "an alias refers to a value that contains it at line 1, column 4"),
 ]
 
 
@@ -53,6 +63,26 @@ def test_a_file_is_its_tree(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
     path.write_text("a: {b: [1, two]}\n")
     assert read_yaml(path) == {"a": {"b": [1, "two"]}}
+
+
+def test_merges_and_modest_aliases_are_kept(tmp_path: Path) -> None:
+    """A merge's keys may be overridden (that is what `<<` is for), also through a merge of a merge;
+    an alias used a few times is a tree like any other."""
+    path = tmp_path / "t.yaml"
+    path.write_text("base: &base {caps: {llm_calls: 5}, loop: {window: 6}}\n"
+                    "strict: &strict {<<: *base, caps: {llm_calls: 2}}\n"
+                    "agents:\n  a: {<<: *strict, loop: {window: 4}}\n  b: *base\n  c: *base\n")
+    tree = read_yaml(path)
+    assert tree["agents"] == {"a": {"caps": {"llm_calls": 2}, "loop": {"window": 4}},
+                              "b": {"caps": {"llm_calls": 5}, "loop": {"window": 6}},
+                              "c": {"caps": {"llm_calls": 5}, "loop": {"window": 6}}}
+    assert tree["strict"] == {"caps": {"llm_calls": 2}, "loop": {"window": 6}}
+
+
+def test_an_empty_file_is_no_tree(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("# nothing yet\n")
+    assert read_yaml(path) is None
 
 
 @pytest.mark.parametrize(("content", "expected"), [(None, "cannot read"), (b"a: \xff\n", "is not UTF-8 text (byte 3)"),

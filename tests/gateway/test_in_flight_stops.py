@@ -25,6 +25,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.call import Answer
+from guards.base import Decision, StepContext
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import message_item, response_body
 from tests.fakes.upstream import openai_completion, openai_stream, serving, sse_response, tool_call
@@ -222,19 +224,20 @@ async def test_calls_the_provider_ran_in_a_step_in_flight_across_a_reset_count_i
         assert await ask(sdk, "new") == ["new0", "new1"]  # the fresh run goes on: 4 of its 4 tool calls
 
 
+@pytest.mark.parametrize("retries", [0, 1])
 async def test_calls_the_provider_ran_in_an_unjudged_step_across_a_reset_count_in_no_run(
-    gateway_factory: GatewayFactory, state: dict[str, Any]
+    gateway_factory: GatewayFactory, state: dict[str, Any], retries: int
 ) -> None:
     """As above, for a step that ends before its answer is judged (still not matching the output grammar
-    after its re-ask), whose calls the provider ran are counted at its end: the 3 searches of the attempt
-    before the reset count in no run, the 1 of its re-ask (admitted in the fresh run) counts there."""
+    after its re-asks), whose calls the provider ran are counted at its end: the 3 searches of the attempt
+    before the reset count in no run, the 1 of a re-ask (admitted in the fresh run) counts there."""
     upstream = HeldUpstream({"old": 3, "new": 2}, held={"old"}, again={"old": 1})
-    run = f"reset-unjudged-{state['backend']}"
+    run = f"reset-unjudged-{retries}-{state['backend']}"
     async with serving(upstream.handle) as url:
         h = await gateway_factory(
             providers={"openai": {"type": "openai", "base_url": f"{url}/v1", "api_key": "sk-provider-openai"}},
             models={"gpt-*": "openai"}, state=state,
-            agents={"bot": {"caps": {"tool_calls": 4}, "output": {"grammar": "regex:[0-9]+", "retries": 1}}})
+            agents={"bot": {"caps": {"tool_calls": 4}, "output": {"grammar": "regex:[0-9]+", "retries": retries}}})
         async with client(h, run) as sdk:
             old = asyncio.ensure_future(sdk.responses.create(model=GPT, input="old", tools=[{"type": "web_search"}]))
             await upstream.arrived(1)
@@ -245,9 +248,46 @@ async def test_calls_the_provider_ran_in_an_unjudged_step_across_a_reset_count_i
                                             "tools": [{"type": "function", "function": {"name": "search"}}]}) as r:
                 assert r.status == 200  # a tool-call answer is not held to the grammar
             upstream.release("old")
-            with pytest.raises(openai.APIStatusError):  # nonconforming after its re-ask
+            with pytest.raises(openai.APIStatusError):  # nonconforming after its re-asks
                 await old
-            assert upstream.arrivals.count("old") == 2
+            assert upstream.arrivals.count("old") == 1 + retries
             view = await h.settled(run, steps=1)
             assert (view["status"], view["stop_reason"], view["tool_calls"], view["reserved_usd"]) == (
-                "active", None, 3, 0)
+                "active", None, 2 + retries, 0)
+
+
+class RejectSearched:
+    """A custom guard: an answer whose text says "searched" is refused (a reject: the run goes on)."""
+
+    name = "reject_searched"
+
+    def before(self, ctx: StepContext) -> Decision:
+        return Decision.allow(self.name)
+
+    def after(self, ctx: StepContext, answer: Answer) -> Decision:
+        if "searched" in answer.text:
+            return Decision.reject(self.name, "forbidden_text", "the answer says a forbidden word")
+        return Decision.allow(self.name)
+
+
+async def test_a_guards_reject_still_withholds_an_answer_in_flight_across_a_reset(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """What a reset leaves out is what the answer would change in the run (counts, a stop); the answer is
+    still judged, and a guard's reject withholds it."""
+    upstream = HeldUpstream({"old": 1}, held={"old"})
+    run = "reset-reject"
+    async with serving(upstream.handle) as url:
+        h = await gateway_factory(
+            providers={"openai": {"type": "openai", "base_url": f"{url}/v1", "api_key": "sk-provider-openai"}},
+            models={"gpt-*": "openai"},
+            agents={"bot": {"guards": [{"use": f"{__name__}:RejectSearched"}]}})
+        async with client(h, run) as sdk:
+            old = asyncio.ensure_future(sdk.responses.create(model=GPT, input="old", tools=[{"type": "web_search"}]))
+            await upstream.arrived(1)
+            async with h.session.post(f"{h.admin_url}/admin/runs/{run}/reset") as reset:
+                assert reset.status == 200
+            upstream.release("old")
+            with pytest.raises(openai.BadRequestError) as refused:
+                await old
+            assert "forbidden word" in str(refused.value)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from gateway.mcp_calls import _refusal_code
 from gateway.mcp_flights import flights_of
 from tests.conftest import GatewayFactory, Harness
 from tests.gateway.test_mcp_probe import RAW_TOOLS, admin, call, gateway, pending, post, raw, raw_server
@@ -119,3 +120,73 @@ async def test_a_cancel_notification_cancels_only_its_own_agents_call(gateway_fa
         status, answer = await mine
         assert status == 200 and answer["error"]["data"] == {"code": "approval_denied"}, answer
         assert srv.calls == []
+
+
+class HeldRead:
+    """Holds the next `store.get` of the gateway until `go` (a store round trip not back yet)."""
+
+    def __init__(self, h: Harness) -> None:
+        self.store, self.original = h.gateway.store, h.gateway.store.get
+        self.armed = False
+        self.entered, self.go = asyncio.Event(), asyncio.Event()
+        self.store.get = self._get  # type: ignore[method-assign]
+
+    async def _get(self, *args: Any, **kwargs: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            await self.go.wait()
+        return await self.original(*args, **kwargs)
+
+
+async def test_a_denied_call_whose_client_leaves_while_its_carry_reads_the_run_still_carries_its_count(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """The carry reads the run (was it reset since?) before it writes: a client leaving during that read
+    must not cut the carry, or the identical retry counts a second time (here: over `caps.tool_calls: 1`)."""
+    async with raw_server() as srv:
+        h = await gateway(gateway_factory, srv.url, tools=PARKED, caps={"tool_calls": 1})
+        task = asyncio.create_task(post(h, call("delete_file", {"path": "a"})))
+        [item] = await pending(h)
+        read = HeldRead(h)
+        read.armed = True
+        await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": "deny", "by": "ops"})
+        await read.entered.wait()  # the denied call's carry is reading the run
+        await leave(task)
+        await until(lambda: client_left(h), "the gateway to see its client leave")
+        read.go.set()
+        await until(lambda: asyncio.sleep(0, not flights_of(h.gateway).running()), "the call to end")
+        retry = asyncio.create_task(post(h, call("delete_file", {"path": "a"}, rpc_id=8)))
+        [again] = await pending(h)  # parked: the retry is the carried call, not one over the cap
+        await admin(h, "POST", f"/admin/approvals/{again['id']}", {"decision": "approve", "by": "ops"})
+        status, answer = await retry
+        assert status == 200 and "result" in answer, answer
+
+
+async def test_a_disallowed_call_on_a_run_stopped_before_answers_the_runs_reason(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """README: a stopped run answers with the reason that stopped it (`on_violation: reject` would stop it
+    with `tool_not_allowed`, but the first stop wins)."""
+    async with raw_server() as srv:
+        h = await gateway(gateway_factory, srv.url, tools=PARKED, caps={"tool_calls": 1})
+        assert "result" in (await post(h, call("read_file", {"path": "a"}, rpc_id=1)))[1]
+        _, over = await post(h, call("read_file", {"path": "b"}, rpc_id=2))
+        assert over["error"]["data"]["code"] == "tool_call_cap"
+        _, disallowed = await post(h, call("format_disk", {}, rpc_id=3))
+        assert disallowed["error"]["data"]["code"] == "tool_call_cap"
+        assert (await h.run("r1"))["stop_reason"] == "tool_call_cap"
+        assert srv.calls == [("read_file", {"path": "a"})]
+
+
+@pytest.mark.parametrize(("outcome", "code"), [
+    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32003, "message": "m", "data": {"code": "approval_denied"}}},
+     "approval_denied"),
+    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32000, "message": "m", "data": {"code": "approval_denied"}}},
+     None),  # the MCP server's own error: what its data says is not a decision of tollgate
+    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32003, "message": "m", "data": {"code": 7}}}, None),
+    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32003, "message": "m"}}, None),
+    ({"jsonrpc": "2.0", "id": 1, "result": {"content": []}}, None),
+])
+def test_the_refusal_a_replay_gives_again(outcome: dict[str, Any], code: str | None) -> None:
+    assert _refusal_code(outcome) == code

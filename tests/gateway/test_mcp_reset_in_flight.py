@@ -1,7 +1,8 @@
 """An MCP `tools/call` in flight while its run is reset counts in no run (README: "a step in flight while
 its run is reset does not stop the fresh run, and counts in no run"): its result is delivered, but its
 progress marks and result fingerprints (`loop.stall_steps`) do not land in the fresh run; a call parked
-before the reset and denied after it carries no count to a retry in the fresh run.
+before the reset and denied after it carries no count to a retry in the fresh run. A result whose
+judgement would stop a run another call stopped meanwhile answers the run's own reason.
 
 The server holds the first `tools/call` until the test releases it, so the reset lands while it is in
 flight (no sleeps)."""
@@ -20,26 +21,27 @@ from tests.gateway.test_mcp_probe import TOOLS, RawServer, admin, call, gateway,
 
 
 class HoldFirstCall(RawServer):
-    """`tools/call`: the first one waits for `release`; the others answer at once."""
+    """`tools/call`: the `hold`-th one waits for `release`; the others answer at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: int = 1) -> None:
         super().__init__()
         self.arrived = asyncio.Event()
-        self._held_one = False
+        self._left = hold
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.method == "POST" and not self._held_one:
+        if request.method == "POST" and self._left:
             body = orjson.loads(await request.read())  # aiohttp keeps the body: `super().handle` reads it again
             if body.get("method") == "tools/call":
-                self._held_one = True
-                self.arrived.set()
-                await self.release.wait()
+                self._left -= 1
+                if not self._left:
+                    self.arrived.set()
+                    await self.release.wait()
         return await super().handle(request)
 
 
 @asynccontextmanager
-async def hold_first_call() -> AsyncIterator[HoldFirstCall]:
-    server = await HoldFirstCall().start()
+async def hold_first_call(hold: int = 1) -> AsyncIterator[HoldFirstCall]:
+    server = await HoldFirstCall(hold).start()
     try:
         yield server
     finally:
@@ -93,3 +95,23 @@ async def test_a_parked_call_denied_after_a_reset_carries_no_count_into_the_fres
         assert server.calls == [("delete_file", {"path": "x"})]
         _, run = await admin(h, "GET", "/admin/runs/cr")
         assert (run["tool_calls"], run["stop_reason"]) == (1, "tool_call_cap")
+
+
+async def test_a_result_in_flight_when_another_call_stops_the_run_answers_the_runs_reason(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """`stall_steps: 1` and `caps.tool_calls: 2`. The second call is in flight when a third, over the cap,
+    stops the run; the second's result repeats the first's, which would be `no_progress`: the run is
+    stopped for `tool_call_cap`, and that is what a stopped run answers (it answered `no_progress`)."""
+    async with hold_first_call(hold=2) as server:
+        h = await gateway(gateway_factory, server.url, tools=TOOLS, loop={"stall_steps": 1}, caps={"tool_calls": 2})
+        assert "result" in (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run="ms"))[1]
+        second = asyncio.ensure_future(post(h, call("read_file", {"path": "b"}, rpc_id=2), run="ms"))
+        await server.arrived.wait()
+        _, over = await post(h, call("read_file", {"path": "c"}, rpc_id=3), run="ms")
+        assert over["error"]["data"]["code"] == "tool_call_cap"
+        server.release.set()
+        _, withheld = await second
+        assert withheld["error"]["data"]["code"] == "tool_call_cap"
+        _, run = await admin(h, "GET", "/admin/runs/ms")
+        assert run["stop_reason"] == "tool_call_cap"
