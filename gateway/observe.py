@@ -201,7 +201,7 @@ def _annotate(span: StepSpan, step: Step, *, final: bool) -> None:
     decisions: list[Decision] = step.decisions[step.extra.get(_DECISIONS, 0):end]
     step.extra[_DECISIONS] = end
     if final:
-        decisions = as_decided(decisions, step)
+        decisions = as_decided(decisions, step.stop_reason, step.stop_detail)
     if span.is_recording:  # the joined string is only ever an attribute
         span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in decisions))
     for d in decisions:
@@ -270,26 +270,27 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
     return step.spent.get("usd", 0.0)
 
 
-def as_decided(decisions: list[Decision], step: Step) -> list[Decision]:
-    """`decisions`, where a stop the run store decided reads as the stop of the guard whose claim did
-    not fit (its last `allow`): the budget's claims are checked atomically by the store, not by the
-    guard, and a span or a count saying `budget:allow` on a step the budget stopped would contradict
-    its own stop."""
-    reason = step.stop_reason
+def as_decided(decisions: list[Decision], reason: str | None, detail: str | None) -> list[Decision]:
+    """`decisions` of a step stopped with `reason` (None: not stopped), where a stop the run store decided
+    reads as the stop of the guard whose claim did not fit (its last `allow`): the budget's claims and
+    the caps' counts are checked atomically by the store, not by the guard, and a span or a count saying
+    `budget:allow` on a step the budget stopped would contradict its own stop. Model calls and MCP
+    tool calls alike."""
     guard = STOP_GUARD.get(reason) if reason else None
     if guard is None or any(d.stopped for d in decisions):
         return decisions
     for index in range(len(decisions) - 1, -1, -1):
         if decisions[index].guard == guard and decisions[index].action == "allow":
             assert reason is not None
-            stop = Decision.stop(guard, reason, step.stop_detail or f"the run is stopped ({reason})")
+            stop = Decision.stop(guard, reason, detail or f"the run is stopped ({reason})")
             return [*decisions[:index], stop, *decisions[index + 1:]]
     return decisions
 
 
 def _step_metrics(metrics: Metrics, step: Step, decision: str) -> None:
     if step.decisions:
-        metrics.guard_decisions([(d.guard, d.action, d.reason) for d in as_decided(step.decisions, step)])
+        decided = as_decided(step.decisions, step.stop_reason, step.stop_detail)
+        metrics.guard_decisions([(d.guard, d.action, d.reason) for d in decided])
     snapshot: RunState | None = step.extra.get("snapshot")
     if step.stop_reason and not (snapshot is not None and snapshot.stopped):
         metrics.run_stopped(step.stop_reason)  # this step stopped the run (not a refusal of a stopped run)

@@ -22,7 +22,7 @@ from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, dig
 from gateway.errors import GatewayError
 from gateway.jsonrpc import is_final_result
 from gateway.ledger import Ledger, LedgerEntry
-from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, end_run, telemetry_of
+from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, as_decided, end_run, telemetry_of
 from gateway.store.base import RunState
 from guards.base import Decision
 from otel.attributes import TOLLGATE_GUARDS, TOOLS_CALL
@@ -177,7 +177,8 @@ async def end_tool_span(
         span = _open_tool(telemetry, mcp, message, tool, epoch, started_wall)
         if telemetry.capture_content:
             span.capture_input(_tool_call(message, tool), gw.services["redactor"])
-    if decisions:
+    if decisions:  # a cap the run store refused reads as the caps' stop, as for a model call
+        decisions = as_decided(list(decisions), stop, refused.redacted if refused is not None else None)
         if span.is_recording:
             span.set(TOLLGATE_GUARDS, ",".join(f"{d.guard}:{d.action}" for d in decisions))
         metrics.guard_decisions([(d.guard, d.action, d.reason) for d in decisions])

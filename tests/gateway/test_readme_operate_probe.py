@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 import pytest
+from mcp import MCPError
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import GatewayFactory, Harness
@@ -234,6 +235,26 @@ async def test_a_step_the_budget_stopped_does_not_record_budget_allow(
     budget_stops = [s for s in await guard_decisions(h)
                     if s.labels.get("guard") == "budget" and s.labels.get("decision") == "stop"]
     assert budget_stops and budget_stops[0].value >= 1
+
+
+async def test_an_mcp_call_over_the_tool_call_cap_records_the_caps_stop(
+    sink: OtlpSink, gateway_factory: GatewayFactory, files: mcp_server.RunningServer
+) -> None:
+    """As a model call the budget stopped: the `tools/call` the run store refused at `caps.tool_calls` read
+    `caps:allow` in `tollgate.guards` (its count is the store's, not the guard's), and no
+    `decision="stop"` sample of the caps was ever counted for MCP calls."""
+    h = await gateway_factory(mcp_servers={"files": {"url": files.url}}, agents={"bot": {"caps": {"tool_calls": 1}}})
+    async with mcp_client(h, run="mcp-cap") as client:
+        assert not (await client.call_tool("read_file", {"path": "a.txt"})).is_error
+        with pytest.raises(MCPError, match="tool_call_cap"):
+            await client.call_tool("read_file", {"path": "b.txt"})
+    spans = [s for s in await flushed(h, sink) if s.name == "tools/call read_file"]
+    [stopped] = [s for s in spans if "error.type" in s.attributes and s.value("error.type") == "tool_call_cap"]
+    guards = stopped.value("tollgate.guards").split(",")
+    assert guards[-4:].count("caps:stop") == 1 and "caps:allow" not in guards[-4:], guards  # the count's judgement
+    cap_stops = [s for s in await guard_decisions(h)
+                 if (s.labels.get("guard"), s.labels.get("decision")) == ("caps", "stop")]
+    assert cap_stops and cap_stops[0].labels.get("reason") == "tool_call_cap" and cap_stops[0].value == 1
 
 
 async def test_get_v1_models_is_traced(sink: OtlpSink, gateway_factory: GatewayFactory) -> None:
