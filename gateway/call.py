@@ -237,3 +237,6 @@ class Answer:
     reasoning: tuple[str, ...] = ()
     # the model refused (OpenAI's `refusal` in place of content; Anthropic says so in `stop_reason`)
     refused: bool = False
+    # the provider says the call failed, in an answer relayed as it came (a Responses `status: failed`):
+    # its error code, the span's `error.type`
+    provider_error: str | None = None

@@ -259,6 +259,8 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
     elif step.error_type:
         upstream = reached and _is_upstream_error(step.error_type)  # also a stream that broke off
         span.error(step.error_type, None, upstream=upstream)
+    elif step.answer is not None and step.answer.provider_error:  # relayed as it came, but a failure
+        span.error(step.answer.provider_error, None, upstream=True)
     if not reached:
         span.end()
         return step.spent.get("usd", 0.0)

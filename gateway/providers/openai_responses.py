@@ -338,7 +338,17 @@ def answer_from(body: Mapping[str, Any]) -> Answer:
         service_tier=service_tier(body),  # a stream's final event carries the whole response, its tier too
         reasoning=tuple(reasoning),
         refused=refused and not "".join(texts),  # a refusal instead of an answer: no text beside it
+        provider_error=_failure(body),
     )
+
+
+def _failure(body: Mapping[str, Any]) -> str | None:
+    """The error code of a response the provider failed (`status: failed`, `error.code`), else None."""
+    if body.get("status") != "failed":
+        return None
+    error = body.get("error")
+    code = error.get("code") if isinstance(error, Mapping) else None
+    return code if isinstance(code, str) and code else "failed"
 
 
 def _finish(body: Mapping[str, Any]) -> str:

@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
+from tests.fakes.responses import response_body
+from tests.fakes.upstream import Reply
 from tests.gateway.test_mcp_probe import mcp_client
 from tests.otel.otlp_sink import OtlpSink, WireSpan, running_sink
 
@@ -255,6 +257,20 @@ async def test_an_mcp_call_over_the_tool_call_cap_records_the_caps_stop(
     cap_stops = [s for s in await guard_decisions(h)
                  if (s.labels.get("guard"), s.labels.get("decision")) == ("caps", "stop")]
     assert cap_stops and cap_stops[0].labels.get("reason") == "tool_call_cap" and cap_stops[0].value == 1
+
+
+async def test_a_response_the_provider_failed_is_an_error_span(sink: OtlpSink, gateway_factory: GatewayFactory) -> None:
+    """A Responses answer with `status: failed` is relayed as it came (and billed from its usage), but
+    its span was UNSET with no `error.type`, and the duration metric counted it a success."""
+    h = await gateway_factory()
+    failed = {**response_body("", usage=(10, 0)), "status": "failed", "output": [],
+              "error": {"code": "server_error", "message": "The model failed"}}
+    h.fake.queue(Reply(body=failed))
+    async with h.session.post(f"{h.url}/v1/responses", json={"model": "gpt-4o-mini", "input": "hi"},
+                              headers={"x-tollgate-run-id": "failed-1"}) as resp:
+        assert resp.status == 200 and (await resp.json())["status"] == "failed"
+    [span] = [s for s in await flushed(h, sink) if s.name == "chat gpt-4o-mini"]
+    assert (span.status_code, span.value("error.type")) == (2, "server_error")
 
 
 async def test_get_v1_models_is_traced(sink: OtlpSink, gateway_factory: GatewayFactory) -> None:

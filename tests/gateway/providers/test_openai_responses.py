@@ -335,7 +335,10 @@ def test_parse_answer(
         ({"id": "r", "model": "m", "status": "incomplete", "incomplete_details": None, "output": []},
          Answer("r", "m", finish_reasons=("incomplete",))),
         ({"status": "failed", "output": [message_item("x")], "usage": None},
-         Answer(text="x", finish_reasons=("failed",))),
+         Answer(text="x", finish_reasons=("failed",), provider_error="failed")),  # no error code given
+        ({"status": "failed", "output": [], "error": {"code": "rate_limit_exceeded", "message": "m"}},
+         Answer(finish_reasons=("failed",), provider_error="rate_limit_exceeded")),
+        ({"status": "failed", "output": [], "error": {"code": 5}}, Answer(finish_reasons=("failed",), provider_error="failed")),
         ({"output": [message_item("x")]}, Answer(text="x")),  # no status: no finish reason
         ({"output": None, "usage": "none"}, Answer()),
         ({}, Answer()),
@@ -549,7 +552,7 @@ def test_a_failed_response_is_final_relayed_and_settled_from_its_usage() -> None
     step = reader.feed(event)
     assert (step.out, step.done, reader.complete, reader.holding) == (event.raw, True, True, True)
     answer = reader.answer()
-    assert answer.finish_reasons == ("failed",)
+    assert (answer.finish_reasons, answer.provider_error) == (("failed",), "server_error")  # the span's error.type
     assert answer.usage is not None and (answer.usage.input_tokens, answer.usage.output_tokens) == (10, 2)
 
 
