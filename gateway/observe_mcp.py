@@ -195,7 +195,7 @@ async def end_tool_span(
     if failure is not None:
         span.error(failure, None, upstream=False)  # the server's answer, if any, still measures as it was
     elif status >= 400 and not stop and refused is None and outcome is None and not replayed:
-        span.error(str(status), None, upstream=True)  # the server's error answer, relayed as it came
+        span.error(str(status), None, upstream=True, jsonrpc=False)  # the server's HTTP error, relayed as it came
     answer, rpc_code = _answer(outcome, message)
     if rpc_code is not None:
         span.error(rpc_code, None, upstream=True)

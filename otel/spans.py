@@ -77,6 +77,7 @@ class StepSpan:
         "_metrics",
         "_parent",
         "_recording",
+        "_rpc_code",
         "_span",
         "_start",
         "_stopped",
@@ -113,6 +114,7 @@ class StepSpan:
         self._stopped = False
         self._upstream = False
         self._upstream_error: str | None = None
+        self._rpc_code: str | None = None
         self._answer: Answer | None = None
         self._ttfc: float | None = None
 
@@ -230,20 +232,24 @@ class StepSpan:
             self.end()
 
     @guarded("span.error")
-    def error(self, error_type: str, message: str | None = None, *, upstream: bool) -> None:
+    def error(self, error_type: str, message: str | None = None, *, upstream: bool, jsonrpc: bool = True) -> None:
         """The step failed; does not end the span. `upstream=True`: the upstream operation failed, as
         for `fail` (the GenAI metrics carry `error.type`). `upstream=False`: tollgate refused or broke
         off the step without a stop (`invalid_request`, `output_nonconforming`, `client_disconnected`):
         `error.type` and status ERROR on the span; an upstream operation that did happen is still
-        measured as a success. The first error code (or a stop's) is never overwritten."""
+        measured as a success. The first error code (or a stop's) is never overwritten. On an MCP span a
+        numeric `error_type` is the JSON-RPC error code (`rpc.response.status_code`), unless `jsonrpc`
+        is False: the server's HTTP status, when it answered no JSON-RPC response."""
         first = not (self._stopped or self._error_set)
+        rpc = upstream and jsonrpc and self._kind == "mcp" and is_rpc_code(error_type)
         if upstream:
             self._upstream = True
             self._upstream_error = error_type
+            self._rpc_code = error_type if rpc else self._rpc_code
         else:
             self._stopped = True
         if self._recording:
-            if upstream and self._kind == "mcp" and is_rpc_code(error_type):
+            if rpc:
                 self._span.set_attribute(Rpc.RPC_RESPONSE_STATUS_CODE, error_type)
             if first:
                 self._error_set = True
@@ -268,7 +274,6 @@ class StepSpan:
             return
         labels = self._labels
         if self._kind == "mcp":
-            error = self._upstream_error
             metrics.observe_mcp(
                 method=labels.method,
                 tool_name=labels.tool_name,
@@ -276,8 +281,8 @@ class StepSpan:
                 protocol_version=labels.protocol_version,
                 server_address=labels.server_address,
                 server_port=labels.server_port,
-                rpc_status_code=error if is_rpc_code(error) else None,
-                error_type=error,
+                rpc_status_code=self._rpc_code,
+                error_type=self._upstream_error,
                 duration_s=duration,
             )
             return

@@ -224,6 +224,19 @@ def test_mcp_tool_error_and_rpc_error(telemetry: Telemetry, spans: Spans) -> Non
     assert rpc_error.status.description == "Method not found"
 
 
+def test_an_mcp_servers_http_error_is_not_a_json_rpc_code(telemetry: Telemetry, spans: Spans) -> None:
+    """A server's HTTP 500 with no JSON-RPC response: `error.type` is the status, but it is no
+    `rpc.response.status_code` (which names a JSON-RPC error code), on the span or the metric."""
+    step = telemetry.start_mcp("tools/call", tool_name="boom", parent=None)
+    step.error("500", None, upstream=True, jsonrpc=False)
+    step.end()
+    [span] = spans()
+    attrs = dict(span.attributes or {})
+    assert attrs["error.type"] == "500" and "rpc.response.status_code" not in attrs
+    rendered = telemetry.metrics.render()[0].decode()
+    assert 'error_type="500"' in rendered and 'rpc_response_status_code="500"' not in rendered
+
+
 def test_capture_off_by_default(telemetry: Telemetry, spans: Spans, redactor: Redactor) -> None:
     step = start_openai(telemetry)
     step.capture_input(openai_call(), redactor)
