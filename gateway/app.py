@@ -19,7 +19,8 @@ from gateway.identity import Identifier
 from gateway.ledger import Ledger
 from gateway.mcp_flights import end_flights
 from gateway.model_list import list_models
-from gateway.observe import end_idle_runs, end_run, on_step, redactor_for
+from gateway.observe import on_step, redactor_for
+from gateway.observe_runs import end_idle_runs, end_run
 from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer
 from gateway.providers import adapters

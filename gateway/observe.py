@@ -46,7 +46,7 @@ from otel.attributes import TOLLGATE_GUARDS, provider_name_for
 from otel.metrics import Metrics
 from otel.propagation import headers_for
 from otel.redact import Redactor
-from otel.runs import RunTotals, context_from_headers, path_fingerprint
+from otel.runs import context_from_headers
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
 
@@ -56,6 +56,7 @@ _LEDGERED: Final = "ledgered"  # step.extra: the step's ledger row is written (a
 # step.extra keys ("span" and "trace_headers" are also read by relay.py / proxy.py)
 SPAN: Final = "span"
 HEADERS: Final = "trace_headers"
+UPSTREAM_STATUS: Final = "upstream_status"  # the status the upstream answered (set by proxy.py)
 _ATTEMPT: Final = "span_attempt"  # the attempt index of step.extra[SPAN]
 _PARENT: Final = "trace_parent"  # the agent's trace context (Context), or None when it sent none
 _DECISIONS: Final = "span_decisions"  # step.decisions already put on an earlier attempt's span
@@ -78,7 +79,6 @@ STOP_GUARD: Final[Mapping[str, str]] = {
     "tool_not_allowed": "tools",
 }
 _RESERVED_SERVICE: Final = "observe.reserved_usd"
-_SWEPT_SERVICE: Final = "observe.idle_swept"
 
 
 def telemetry_of(gw: Gateway) -> Telemetry | None:
@@ -224,7 +224,11 @@ def _annotate(span: StepSpan, step: Step, *, final: bool) -> None:
 
 def _upstream_status(step: Step) -> str:
     """`status` label of `tollgate_upstream_requests` for the attempt that just ended: the upstream's
-    own status, `timeout`, or `unreachable` (no usable answer); never the status tollgate answered."""
+    own status (also of an answer it could not use, or a stream the agent left), `timeout`, or
+    `unreachable` (no answer); never the status tollgate answered."""
+    status = step.extra.get(UPSTREAM_STATUS)
+    if status:
+        return str(status)
     if step.answer is not None:  # only a 2xx answer is parsed (the agent may still get a 4xx)
         return str(step.status) if 200 <= step.status < 300 else "200"
     code = step.error_type or ""
@@ -415,83 +419,7 @@ def _release(gw: Gateway, metrics: Metrics, step: Step) -> None:
         metrics.set_budget_reserved(holder.usd)
 
 
-# -- runs -----------------------------------------------------------------------------------------
-
-
-def end_run(gw: Gateway, state: RunState) -> None:
-    """Export the run's `invoke_agent` root span with its totals (when the run stops or is reset)."""
-    telemetry = telemetry_of(gw)
-    if telemetry is None:
-        return
-    decisions = [f"{s.get('operation')}:{s.get('decision')}:{s.get('stop_reason') or ''}" for s in state.steps]
-    providers = {str(s.get("provider")) for s in state.steps if s.get("operation") != "execute_tool"}
-    provider = None
-    if len(providers) == 1:
-        only = gw.config.providers.get(next(iter(providers)))
-        if only is not None:
-            provider = provider_name_for(only.type, only.base_url, custom=next(iter(providers)))
-    totals = RunTotals(
-        cost_usd=state.used.get("usd", 0.0),
-        input_tokens=int(state.used.get("input_tokens", 0)),
-        output_tokens=int(state.used.get("output_tokens", 0)),
-        llm_calls=int(state.used.get("llm_calls", 0)),
-        tool_calls=int(state.used.get("tool_calls", 0)),
-        stop_reason=state.stop_reason,
-        path_fingerprint=path_fingerprint(decisions),
-        provider_name=provider,
-    )
-    telemetry.end_run(state.run_id, state.agent, started_at=state.started_at or time.time(), totals=totals,
-                      epoch=state.epoch)
-
-
 def redactor_for(gw: Gateway) -> Redactor:
     secrets = tuple(p.api_key for p in gw.config.providers.values() if p.api_key)
     secrets += tuple(k for a in gw.config.agents.values() for k in a.keys)
     return Redactor(gw.config.otel.redact, secrets=secrets)
-
-
-# -- idle runs ------------------------------------------------------------------------------------
-
-
-class _Swept:
-    """How far the idle sweeps of this process have looked: every run last updated at or before
-    `upto` was judged (None before the first sweep)."""
-
-    __slots__ = ("upto",)
-
-    def __init__(self) -> None:
-        self.upto: float | None = None
-
-
-async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
-    """End (export the root span of) every active run with no step for `idle_s`. Returns how many.
-
-    A sweep reads only the runs that went idle since the previous sweep (`RunStore.runs_updated`), so
-    however many runs the store holds, each is reached once it is idle, without loading all of them
-    each time. The first sweep of a process starts where the sweeps of the processes before it stopped
-    (`RunStore.idle_swept`), however long the gateway was down (one idle period back for a store no sweep
-    has marked): runs that went idle while nobody was sweeping are ended too. A run that became active
-    again and went idle again is seen again; ending is idempotent per run epoch. A sweep the store fails
-    is retried whole."""
-    telemetry: Telemetry | None = gw.services.get("telemetry")
-    if telemetry is None or not telemetry.tracing:
-        return 0
-    swept = gw.services.get(_SWEPT_SERVICE)
-    if not isinstance(swept, _Swept):
-        swept = gw.services[_SWEPT_SERVICE] = _Swept()
-    before = now - idle_s
-    after = swept.upto
-    if after is None:  # where the sweeps of the processes before this one stopped, however long ago
-        kept = await gw.store.idle_swept()
-        after = min(kept, before) if kept is not None else before - idle_s
-    ended = 0
-    async for page in gw.store.runs_updated(after, before):
-        for state in page:
-            # what the page shows is current: a run busy again since the window was read is left out
-            if state.status == "active" and state.updated_at is not None and state.updated_at <= before:
-                end_run(gw, state)
-                ended += 1
-        await asyncio.sleep(0)  # a backlog is many pages: let requests run between them
-    swept.upto = max(after, before)
-    await gw.store.set_idle_swept(swept.upto)
-    return ended

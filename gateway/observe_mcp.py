@@ -22,7 +22,8 @@ from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, dig
 from gateway.errors import GatewayError
 from gateway.jsonrpc import is_final_result
 from gateway.ledger import Ledger, LedgerEntry
-from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, as_decided, end_run, telemetry_of
+from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, as_decided, telemetry_of
+from gateway.observe_runs import end_run
 from gateway.store.base import RunState
 from guards.base import Decision
 from otel.attributes import TOLLGATE_GUARDS, TOOLS_CALL

@@ -23,7 +23,8 @@ from gateway.errors import (
 )
 from gateway.http1_wire import Sending
 from gateway.identity import Identity
-from gateway.observe import begin_step, end_run, ledger_stop_now, start_span
+from gateway.observe import UPSTREAM_STATUS, begin_step, ledger_stop_now, start_span
+from gateway.observe_runs import end_run
 from gateway.observe_forward import refused_call
 from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
 from gateway.pipeline import (
@@ -207,6 +208,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         except BaseException:  # the client left (cancelled) while the call was queued, connecting or sent
             step.extra["sent"] = sending.started is not False
             raise
+        step.extra[UPSTREAM_STATUS] = upstream.status  # what the upstream said, however the step ends
         # several choices (`n`) interleave in one stream: checked as a whole, like `stream_check: buffer`.
         # Without a text constraint, `buffer` still holds a stream that offers tools: their calls'
         # arguments are judged, and a held stream can be re-asked

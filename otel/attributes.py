@@ -33,7 +33,7 @@ __all__ = [
     "TOLLGATE_COST_USD", "TOLLGATE_GUARD_DECISION", "TOLLGATE_GUARD_DETAIL", "TOLLGATE_GUARD_EVENT",
     "TOLLGATE_GUARD_NAME", "TOLLGATE_GUARD_REASON", "TOLLGATE_LLM_CALLS", "TOLLGATE_MAX_TOKENS_CLAMPED",
     "TOLLGATE_PATH_FINGERPRINT", "TOLLGATE_PROVIDER_KEY", "TOLLGATE_RESERVED_USD", "TOLLGATE_RUN_EPOCH",
-    "TOLLGATE_RUN_ID", "TOLLGATE_STOP_REASON", "TOLLGATE_TOOL_CALLS", "TOOLS_CALL", "TOOL_ERROR",
+    "TOLLGATE_RUN_ID", "TOLLGATE_RUN_SEGMENT", "TOLLGATE_STOP_REASON", "TOLLGATE_TOOL_CALLS", "TOOLS_CALL", "TOOL_ERROR",
     "Attributes", "guard_event_attributes", "inference_end_attributes", "inference_start_attributes",
     "mcp_attributes", "mcp_span_name", "output_type", "present", "provider_name_for"
 ]
@@ -46,6 +46,7 @@ Attributes = dict[str, AttributeValue]
 TOLLGATE_RUN_ID: Final = "tollgate.run_id"
 """Run id of the step (same key as the W3C baggage entry the agent may send). Never a metric label."""
 TOLLGATE_RUN_EPOCH: Final = "tollgate.run.epoch"
+TOLLGATE_RUN_SEGMENT: Final = "tollgate.run.segment"  # the root of a run that resumed after an idle export
 """Which incarnation of a run id (bumped by a reset) a root span summarises."""
 TOLLGATE_AGENT: Final = "tollgate.agent"
 """Agent name resolved by the identify stage (key lookup, `x-tollgate-agent` or `default`)."""

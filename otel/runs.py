@@ -9,15 +9,20 @@
 
 Run epochs: a run id is reused after `POST /admin/runs/{id}/reset`. Each incarnation ("epoch") has its
 own derived ids, from `(run_id, epoch)`; pass the same `epoch` to `run_parent` and `end_run` (the
-number of resets, or any value that changes when the run starts afresh; default 0). Each epoch
-exports at most one root span per process: a second `end_run` of the same epoch (stop, then idle) is
-a no-op, so a step arriving after a stop still lands under the already exported root.
+number of resets, or any value that changes when the run starts afresh; default 0). A stop or a
+reset ends an epoch's root for good (`final`): a later `end_run` of it is a no-op, and a step arriving
+after a stop still lands under the exported root. An idle run's root is exported too, but not for
+good: a step of the run after that starts the epoch's next root ("segment", same trace, its span id
+derived from `(run_id, epoch, segment)`, starting where the previous one ended), which the next
+`end_run` exports with the run's totals then, its stop reason included (`RunRoots`). Otherwise a run
+that paused longer than the idle time kept a root saying it was fine, and its stop was on no root.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ from otel.attributes import (
     TOLLGATE_PATH_FINGERPRINT,
     TOLLGATE_RUN_EPOCH,
     TOLLGATE_RUN_ID,
+    TOLLGATE_RUN_SEGMENT,
     TOLLGATE_STOP_REASON,
     TOLLGATE_TOOL_CALLS,
     Attributes,
@@ -47,7 +53,7 @@ from otel.propagation import context_from_headers, inject_headers
 
 # fmt: off
 __all__ = [
-    "GATEWAY_PROVIDER", "INVOKE_AGENT", "RunIdGenerator", "RunParents", "RunTotals", "context_from_headers",
+    "GATEWAY_PROVIDER", "INVOKE_AGENT", "RunIdGenerator", "RunParents", "RunRoots", "RunTotals", "context_from_headers",
     "inject_headers", "path_fingerprint", "run_ids", "run_root_attributes"
 ]
 # fmt: on
@@ -78,18 +84,71 @@ def path_fingerprint(decisions: Sequence[str]) -> str:
     return digest(*(decision.encode("utf-8", "surrogatepass") for decision in decisions))
 
 
-def run_ids(run_id: str, epoch: int | str = 0) -> tuple[int, int]:
-    """(trace id, span id) of a run epoch's root span: 128 + 64 uniformly distributed, non-zero bits
-    (ratio samplers stay fair), stable across processes."""
+def run_ids(run_id: str, epoch: int | str = 0, segment: int = 0) -> tuple[int, int]:
+    """(trace id, span id) of a run epoch's root span (of its `segment`-th root: one trace, another span
+    id): 128 + 64 uniformly distributed, non-zero bits (ratio samplers stay fair), stable across
+    processes."""
     raw = hashlib.blake2b(
         f"{run_id}\x00{epoch}".encode("utf-8", "surrogatepass"), digest_size=24, person=b"tollgate.run"
     ).digest()
+    if segment:
+        raw = raw[:16] + hashlib.blake2b(f"{run_id}\x00{epoch}\x00{segment}".encode("utf-8", "surrogatepass"),
+                                         digest_size=8, person=b"tollgate.seg").digest()
     trace_id = int.from_bytes(raw[:16], "big") or 1
     span_id = int.from_bytes(raw[16:], "big") or 1
     return trace_id, span_id
 
 
-def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int | str = 0) -> Attributes:
+@dataclass(slots=True)
+class _Root:
+    segment: int  # the last root exported
+    final: bool  # by a stop or a reset: later steps stay under it
+    resumed: bool  # a step started under the next segment since
+    ended_at: float  # Unix seconds
+
+
+class RunRoots:
+    """Which root of a run epoch a step is parented to, and which one `end_run` exports (module
+    docstring): bounded to `kept` epochs (the oldest forgotten first). Not thread-safe: the caller
+    holds its lock around `end`; `segment` is one dict read and a flag, on every step."""
+
+    __slots__ = ("_kept", "_roots")
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._roots: OrderedDict[tuple[str, str], _Root] = OrderedDict()
+
+    def segment(self, run_id: str, epoch: int | str) -> int:
+        """The root the run's next step is parented to (marks an idle-ended epoch as resumed)."""
+        root = self._roots.get((run_id, str(epoch)))
+        if root is None or root.final:
+            return root.segment if root is not None else 0
+        root.resumed = True
+        return root.segment + 1
+
+    def end(self, run_id: str, epoch: int | str, *, final: bool, now: float) -> tuple[int, float | None] | None:
+        """The root to export now, as (segment, its start: None for the run's own start), or None: the
+        epoch ended for good already, or nothing of the run happened since its last root."""
+        key = (run_id, str(epoch))
+        root = self._roots.get(key)
+        if root is None:
+            self._roots[key] = _Root(0, final, False, now)
+            while len(self._roots) > self._kept:
+                self._roots.popitem(last=False)
+            return 0, None
+        if root.final:
+            return None
+        if not root.resumed:
+            root.final = root.final or final
+            return None
+        start = root.ended_at
+        root.segment, root.final, root.resumed, root.ended_at = root.segment + 1, final, False, now
+        self._roots.move_to_end(key)
+        return root.segment, start
+
+
+def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int | str = 0,
+                        segment: int = 0) -> Attributes:
     """Attributes of the `invoke_agent {agent}` root span (INTERNAL: an agent run seen in process)."""
     return present(
         (
@@ -99,6 +158,7 @@ def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int |
             (TOLLGATE_AGENT, agent or None),
             (TOLLGATE_RUN_ID, run_id),
             (TOLLGATE_RUN_EPOCH, epoch if epoch != 0 else None),
+            (TOLLGATE_RUN_SEGMENT, segment or None),
             (GenAI.GEN_AI_USAGE_INPUT_TOKENS, totals.input_tokens),
             (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, totals.output_tokens),
             (TOLLGATE_COST_USD, float(totals.cost_usd)),
@@ -152,14 +212,14 @@ class RunParents:
     def __init__(self, sampler: Sampler, kept: int = 4096) -> None:
         self._sampler = sampler
         self._kept = kept
-        self._cache: dict[tuple[str, str, int | str], Context] = {}
+        self._cache: dict[tuple[str, str, int | str, int], Context] = {}
 
-    def get(self, run_id: str, agent: str, epoch: int | str) -> Context:
-        key = (run_id, agent, epoch)
+    def get(self, run_id: str, agent: str, epoch: int | str, segment: int = 0) -> Context:
+        key = (run_id, agent, epoch, segment)
         parent = self._cache.get(key)
         if parent is not None:
             return parent
-        trace_id, span_id = run_ids(run_id, epoch)
+        trace_id, span_id = run_ids(run_id, epoch, segment)
         name = f"{INVOKE_AGENT} {agent}"
         decision = self._sampler.should_sample(Context(), trace_id, name, SpanKind.INTERNAL)
         sampled = decision.decision.is_sampled()  # type: ignore[no-untyped-call]  # unannotated in SDK

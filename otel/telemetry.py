@@ -10,7 +10,7 @@ never raises (errors are counted in `tollgate_telemetry_errors_total`) and never
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
 from collections.abc import Callable
 
 from opentelemetry.context import Context
@@ -43,7 +43,15 @@ from otel.attributes import (
 from otel.export import CountingSpanProcessor, bounded, shutdown_within
 from otel.http import http_client_attributes
 from otel.metrics import Metrics
-from otel.runs import INVOKE_AGENT, RunIdGenerator, RunParents, RunTotals, run_ids, run_root_attributes
+from otel.runs import (
+    INVOKE_AGENT,
+    RunIdGenerator,
+    RunParents,
+    RunRoots,
+    RunTotals,
+    run_ids,
+    run_root_attributes,
+)
 from otel.spans import StepKind, StepLabels, StepSpan
 
 __all__ = [
@@ -82,7 +90,7 @@ class Telemetry:
         self._sampler = sampler
         self._ids = ids
         self._errors = errors
-        self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._roots = RunRoots(_ENDED_RUNS_KEPT)
         self._parents = RunParents(sampler) if tracer is not None and sampler is not None else None
         self._lock = threading.Lock()
         self._closed = False
@@ -252,35 +260,33 @@ class Telemetry:
         if self._parents is None:
             return Context()
         try:
-            return self._parents.get(run_id, agent, epoch)
+            return self._parents.get(run_id, agent, epoch, self._roots.segment(run_id, epoch))
         except Exception:  # noqa: BLE001 - counted; steps then start their own traces
             self._errors.record("run_parent")
             return Context()
 
     @guarded("end_run")
     def end_run(self, run_id: str, agent: str, *, started_at: float, totals: RunTotals,
-                epoch: int | str = 0) -> bool:
-        """Export the run epoch's root span (start = `started_at`, Unix seconds; end = now) with its
-        totals; `error.type` = the stop reason when a guard stopped the run. Returns False when
-        tracing is off or this epoch already ended in this process (idempotent)."""
+                epoch: int | str = 0, final: bool = True) -> bool:
+        """Export the run epoch's root span (start = `started_at`, Unix seconds; end = now) with its totals
+        (`error.type`: the stop reason). `final`: stopped or reset; else idle (`RunRoots`). False when
+        tracing is off or nothing is exported (ended for good, or nothing ran since its last root)."""
         if self._tracer is None or self._ids is None:
             return False
-        key = (run_id, str(epoch))
         with self._lock:
-            if key in self._ended:
-                return False
-            self._ended[key] = None
-            while len(self._ended) > _ENDED_RUNS_KEPT:
-                self._ended.popitem(last=False)
-        trace_id, span_id = run_ids(run_id, epoch)
+            decided = self._roots.end(run_id, epoch, final=final, now=time.time())
+        if decided is None:
+            return False
+        segment, start = decided
+        trace_id, span_id = run_ids(run_id, epoch, segment)
         name = f"{INVOKE_AGENT} {agent}" if agent else INVOKE_AGENT
         with self._ids.override(trace_id, span_id):
             span = self._tracer.start_span(
                 name,
                 context=Context(),
                 kind=SpanKind.INTERNAL,
-                attributes=run_root_attributes(run_id, agent, totals, epoch),
-                start_time=int(started_at * 1e9),
+                attributes=run_root_attributes(run_id, agent, totals, epoch, segment),
+                start_time=int((started_at if start is None else start) * 1e9),
             )
         if totals.stop_reason:
             span.set_status(Status(StatusCode.ERROR, totals.stop_reason))

@@ -6,8 +6,6 @@ the idle-run sweep."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -16,11 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
 
 from gateway.config import Agent, Limits, Provider
-from gateway.errors import StateUnavailable
 from gateway.identity import Identity
 from gateway.observe import (
-    _SWEPT_SERVICE,
-    end_idle_runs,
     forwarded_call,
     ledger_decision,
     ledger_stop_now,
@@ -29,8 +24,6 @@ from gateway.observe import (
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.routing import Route
 from gateway.step import Step
-from gateway.store.base import RunState
-from gateway.store.sqlite import SqliteRunStore
 from otel.attributes import inference_start_attributes
 from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory
@@ -156,75 +149,6 @@ async def test_a_step_whose_tool_calls_were_dropped_is_a_drop_row(
     [row] = ledger.rows("dropped")
     detail = "1 disallowed tool call(s) dropped" + (", 1 re-ask(s)" if reasked else "")
     assert (row["decision"], row["reason"], row["detail"]) == ("drop", "tool_not_allowed", detail)
-
-
-# -- idle runs -------------------------------------------------------------------------------------
-
-
-async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_since(
-    gateway_factory: GatewayFactory,
-) -> None:
-    h = await gateway_factory()
-    gw = h.gateway
-    exporter = InMemorySpanExporter()
-    telemetry = setup_telemetry({}, exporter=exporter)
-    gw.services["telemetry"] = telemetry
-    windows: list[tuple[float, float]] = []
-    listing = gw.store.runs_updated
-    failing = [True]
-
-    def spy(after: float, before: float, page: int = 1000) -> AsyncIterator[list[RunState]]:
-        windows.append((after, before))
-        if failing[0]:
-            failing[0] = False
-            raise StateUnavailable("the store is away")
-        return listing(after, before, page)
-
-    gw.store.runs_updated = spy  # type: ignore[method-assign]
-    t = 1_000_000.0
-    await gw.store.record_step("ancient", "default", {}, t - 1000)  # went idle long before any sweep
-    for i in range(2500):  # more than a page, more than the old sweep's 1000 most recent runs
-        await gw.store.record_step(f"r-{i}", "default", {}, t + i * 0.01)
-    with pytest.raises(StateUnavailable):
-        await end_idle_runs(gw, 60, t + 100)
-    assert await end_idle_runs(gw, 60, t + 100) == 2500  # the failed sweep, whole; one idle period back
-    assert await end_idle_runs(gw, 60, t + 101) == 0
-    await gw.store.record_step("r-7", "default", {}, t + 50)  # busy again, then idle again
-    assert await end_idle_runs(gw, 60, t + 111) == 1
-    assert windows == [(t - 20, t + 40), (t - 20, t + 40), (t + 40, t + 41), (t + 41, t + 51)]
-    assert telemetry.force_flush()
-    roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
-    ended = sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots)
-    assert ended == sorted(f"r-{i}" for i in range(2500))  # each once, and not the run idle before any sweep
-    telemetry.shutdown()
-
-
-async def test_a_restart_longer_than_the_idle_period_ends_the_runs_that_went_idle_meanwhile(
-    gateway_factory: GatewayFactory, tmp_path: Path,
-) -> None:
-    """The first sweep of a restarted process starts where the last sweep of the one before it stopped
-    (kept in the state file), not one idle period back: a gateway down longer than that still ends the
-    runs whose steps it saw last."""
-    path = tmp_path / "state.db"
-    h = await gateway_factory(state={"backend": "sqlite", "path": str(path)})
-    gw = h.gateway
-    exporter = InMemorySpanExporter()
-    gw.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
-    t = 1_000_000.0
-    await gw.store.record_step("swept", "default", {}, t)
-    assert await end_idle_runs(gw, 60, t + 100) == 1
-    await gw.store.record_step("cut", "default", {}, t + 130)  # the process stops before it is idle
-    await gw.store.close()
-    gw.store = SqliteRunStore.open(path)  # a new process on the same file, an hour later
-    del gw.services[_SWEPT_SERVICE]
-    try:
-        assert await end_idle_runs(gw, 60, t + 3600) == 1
-    finally:
-        await gw.store.close()
-    assert telemetry.force_flush()
-    roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
-    assert sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots) == ["cut", "swept"]
-    telemetry.shutdown()
 
 
 async def test_a_stops_ledger_row_is_written_before_it_is_answered_and_only_once(

@@ -65,7 +65,7 @@ async def test_idle_runs_export_their_root_span(fake: tuple[object, str], tmp_pa
 
     from gateway.app import create_apps
     from gateway.config import parse_config
-    from gateway.observe import end_idle_runs
+    from gateway.observe_runs import end_idle_runs
     from gateway.proxy import GATEWAY
     from otel.setup import setup_telemetry
     from tests.conftest import base_config

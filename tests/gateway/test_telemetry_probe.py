@@ -904,7 +904,7 @@ async def test_every_idle_run_gets_its_root_span_however_many_runs_there_are(
     one, whatever the number of newer runs (sweeps by gateway/observe.py end_idle_runs)."""
     import time
 
-    from gateway.observe import end_idle_runs
+    from gateway.observe_runs import end_idle_runs
 
     h = await traced(otel={"run_idle_s": 60})
     assert (await post(h, CHAT, run="oldest-run"))[0] == 200

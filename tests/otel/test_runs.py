@@ -119,6 +119,50 @@ def test_each_epoch_gets_its_own_root(telemetry: Telemetry, spans: Spans) -> Non
     assert first.status.status_code is StatusCode.UNSET
 
 
+def step_under(telemetry: Telemetry, run_id: str) -> None:
+    telemetry.start_inference(openai_call(), provider_name="openai", server_address="h", server_port=1,
+                              parent=telemetry.run_parent(run_id, "bot"), attempt=0).end()
+
+
+def test_a_run_that_resumes_after_its_idle_root_gets_its_next_root(telemetry: Telemetry, spans: Spans) -> None:
+    """An idle export is not the run's end: a step after it starts the epoch's next root (same trace),
+    which the stop then exports with the run's totals and its stop reason. Before, the stop exported
+    nothing, and the only root said the run was fine."""
+    step_under(telemetry, "run-1")
+    assert telemetry.end_run("run-1", "bot", started_at=1.0, totals=RunTotals(llm_calls=1), final=False)
+    assert not telemetry.end_run("run-1", "bot", started_at=1.0, totals=RunTotals(llm_calls=1), final=False)
+    step_under(telemetry, "run-1")
+    assert telemetry.end_run("run-1", "bot", started_at=1.0, totals=RunTotals(llm_calls=2, stop_reason="llm_call_cap"))
+    step_under(telemetry, "run-1")  # a refusal of the stopped run: under the root that carries the stop
+    assert not telemetry.end_run("run-1", "bot", started_at=1.0, totals=RunTotals(), final=False)
+    first_step, idle_root, second_step, stop_root, refusal = spans()
+    trace_id, span_id = run_ids("run-1")
+    assert idle_root.context is not None and stop_root.context is not None
+    assert (idle_root.context.trace_id, idle_root.context.span_id) == (trace_id, span_id)
+    assert (stop_root.context.trace_id, stop_root.context.span_id) == run_ids("run-1", 0, 1) != (trace_id, span_id)
+    assert stop_root.context.trace_id == trace_id  # one trace
+    assert first_step.parent is not None and first_step.parent.span_id == span_id
+    for step in (second_step, refusal):
+        assert step.parent is not None and step.parent.span_id == stop_root.context.span_id
+    assert idle_root.status.status_code is StatusCode.UNSET and stop_root.status.status_code is StatusCode.ERROR
+    attrs = dict(stop_root.attributes or {})
+    assert (attrs["error.type"], attrs["tollgate.llm_calls"], attrs["tollgate.run.segment"]) == ("llm_call_cap", 2, 1)
+    assert idle_root.end_time is not None and stop_root.start_time is not None
+    assert abs(stop_root.start_time - idle_root.end_time) < 50_000_000  # it starts where the idle root ended
+    assert "tollgate.run.segment" not in dict(idle_root.attributes or {})
+
+
+def test_an_idle_run_without_a_step_since_exports_nothing_more(telemetry: Telemetry, spans: Spans) -> None:
+    """Idle twice with no step in between, then reset: one root (a reset of an idle run ends it for good)."""
+    step_under(telemetry, "run-2")
+    assert telemetry.end_run("run-2", "bot", started_at=1.0, totals=RunTotals(), final=False)
+    assert not telemetry.end_run("run-2", "bot", started_at=1.0, totals=RunTotals(), final=False)
+    assert not telemetry.end_run("run-2", "bot", started_at=1.0, totals=RunTotals())  # the reset
+    step_under(telemetry, "run-2")  # after a final end: under the exported root, as a stop's refusals
+    _, root, late = spans()
+    assert root.context is not None and late.parent is not None and late.parent.span_id == root.context.span_id
+
+
 def test_agent_traceparent_is_honoured(telemetry: Telemetry, spans: Spans) -> None:
     parent = context_from_headers({"traceparent": TRACEPARENT, "tracestate": "vendor=1"})
     assert parent is not None

@@ -1,0 +1,117 @@
+"""`gateway.observe_runs`: a run's `invoke_agent` root is exported when it stops, is reset, or goes idle
+(the sweep reads only the runs that went idle since the last one, and resumes where the sweeps of the
+process before stopped); a run that resumes after its idle export gets its next root, which carries its
+stop (`otel.runs.RunRoots`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway.errors import StateUnavailable
+from gateway.observe_runs import _SWEPT_SERVICE, end_idle_runs
+from gateway.store.base import RunState
+from gateway.store.sqlite import SqliteRunStore
+from otel.setup import setup_telemetry
+from tests.conftest import GatewayFactory
+
+
+async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_since(
+    gateway_factory: GatewayFactory,
+) -> None:
+    h = await gateway_factory()
+    gw = h.gateway
+    exporter = InMemorySpanExporter()
+    telemetry = setup_telemetry({}, exporter=exporter)
+    gw.services["telemetry"] = telemetry
+    windows: list[tuple[float, float]] = []
+    listing = gw.store.runs_updated
+    failing = [True]
+
+    def spy(after: float, before: float, page: int = 1000) -> AsyncIterator[list[RunState]]:
+        windows.append((after, before))
+        if failing[0]:
+            failing[0] = False
+            raise StateUnavailable("the store is away")
+        return listing(after, before, page)
+
+    gw.store.runs_updated = spy  # type: ignore[method-assign]
+    t = 1_000_000.0
+    await gw.store.record_step("ancient", "default", {}, t - 1000)  # went idle long before any sweep
+    for i in range(2500):  # more than a page, more than the old sweep's 1000 most recent runs
+        await gw.store.record_step(f"r-{i}", "default", {}, t + i * 0.01)
+    with pytest.raises(StateUnavailable):
+        await end_idle_runs(gw, 60, t + 100)
+    assert await end_idle_runs(gw, 60, t + 100) == 2500  # the failed sweep, whole; one idle period back
+    assert await end_idle_runs(gw, 60, t + 101) == 0
+    await gw.store.record_step("r-7", "default", {}, t + 50)  # busy again, then idle again
+    assert await end_idle_runs(gw, 60, t + 111) == 1
+    assert windows == [(t - 20, t + 40), (t - 20, t + 40), (t + 40, t + 41), (t + 41, t + 51)]
+    assert telemetry.force_flush()
+    roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    ended = sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots)
+    assert ended == sorted(f"r-{i}" for i in range(2500))  # each once, and not the run idle before any sweep
+    telemetry.shutdown()
+
+
+async def test_a_restart_longer_than_the_idle_period_ends_the_runs_that_went_idle_meanwhile(
+    gateway_factory: GatewayFactory, tmp_path: Path,
+) -> None:
+    """The first sweep of a restarted process starts where the last sweep of the one before it stopped
+    (kept in the state file), not one idle period back: a gateway down longer than that still ends the
+    runs whose steps it saw last."""
+    path = tmp_path / "state.db"
+    h = await gateway_factory(state={"backend": "sqlite", "path": str(path)})
+    gw = h.gateway
+    exporter = InMemorySpanExporter()
+    gw.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+    t = 1_000_000.0
+    await gw.store.record_step("swept", "default", {}, t)
+    assert await end_idle_runs(gw, 60, t + 100) == 1
+    await gw.store.record_step("cut", "default", {}, t + 130)  # the process stops before it is idle
+    await gw.store.close()
+    gw.store = SqliteRunStore.open(path)  # a new process on the same file, an hour later
+    del gw.services[_SWEPT_SERVICE]
+    try:
+        assert await end_idle_runs(gw, 60, t + 3600) == 1
+    finally:
+        await gw.store.close()
+    assert telemetry.force_flush()
+    roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    assert sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots) == ["cut", "swept"]
+    telemetry.shutdown()
+
+
+async def test_a_run_that_resumes_after_going_idle_ends_under_a_root_that_carries_its_stop(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A run idle for `otel.run_idle_s` (a human approval can take longer) has its root exported; it
+    used to be the run's only root: "fine, 1 call", while the run went on and stopped. Now the steps
+    after it are under the run's next root, in the same trace, which the stop exports."""
+    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 2}}})
+    exporter = InMemorySpanExporter()
+    h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def step() -> int:
+        async with h.session.post(f"{h.url}/v1/chat/completions", json=chat,
+                                  headers={"x-tollgate-run-id": "paused"}) as resp:
+            return resp.status
+
+    assert await step() == 200
+    assert await end_idle_runs(h.gateway, 60, time.time() + 100) == 1  # the run went idle
+    assert [await step(), await step()] == [200, 403]  # it resumes, then hits caps.llm_calls
+    assert telemetry.force_flush()
+    finished = exporter.get_finished_spans()
+    roots = [s for s in finished if s.name.startswith("invoke_agent")]
+    assert [(dict(r.attributes or {}).get("tollgate.llm_calls"), dict(r.attributes or {}).get("error.type"))
+            for r in roots] == [(1, None), (2, "llm_call_cap")]
+    idle, stop = (r.context for r in roots)
+    assert idle is not None and stop is not None and idle.trace_id == stop.trace_id
+    steps = [s for s in finished if s.name == "chat gpt-4o-mini"]
+    assert [s.parent.span_id if s.parent else None for s in steps] == [idle.span_id, stop.span_id, stop.span_id]
+    telemetry.shutdown()
