@@ -273,6 +273,19 @@ async def test_a_response_the_provider_failed_is_an_error_span(sink: OtlpSink, g
     assert (span.status_code, span.value("error.type")) == (2, "server_error")
 
 
+async def test_the_upstream_status_label_is_the_status_the_upstream_answered(gateway_factory: GatewayFactory) -> None:
+    """`tollgate_upstream_requests_total{status}`: the upstream's own status. A 200 whose body is not
+    JSON (a 502 to the agent) was counted `unreachable`, as if no answer had come."""
+    h = await gateway_factory()
+    h.fake.queue(Reply(body=b"{not json"))
+    assert await post(h, CHAT, run="bad-200") == 502
+    async with h.session.get(f"{h.admin_url}/metrics") as resp:
+        text = await resp.text()
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "tollgate_upstream_requests"]
+    statuses = {s.labels["status"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert statuses == {"200": 1.0}, statuses
+
+
 async def test_get_v1_models_is_traced(sink: OtlpSink, gateway_factory: GatewayFactory) -> None:
     """DESIGN 2: "`GET /v1/models` and other `/v1/...` paths (embeddings, ...): forwarded to the provider,
     traced." Other forwarded paths are: `GET /v1/files` and `GET /v1/models/{id}` each leave a `GET`
