@@ -166,7 +166,7 @@ async def _conclude(
     `failure`: nobody got the answer (`client_disconnected`, `shutting_down`)."""
     stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
     if step is None or not step.recorded:
-        await record_tool_step(mcp, qualified, status, stop, refused, started, failure)
+        await record_tool_step(mcp, qualified, status, stop, refused, started, failure, epoch=_admitted_in(step))
     await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
                         outcome=step.response if step else None, refused=refused, stop=stop,
                         started_wall=started_wall, approved_by=step.approved_by if step else None,
@@ -184,6 +184,11 @@ def _refusal_code(outcome: Outcome) -> str | None:
     data = error.get("data")
     code = data.get("code") if isinstance(data, dict) else None
     return code if isinstance(code, str) else None
+
+
+def _admitted_in(step: ToolStep | None) -> int | None:
+    """The run epoch the call was judged in (None: refused before the run was read)."""
+    return None if step is None else step.ctx.run.epoch if step.ctx.run is not None else 1
 
 
 def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
@@ -384,7 +389,8 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
         await _record_write(step)
         step.recorded = True
         status = 200 if refused is None else refused.status
-        await record_tool_step(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started)
+        await record_tool_step(mcp, step.qualified, status, mcp.headers.get(STOP_HEADER), refused, step.started,
+                               epoch=_admitted_in(step))
         return response
 
     response = await relay(mcp, upstream, message.id, judge)

@@ -38,12 +38,13 @@ if TYPE_CHECKING:
 
 async def record_tool_step(
     mcp: McpRequest, tool: str, status: int, stop: str | None, refused: GatewayError | None, started: float,
-    failure: str | None = None,
+    failure: str | None = None, *, epoch: int | None = None,
 ) -> None:
     """The step as the admin API lists it under the run (the keys of a model call's step, plus
     `refusal`: the code of a refusal that did not stop the run, such as `approval_denied`, and `error`:
     why nobody got the answer, `client_disconnected` or `shutting_down`; decision `error` when the call
-    ended so without a decision, or with the server's own error status relayed)."""
+    ended so without a decision, or with the server's own error status relayed). `epoch`: the one the
+    call was admitted in, when it was read (a call in flight across a reset is no step of the fresh run)."""
     decision = ("stop" if stop else "refuse" if refused is not None else
                 "error" if failure or status >= 400 else "allow")
     step = {
@@ -53,6 +54,8 @@ async def record_tool_step(
         "cost_usd": 0.0, "input_tokens": None, "output_tokens": None, "tool_calls": [tool], "attempts": 1,
         "duration_ms": round((time.monotonic() - started) * 1000, 3),
     }
+    if epoch is not None:
+        step["epoch"] = epoch
     try:
         await mcp.gw.store.record_step(mcp.identity.run_id, mcp.identity.agent, step, time.time())
     except GatewayError:

@@ -218,6 +218,11 @@ def stop(state: RunState, reason: str, detail: str, now: float) -> Denial:
 
 
 def record_step(state: RunState, step: Mapping[str, Any], now: float) -> None:
+    """Append the step to the run's list; one that names an epoch a reset has ended since (it was in
+    flight then) is left out: the fresh run lists its own steps (SQLite files it under its epoch)."""
+    given = step.get("epoch")
+    if given is not None and int(given) != state.epoch:
+        return
     state.steps.append(dict(step))
     if len(state.steps) > MAX_STEPS:
         del state.steps[: len(state.steps) - MAX_STEPS]

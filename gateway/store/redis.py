@@ -381,7 +381,9 @@ class RedisRunStore:
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
         encoded = orjson.dumps(dict(step)).decode()
-        await self._call("record_step", run_id, agent, [encoded, float(now), logic.MAX_STEPS])
+        epoch = step.get("epoch")
+        await self._call("record_step", run_id, agent,
+                         [encoded, float(now), logic.MAX_STEPS, -1 if epoch is None else int(epoch)])
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
         reply = await self._call("reset", run_id, "", [float(now)])

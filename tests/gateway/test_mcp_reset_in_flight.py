@@ -67,6 +67,7 @@ async def test_a_tools_call_in_flight_across_a_reset_does_not_stop_the_fresh_run
         assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file")  # delivered
         _, run = await admin(h, "GET", "/admin/runs/mr")
         assert (run["status"], run["stop_reason"], run["tool_calls"]) == ("active", None, 1)
+        assert len(run["steps"]) == 1  # the fresh run's own call: the old one is a step of the old epoch
         status, again = await post(h, call("write_note", {"text": "b"}, rpc_id=3), run="mr")
         assert (status, again["result"]["content"][0]["text"]) == (200, "note 1")  # the fresh run goes on
 

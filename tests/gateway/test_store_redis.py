@@ -99,7 +99,8 @@ async def apply(store: RunStore, op: tuple[Any, ...], grants: list[Reservation |
     if kind == "stop":
         return await store.stop(run, "bot", op[3], op[4], now)
     if kind == "step":
-        return await store.record_step(run, "bot", {"n": op[3], "x": 0.1 * op[3]}, now)
+        step = {"n": op[3], "x": 0.1 * op[3]} if op[4] is None else {"n": op[3], "epoch": op[4]}
+        return await store.record_step(run, "bot", step, now)  # a step of an ended epoch is left out
     if kind == "apply":
         return await store.apply(run, "bot", op[3], op[4], now, in_flight=op[5])
     if kind == "get":
@@ -183,7 +184,7 @@ def random_ops(r: random.Random, count: int) -> list[tuple[Any, ...]]:
         elif roll < 0.88:
             ops.append(("get", run, now))
         elif roll < 0.93:
-            ops.append(("step", run, now, r.randint(0, 10**6)))
+            ops.append(("step", run, now, r.randint(0, 10**6), r.choice([None, None, 1, 2, 3])))
         elif roll < 0.94:
             ops.append(("stop", run, now, r.choice(["loop_detected", "time_cap", ""]), r.choice(["why", ""])))
         else:
