@@ -10,12 +10,22 @@ from typing import Final
 
 from gateway.observe import telemetry_of
 from gateway.runtime import Gateway
+from gateway.step import Step
 from gateway.store.base import RunState
 from otel.attributes import provider_name_for
 from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry
 
 _SWEPT_SERVICE: Final = "observe.idle_swept"
+ENDS_RUN: Final = "ends_run"  # step.extra: the run (RunState) the step stopped, whose root `end_with` exports
+
+
+def end_with(gw: Gateway, step: Step) -> None:
+    """A step hook after `observe.on_step`: the root of the run the step stopped is exported after the
+    step's own span ended, so the run's root spans its stopping step (it ended 1-2 ms before it)."""
+    state = step.extra.pop(ENDS_RUN, None)
+    if isinstance(state, RunState):
+        end_run(gw, state)
 
 
 def end_run(gw: Gateway, state: RunState, *, final: bool = True) -> None:

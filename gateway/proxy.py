@@ -24,8 +24,8 @@ from gateway.errors import (
 from gateway.http1_wire import Sending
 from gateway.identity import Identity
 from gateway.observe import UPSTREAM_STATUS, begin_step, ledger_stop_now, start_span
-from gateway.observe_runs import end_run
 from gateway.observe_forward import refused_call
+from gateway.observe_runs import ENDS_RUN
 from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
 from gateway.pipeline import (
     base_headers,
@@ -333,9 +333,7 @@ async def record(gw: Gateway, step: Step) -> None:
         return  # the store just failed this step: waiting out its deadline again would delay the answer
     try:
         await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
-        if step.stop_reason:
-            state = await gw.store.get(step.run_id)
-            if state is not None:
-                end_run(gw, state)
+        if step.stop_reason:  # the run's root ends once the step's own span has (`observe_runs.end_with`)
+            step.extra[ENDS_RUN] = await gw.store.get(step.run_id)
     except GatewayError:
         step.extra["record_failed"] = True

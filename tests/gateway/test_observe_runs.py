@@ -114,4 +114,7 @@ async def test_a_run_that_resumes_after_going_idle_ends_under_a_root_that_carrie
     assert idle is not None and stop is not None and idle.trace_id == stop.trace_id
     steps = [s for s in finished if s.name == "chat gpt-4o-mini"]
     assert [s.parent.span_id if s.parent else None for s in steps] == [idle.span_id, stop.span_id, stop.span_id]
+    # the root is exported once its stopping step's span ended: it spans that step (it ended 1-2 ms before)
+    assert steps[-1].end_time is not None and roots[-1].end_time is not None
+    assert steps[-1].end_time <= roots[-1].end_time
     telemetry.shutdown()
