@@ -409,7 +409,7 @@ async def _judge_result(step: ToolStep, chain: GuardChain, answer: Answer) -> No
         run = await _current(step) if loop is not None else ctx.run
         verdict = chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer)
         if changes_run(verdict) and reset_since(ctx.run, run if loop else await _current(step)):
-            step.decisions.extend(verdict.decisions)  # judged, and delivered: it counts in no run
+            step.decisions.extend(d for d in verdict.decisions if not d.stopped)  # delivered: counts in no run
         else:
             await _apply(step, verdict, in_flight=True)
 

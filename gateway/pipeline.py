@@ -402,9 +402,8 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     a guard's reject: the answer is withheld, the run goes on)."""
     ident = step.identity
     step.extra[JUDGED] = True  # what the provider ran is counted here (see count_unjudged_hosted)
-    # the limits that must hold under concurrency (tool-call cap) are applied atomically; the histories
-    # (loop detection) and the calls the provider ran are judged on the run as it is now when the answer
-    # has calls, since steps of one run may overlap (or a reset come): read, judged and written at once
+    # the tool-call cap is applied atomically; the histories (loop detection) and the calls the provider ran
+    # are judged on the run as it is now when the answer has calls (steps overlap, a reset may come)
     snapshot, reset = step.extra.get("snapshot"), False
     if (answer.tool_calls or answer.hosted_calls) and not step.extra.get("state_failed"):
         try:
@@ -415,13 +414,14 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
     ctx = StepContext(step.call, ident.agent, ident.run_id, ident.policy, snapshot, time.time(), step.price,
                       step.extra)
     verdict = _chain(gw, step).after(ctx, answer)
-    step.decisions.extend(verdict.decisions)
-    if verdict.stop is not None and verdict.stop.action == "reject":
+    if verdict.stop is not None and verdict.stop.action == "reject":  # even across a reset: withheld
+        step.decisions.extend(verdict.decisions)
         del step.extra[JUDGED]  # nothing of the answer was applied: what the provider ran is counted at the end
         raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)  # withheld; the run goes on
-    # a guard's reject above still withholds it; what it would change (a stop, counts) was the old run's
-    if reset or (verdict.stop is not None and await _reset_since(gw, step)):
-        return  # the run was reset while this step was in flight: its answer counts in no run
+    if reset or (verdict.stop is not None and await _reset_since(gw, step)):  # it counts in no run, and
+        step.decisions.extend(d for d in verdict.decisions if not d.stopped)  # stops none (span, metrics)
+        return
+    step.decisions.extend(verdict.decisions)
     if verdict.stop is not None:
         await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
     # admitted before any stop of its run since: its answer is judged on the limits, not on that stop

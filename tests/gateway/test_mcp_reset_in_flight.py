@@ -68,6 +68,8 @@ async def test_a_tools_call_in_flight_across_a_reset_does_not_stop_the_fresh_run
         _, run = await admin(h, "GET", "/admin/runs/mr")
         assert (run["status"], run["stop_reason"], run["tool_calls"]) == ("active", None, 1)
         assert len(run["steps"]) == 1  # the fresh run's own call: the old one is a step of the old epoch
+        async with h.session.get(f"{h.admin_url}/metrics") as resp:  # a stop that never happened is not counted
+            assert 'decision="stop"' not in await resp.text()
         status, again = await post(h, call("write_note", {"text": "b"}, rpc_id=3), run="mr")
         assert (status, again["result"]["content"][0]["text"]) == (200, "note 1")  # the fresh run goes on
 
