@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,12 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def memory_or_redis(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The `state:` config of a test run once on the memory store and once on the session's Redis."""
+    if request.param == "memory":
+        return {"backend": "memory"}
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return {"backend": "redis", "url": server.url}

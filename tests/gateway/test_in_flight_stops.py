@@ -30,7 +30,7 @@ from guards.base import Decision, StepContext
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.responses import message_item, response_body
 from tests.fakes.upstream import openai_completion, openai_stream, serving, sse_response, tool_call
-from tests.redis_fixture import RedisServer, redis_server  # noqa: F401  (fixture, by name)
+from tests.redis_fixture import memory_or_redis, redis_server  # noqa: F401  (fixtures, by name)
 
 GPT = "gpt-4o-mini"
 
@@ -116,12 +116,9 @@ async def ask(sdk: openai.AsyncOpenAI, name: str, *, stream: bool = False) -> li
     return ids
 
 
-@pytest.fixture(params=["memory", "redis"])
-def state(request: pytest.FixtureRequest) -> dict[str, Any]:
-    if request.param == "memory":
-        return {"backend": "memory"}
-    server: RedisServer = request.getfixturevalue("redis_server")
-    return {"backend": "redis", "url": server.url}
+@pytest.fixture
+def state(memory_or_redis: dict[str, Any]) -> dict[str, Any]:  # noqa: F811  (the fixture, by name)
+    return memory_or_redis
 
 
 async def test_answers_in_flight_when_the_llm_call_cap_stops_the_run_are_delivered(

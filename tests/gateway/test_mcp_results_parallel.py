@@ -20,7 +20,7 @@ from aiohttp import web
 
 from tests.conftest import GatewayFactory
 from tests.gateway.test_mcp_probe import TOOLS, RawServer, admin, call, gateway, post
-from tests.redis_fixture import RedisServer, redis_server  # noqa: F401  (fixture, by name)
+from tests.redis_fixture import memory_or_redis, redis_server  # noqa: F401  (fixtures, by name)
 
 
 class HoldCalls(RawServer):
@@ -52,12 +52,9 @@ async def hold_calls(count: int) -> AsyncIterator[HoldCalls]:
         await server.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
-def state(request: pytest.FixtureRequest) -> dict[str, Any]:
-    if request.param == "memory":
-        return {"backend": "memory"}
-    server: RedisServer = request.getfixturevalue("redis_server")
-    return {"backend": "redis", "url": server.url}
+@pytest.fixture
+def state(memory_or_redis: dict[str, Any]) -> dict[str, Any]:  # noqa: F811  (the fixture, by name)
+    return memory_or_redis
 
 
 def outcome(answer: dict[str, Any]) -> str:
