@@ -17,13 +17,17 @@ import json
 import re
 from typing import Any
 
-# what the budget, the caps, the allow-list, the grammar check and routing read from a request
+# what the budget, the caps, the allow-list, the grammar check and routing read from a request, and what
+# they refuse (a repeat could hide a refused value first: input tollgate cannot bound, background work,
+# other models, a hosted MCP server, a pricier speed)
 WATCHED = frozenset({
     "model", "messages", "input", "system", "instructions", "prompt",
     "max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of", "stream", "stream_options",
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "max_tool_calls",
-    "max_uses", "max_content_tokens", "response_format", "text", "format", "thinking", "budget_tokens",
-    "reasoning", "modalities", "audio", "prediction", "service_tier", "web_search_options",
+    "tools", "tool_choice", "allowed_tools", "functions", "function_call", "parallel_tool_calls",
+    "max_tool_calls", "max_uses", "max_content_tokens", "response_format", "text", "format", "thinking",
+    "budget_tokens", "reasoning", "modalities", "audio", "prediction", "service_tier", "speed",
+    "web_search_options", "previous_response_id", "conversation", "background", "mcp_servers", "fallbacks",
+    "context_management", "edits", "thread", "compaction",
 })
 
 

@@ -30,6 +30,15 @@ from tests.fakes.upstream import Reply, anthropic_message, openai_completion
     (b'{"metadata":{"a":1,"a":2}}', None),  # a name tollgate does not read: forwarded as sent
     (b'{"content":"caf\\u00e9","model":"a"}', None),  # an escape outside any key
     (b'{"model":"a","stream":true,"stream":false}', "stream"),
+    # a refused value first, an accepted one last: input tollgate cannot bound, background work, other
+    # models, a hosted MCP server, a compaction, a pricier speed
+    (b'{"model":"a","input":"x","previous_response_id":"resp_1","previous_response_id":null}', "previous_response_id"),
+    (b'{"model":"a","input":"x","conversation":"conv_1","conversation":null}', "conversation"),
+    (b'{"model":"a","input":"x","background":true,"background":false}', "background"),
+    (b'{"model":"a","mcp_servers":[{"type":"url","url":"https://m"}],"mcp_servers":[]}', "mcp_servers"),
+    (b'{"model":"a","fallbacks":"default","fallbacks":[]}', "fallbacks"),
+    (b'{"model":"a","context_management":{"edits":[{"type":"compact"}],"edits":[]}}', "edits"),
+    (b'{"model":"a","speed":"fast","speed":"standard"}', "speed"),
 ])
 def test_repeated_key_table(raw: bytes, expected: str | None) -> None:
     orjson.loads(raw)  # every case is a body orjson accepts
