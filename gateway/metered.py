@@ -35,7 +35,7 @@ from gateway.errors import InvalidRequest
 from gateway.frozen_init import fast_init
 from gateway.providers.base import StreamStep
 from gateway.providers.common import opt_int, opt_number, require_model, required_count
-from gateway.providers.openai_chat import MAX_CHOICES, OpenAIChat, OpenAIStreamReader
+from gateway.providers.openai_chat import MAX_CHOICES, OpenAIChat, OpenAIStreamReader, service_tier
 from gateway.providers.openai_chat import usage_from as completion_usage
 from gateway.providers.openai_responses import OpenAIResponses
 from gateway.providers.openai_responses import usage_from as responses_usage
@@ -174,7 +174,8 @@ def answer_of(meter: Meter, data: bytes) -> Answer:
     text = first.get("text")
     return Answer(response_id=body.get("id") if isinstance(body.get("id"), str) else None,
                   model=body.get("model") if isinstance(body.get("model"), str) else None,
-                  text=text if isinstance(text, str) else "", usage=meter.usage(body.get("usage")))
+                  text=text if isinstance(text, str) else "", usage=meter.usage(body.get("usage")),
+                  service_tier=service_tier(body))  # the tier it was billed at (a compaction's `priority`)
 
 
 class CompletionStreamReader(OpenAIStreamReader):

@@ -85,7 +85,7 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
             refused_call(gw, identity, call, exc, request.headers)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
-                             output_billed=meter.output != "none")
+                             output_billed=meter.output != "none", service_tier=call.service_tier)
     step = Step(adapter, identity, call, route, body, raw, price=price)
     limit = output_limit(step)
     if meter.output == "model_limit" and not (price is not None and price.max_output_tokens):

@@ -107,6 +107,27 @@ async def test_priority_tier_settled_at_priority_rate(gateway_factory: GatewayFa
     assert view["spent_usd"] == pytest.approx(want, rel=REL), f"spent {view['spent_usd']}, provider bills {want}"
 
 
+async def test_a_priority_compaction_is_reserved_and_settled_at_the_priority_rate(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """`/v1/responses/compact` takes `service_tier` (the `openai` SDK's `responses.compact`) and its answer
+    reports the tier billed, as `/v1/responses` does; compactions were priced at the standard rate
+    whatever the tier, so a priority compaction was counted at about half its cost."""
+    priced_oracle_sane()
+    h = await gateway_factory(models=MODELS, agents={"bot": {"budget": {"usd": 10.0}}})
+    compaction = {"id": "resp_c", "object": "response.compaction", "created_at": 1, "model": "gpt-4o",
+                  "output": [{"type": "compaction", "id": "cmp_1", "encrypted_content": "xyz"}],
+                  "usage": {"input_tokens": 1000, "output_tokens": 1000, "total_tokens": 2000},
+                  "service_tier": "priority"}
+    h.fake.queue(Reply(body=compaction))
+    async with oa(h, "prio-compact") as client:
+        result = await client.responses.compact(model="gpt-4o", input="summarise", service_tier="priority")
+    assert result.service_tier == "priority"
+    view = await h.settled("prio-compact")
+    want = genai("gpt-4o", tier="priority", input_tokens=1000, output_tokens=1000)
+    assert view["spent_usd"] == pytest.approx(want, rel=REL), f"spent {view['spent_usd']}, provider bills {want}"
+
+
 async def test_flex_tier_settled_at_flex_rate(gateway_factory: GatewayFactory) -> None:
     """`service_tier: "flex"` is billed at half price on o3 (genai-prices, `price_context={"service_tier":
     "flex"}`: 1000 in + 1000 out = $0.005 against $0.010 standard). README: settlement follows what the
