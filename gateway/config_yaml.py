@@ -58,17 +58,26 @@ def _strict_loader() -> type[yaml.SafeLoader]:
     import yaml
 
     class Strict(yaml.SafeLoader):
-        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-            seen: dict[Any, yaml.Mark] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                first = seen.setdefault(key, key_node.start_mark) if _hashable(key) else key_node.start_mark
-                if first is not key_node.start_mark:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"a key is repeated in one mapping (first{_at(first)})", key_node.start_mark)
-            return dict(super().construct_mapping(node, deep=deep))
+        # every mapping is flattened before it is built, and a mapping a merge brings in is flattened
+        # (its `node.value` rewritten with what it merges) when the first mapping merging it is built:
+        # each mapping's own keys are checked once, on its first flattening, before any merge rewrites them
+        def __init__(self, stream: str) -> None:
+            super().__init__(stream)
+            self._checked: set[int] = set()  # the mappings whose own keys were checked
+
+        def flatten_mapping(self, node: yaml.MappingNode) -> None:
+            if id(node) not in self._checked:
+                self._checked.add(id(node))
+                seen: dict[Any, yaml.Mark] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    first = seen.setdefault(key, key_node.start_mark) if _hashable(key) else key_node.start_mark
+                    if first is not key_node.start_mark:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"a key is repeated in one mapping (first{_at(first)})", key_node.start_mark)
+            super().flatten_mapping(node)
 
     return Strict
 

@@ -6,8 +6,8 @@ did not judge: `"max_tokens": 100000, "max_tokens": 5` reserved for 5 tokens, or
 holding a tool the allow-list removed from the second. RFC 8259 leaves such a body's meaning to the
 parser, so one that repeats a name tollgate reads is a 400 instead.
 
-Cost: one regular expression pass over the raw bytes (about 1 µs for a short request, 26 µs for a
-46 KB agent request); the exact check (the standard parser, every object's pairs) runs only when a
+Cost: one regular expression pass over the raw bytes (about 1 µs for a short request, 60-200 µs
+for a 46-54 KB agent request); the exact check (the standard parser, every object's pairs) runs only when a
 watched name occurs twice anywhere or the body holds a `\\u` escape (a key may be spelled with one).
 """
 
@@ -32,12 +32,15 @@ WATCHED = frozenset({
 
 
 def _names_pattern() -> re.Pattern[bytes]:
-    """A watched name written as a key (`"name"` then `:`). The lookahead on the first letters lets the
-    scan leave most strings at their first character instead of trying every alternative."""
-    names = sorted(WATCHED, key=len, reverse=True)
-    firsts = re.escape(bytes(sorted({ord(n[0]) for n in names})))
-    alternatives = b"|".join(re.escape(n.encode()) for n in names)
-    return re.compile(rb'"(?=[' + firsts + rb"])(" + alternatives + rb')"\s*:')
+    """A watched name written as a key (`"name"` then `:`), its alternatives grouped by first letter: a
+    string whose first letter starts no name is left at once, one that does tries only that letter's."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(WATCHED, key=len, reverse=True):
+        groups.setdefault(name[0], []).append(name[1:])
+    alternatives = b"|".join(
+        re.escape(first.encode()) + b"(?:" + b"|".join(re.escape(rest.encode()) for rest in rests) + b")"
+        for first, rests in sorted(groups.items()))
+    return re.compile(rb'"(' + alternatives + rb')"\s*:')
 
 
 _NAMES = _names_pattern()

@@ -187,8 +187,8 @@ def _refusal_code(outcome: Outcome) -> str | None:
 
 
 def _admitted_in(step: ToolStep | None) -> int | None:
-    """The run epoch the call was judged in (None: refused before the run was read)."""
-    return None if step is None else step.ctx.run.epoch if step.ctx.run is not None else 1
+    """The run epoch the call was judged in (None: refused before the run was read, or unguarded)."""
+    return None if step is None or step.unguarded else step.ctx.run.epoch if step.ctx.run is not None else 1
 
 
 def _cut_refusal(step: ToolStep | None) -> GatewayError | None:

@@ -69,7 +69,8 @@ class _Swept:
 
 
 async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
-    """End (export the root span of) every active run with no step for `idle_s`. Returns how many.
+    """End (export the root span of) every active run with no step for `idle_s`. Returns how many runs
+    it judged idle (one with nothing new since its last root exports nothing).
 
     A sweep reads only the runs that went idle since the previous sweep (`RunStore.runs_updated`), so
     however many runs the store holds, each is reached once it is idle, without loading all of them

@@ -166,9 +166,9 @@ async def conclude(gw: Gateway, step: Step) -> None:
 async def respond(gw: Gateway, step: Step, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """Send a concluded step's answer: a stop's ledger row first (durable before the agent hears of it),
     the step's telemetry after the answer left (never on the agent's critical path)."""
-    if step.stop_reason:
-        await ledger_stop_now(gw, step)
-    try:
+    try:  # the hooks run however it ends: a client leaving while the stop's row is written included
+        if step.stop_reason:
+            await ledger_stop_now(gw, step)
         await send(response, request, step)
     finally:
         gw.notify(step)
@@ -200,6 +200,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         # leaves is charged at the reservation, unless the transport says nothing was written
         step.extra["sent"] = True
         sending = Sending()
+        step.extra.pop(UPSTREAM_STATUS, None)  # this attempt's, not a re-asked one's
         try:
             upstream = await transport.open("POST", url, headers, payload, step.route.provider.timeouts, sending)
         except GatewayError as exc:

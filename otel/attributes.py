@@ -46,8 +46,9 @@ Attributes = dict[str, AttributeValue]
 TOLLGATE_RUN_ID: Final = "tollgate.run_id"
 """Run id of the step (same key as the W3C baggage entry the agent may send). Never a metric label."""
 TOLLGATE_RUN_EPOCH: Final = "tollgate.run.epoch"
-TOLLGATE_RUN_SEGMENT: Final = "tollgate.run.segment"  # the root of a run that resumed after an idle export
 """Which incarnation of a run id (bumped by a reset) a root span summarises."""
+TOLLGATE_RUN_SEGMENT: Final = "tollgate.run.segment"
+"""Which root of a run epoch (1, 2, ...: the run went on after an idle export) a root span is."""
 TOLLGATE_AGENT: Final = "tollgate.agent"
 """Agent name resolved by the identify stage (key lookup, `x-tollgate-agent` or `default`)."""
 TOLLGATE_PROVIDER_KEY: Final = "tollgate.provider"

@@ -120,15 +120,19 @@ class RunRoots:
 
     def segment(self, run_id: str, epoch: int | str) -> int:
         """The root the run's next step is parented to (marks an idle-ended epoch as resumed)."""
-        root = self._roots.get((run_id, str(epoch)))
+        key = (run_id, str(epoch))
+        root = self._roots.get(key)
         if root is None or root.final:
             return root.segment if root is not None else 0
         root.resumed = True
+        self._roots.move_to_end(key)  # in use: the last to be forgotten
         return root.segment + 1
 
-    def end(self, run_id: str, epoch: int | str, *, final: bool, now: float) -> tuple[int, float | None] | None:
+    def end(self, run_id: str, epoch: int | str, *, final: bool, now: float,
+            stopped: bool = False) -> tuple[int, float | None] | None:
         """The root to export now, as (segment, its start: None for the run's own start), or None: the
-        epoch ended for good already, or nothing of the run happened since its last root."""
+        epoch ended for good already, or nothing of the run happened since its last root. `stopped`: the
+        run stopped, which is news even when no step started since its idle root (one in flight did)."""
         key = (run_id, str(epoch))
         root = self._roots.get(key)
         if root is None:
@@ -138,7 +142,7 @@ class RunRoots:
             return 0, None
         if root.final:
             return None
-        if not root.resumed:
+        if not root.resumed and not (final and stopped):
             root.final = root.final or final
             return None
         start = root.ended_at

@@ -274,7 +274,7 @@ class Telemetry:
         if self._tracer is None or self._ids is None:
             return False
         with self._lock:
-            decided = self._roots.end(run_id, epoch, final=final, now=time.time())
+            decided = self._roots.end(run_id, epoch, final=final, now=time.time(), stopped=bool(totals.stop_reason))
         if decided is None:
             return False
         segment, start = decided

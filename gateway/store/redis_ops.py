@@ -290,7 +290,7 @@ return cjson.encode(stopped_denial())
 # A: [step JSON, now, max steps kept, the epoch it ran under or -1]. A step of an ended epoch is left out.
 _RECORD_STEP = """
 create()
-if A[4] ~= -1 and tonumber(redis.call('HGET', K, 'epoch')) ~= A[4] then return 0 end
+if A[4] ~= -1 and tonumber(redis.call('HGET', K, 'epoch')) ~= A[4] then touch(); return 0 end
 redis.call('RPUSH', STEPS, A[1])
 redis.call('LTRIM', STEPS, -A[3], -1)
 redis.call('HSET', K, 'updated_at', num(A[2]))

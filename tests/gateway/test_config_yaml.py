@@ -79,6 +79,21 @@ def test_merges_and_modest_aliases_are_kept(tmp_path: Path) -> None:
     assert tree["strict"] == {"caps": {"llm_calls": 2}, "loop": {"window": 6}}
 
 
+@pytest.mark.parametrize("text", [
+    # an anchored mapping with a merge of its own, deeper than the mapping that merges it: PyYAML
+    # flattens it (rewriting its keys with the merged ones) before building it
+    "templates:\n  base: &base\n    <<: {retries: 1}\n    retries: 2\nagent: {<<: *base}\n",
+    "t:\n  a: &a\n    <<: {x: 0}\n    x: 1\n  b: &b {y: 2}\nc:\n  <<: [*a, *b]\n",  # a list merge
+    "a: &a {x: 1}\nb: &b {x: 2}\nc: {<<: [*a, *b]}\n",  # two sources with one key: the first wins
+])
+def test_merges_are_read_as_pyyaml_reads_them(tmp_path: Path, text: str) -> None:
+    import yaml
+
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    assert read_yaml(path) == yaml.safe_load(text)
+
+
 def test_an_empty_file_is_no_tree(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
     path.write_text("# nothing yet\n")

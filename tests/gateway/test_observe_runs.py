@@ -5,6 +5,7 @@ stop (`otel.runs.RunRoots`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -117,4 +118,46 @@ async def test_a_run_that_resumes_after_going_idle_ends_under_a_root_that_carrie
     # the root is exported once its stopping step's span ended: it spans that step (it ended 1-2 ms before)
     assert steps[-1].end_time is not None and roots[-1].end_time is not None
     assert steps[-1].end_time <= roots[-1].end_time
+    telemetry.shutdown()
+
+
+async def test_a_stopped_runs_root_is_exported_when_its_client_leaves_while_the_stop_is_written(
+    gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step hooks run however the answer ends: a client leaving while the stop's ledger row is
+    written (up to 2 s) skipped them, and with them the export of the run's root (the idle sweep leaves
+    stopped runs alone), so the stopped run had no root at all."""
+    from gateway import proxy
+
+    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 1}}})
+    exporter = InMemorySpanExporter()
+    h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def step() -> int:
+        async with h.session.post(f"{h.url}/v1/chat/completions", json=chat,
+                                  headers={"x-tollgate-run-id": "gone"}) as resp:
+            return resp.status
+
+    assert await step() == 200
+    writing = asyncio.Event()
+
+    async def slow_row(gw: object, step: object) -> None:  # a ledger slow to write: the client leaves meanwhile
+        writing.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(proxy, "ledger_stop_now", slow_row)
+    task = asyncio.create_task(step())
+    await writing.wait()
+    task.cancel()
+
+    def roots() -> list[str]:
+        telemetry.force_flush()
+        return [s.name for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+
+    for _ in range(400):  # the gateway sees the client leave on its own: nothing to await
+        if roots():
+            break
+        await asyncio.sleep(0.005)
+    assert roots() == ["invoke_agent default"]
     telemetry.shutdown()

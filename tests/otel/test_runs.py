@@ -5,7 +5,7 @@ from __future__ import annotations
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 
-from otel.runs import RunTotals, context_from_headers, inject_headers, path_fingerprint, run_ids
+from otel.runs import RunRoots, RunTotals, context_from_headers, inject_headers, path_fingerprint, run_ids
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 from tests.otel.conftest import Spans
@@ -161,6 +161,31 @@ def test_an_idle_run_without_a_step_since_exports_nothing_more(telemetry: Teleme
     step_under(telemetry, "run-2")  # after a final end: under the exported root, as a stop's refusals
     _, root, late = spans()
     assert root.context is not None and late.parent is not None and late.parent.span_id == root.context.span_id
+
+
+def test_a_stop_after_an_idle_root_is_exported_even_without_a_step_started_since(
+    telemetry: Telemetry, spans: Spans,
+) -> None:
+    """A step admitted before the idle export (a long stream, a slow tool) or an agent sending its own
+    `traceparent` starts no step under the run's next root; its stop is still the run's news."""
+    assert telemetry.end_run("run-3", "bot", started_at=1.0, totals=RunTotals(llm_calls=1), final=False)
+    assert telemetry.end_run("run-3", "bot", started_at=1.0, totals=RunTotals(llm_calls=1, stop_reason="loop_detected"))
+    _, stop_root = spans()
+    assert stop_root.context is not None and (stop_root.context.trace_id, stop_root.context.span_id) == run_ids(
+        "run-3", 0, 1)
+    assert dict(stop_root.attributes or {})["error.type"] == "loop_detected"
+
+
+def test_run_roots_forget_the_least_recently_used_epoch() -> None:
+    """A run still taking steps keeps its place: forgotten, its next root would be exported again as its
+    first (the same span id twice)."""
+    roots = RunRoots(kept=2)
+    assert roots.end("busy", 0, final=False, now=1.0) == (0, None)
+    assert roots.end("a", 0, final=False, now=2.0) == (0, None)
+    assert roots.segment("busy", 0) == 1  # a step of it: the most recently used now
+    assert roots.end("b", 0, final=False, now=3.0) == (0, None)  # forgets "a", not "busy"
+    assert roots.end("busy", 0, final=True, now=4.0) == (1, 1.0)
+    assert roots.end("a", 0, final=True, now=5.0) == (0, None)  # forgotten: starts afresh
 
 
 def test_agent_traceparent_is_honoured(telemetry: Telemetry, spans: Spans) -> None:
