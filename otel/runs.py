@@ -109,8 +109,9 @@ class _Root:
 
 class RunRoots:
     """Which root of a run epoch a step is parented to, and which one `end_run` exports (module
-    docstring): bounded to `kept` epochs (the oldest forgotten first). Not thread-safe: the caller
-    holds its lock around `end`; `segment` is one dict read and a flag, on every step."""
+    docstring): bounded to `kept` epochs (the least recently used forgotten first). Not thread-safe:
+    steps and run ends all come from the event loop (`end` under Telemetry's lock as well); `segment`,
+    on every step, is a dict read, a flag and a move to the end."""
 
     __slots__ = ("_kept", "_roots")
 
