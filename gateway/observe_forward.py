@@ -61,7 +61,10 @@ def _open(telemetry: Telemetry, headers: Mapping[str, str], epoch: int, method: 
 
 def _parent(telemetry: Telemetry, headers: Mapping[str, str], identity: Identity, epoch: int) -> Context:
     """The agent's trace context when it sent one, else its run's root (of `epoch`)."""
-    return context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch)
+    # a forwarded call writes nothing to the run, so no sweep or stop would export a root it opened: it
+    # goes under the run's last root, not its next one (`resume=False`)
+    return context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch,
+                                                                 resume=False)
 
 
 def end_forward(span: StepSpan | None, *, status: int | None, failure: str | None = None) -> None:

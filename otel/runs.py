@@ -119,11 +119,12 @@ class RunRoots:
         self._kept = kept
         self._roots: OrderedDict[tuple[str, str], _Root] = OrderedDict()
 
-    def segment(self, run_id: str, epoch: int | str) -> int:
-        """The root the run's next step is parented to (marks an idle-ended epoch as resumed)."""
+    def segment(self, run_id: str, epoch: int | str, *, resume: bool = True) -> int:
+        """The root the run's next step is parented to (marks an idle-ended epoch as resumed); with
+        `resume=False` (a call that is no step of the run), the last one."""
         key = (run_id, str(epoch))
         root = self._roots.get(key)
-        if root is None or root.final:
+        if root is None or root.final or not resume:
             return root.segment if root is not None else 0
         root.resumed = True
         self._roots.move_to_end(key)  # in use: the last to be forgotten

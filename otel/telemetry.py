@@ -253,14 +253,14 @@ class Telemetry:
 
         return self._step(start, parent, "mcp", labels)
 
-    def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0) -> Context:
+    def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0, resume: bool = True) -> Context:
         """Parent context for the steps of a run without agent trace context: the (future) root span
-        `invoke_agent {agent}` with ids derived from `(run_id, epoch)` (see `RunParents`). Empty when
-        tracing is off."""
+        `invoke_agent {agent}` with ids derived from `(run_id, epoch)` (`RunParents`; `resume=False`: a
+        call that is no step of the run stays under its last root, `RunRoots`). Empty when tracing is off."""
         if self._parents is None:
             return Context()
         try:
-            return self._parents.get(run_id, agent, epoch, self._roots.segment(run_id, epoch))
+            return self._parents.get(run_id, agent, epoch, self._roots.segment(run_id, epoch, resume=resume))
         except Exception:  # noqa: BLE001 - counted; steps then start their own traces
             self._errors.record("run_parent")
             return Context()

@@ -188,6 +188,16 @@ def test_run_roots_forget_the_least_recently_used_epoch() -> None:
     assert roots.end("a", 0, final=True, now=5.0) == (0, None)  # forgotten: starts afresh
 
 
+def test_a_call_that_is_no_step_of_the_run_stays_under_its_last_root() -> None:
+    """A forwarded call writes nothing to the run: a root it opened would wait for a sweep or a stop that
+    never comes, and its span would have no parent."""
+    roots = RunRoots(kept=8)
+    assert roots.end("r", 0, final=False, now=1.0) == (0, None)
+    assert roots.segment("r", 0, resume=False) == 0
+    assert roots.end("r", 0, final=False, now=2.0) is None  # nothing of the run happened since
+    assert roots.segment("r", 0) == 1  # a step of it
+
+
 def test_agent_traceparent_is_honoured(telemetry: Telemetry, spans: Spans) -> None:
     parent = context_from_headers({"traceparent": TRACEPARENT, "tracestate": "vendor=1"})
     assert parent is not None
