@@ -261,7 +261,8 @@ def _end_spans(gw: Gateway, telemetry: Telemetry, step: Step) -> float:
     if step.stop_reason:
         span.stop(step.stop_reason, step.stop_detail)
     elif step.error_type:
-        upstream = reached and _is_upstream_error(step.error_type)  # also a stream that broke off
+        provider = step.answer is not None and step.answer.provider_error == step.error_type  # its own error event
+        upstream = reached and (provider or _is_upstream_error(step.error_type))  # also a stream that broke off
         span.error(step.error_type, None, upstream=upstream)
     elif step.answer is not None and step.answer.provider_error:  # relayed as it came, but a failure
         span.error(step.answer.provider_error, None, upstream=True)

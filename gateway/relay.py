@@ -110,6 +110,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     if client_gone:
         step.error_type = "client_disconnected"
         return out
+    if failure is None and not reader.complete and answer.provider_error and not held:
+        step.error_type = answer.provider_error  # the provider ended it with an error event the agent has
+        return out
     if failure is None and not reader.complete:
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
     if failure is None and broken is not None and held_to_text(answer):

@@ -371,6 +371,7 @@ class AnthropicStreamReader:
         self.delta = ""  # answer text carried by the last event fed
         self.restart = False  # the last event began a tool Anthropic runs (`StreamReader`)
         self._after_tool = False
+        self._error: str | None = None  # the type of an `error` event the provider ended the stream with
 
     @property
     def output_chars(self) -> int:
@@ -436,6 +437,10 @@ class AnthropicStreamReader:
         elif kind == "message_stop":
             self.complete = True
             return StreamStep(event.raw, done=True)
+        elif kind == "error":  # relayed as it came (an overload mid-stream): the agent's SDK raises it
+            error = data.get("error")
+            code = error.get("type") if isinstance(error, dict) else None
+            self._error = code if isinstance(code, str) and code else "error"
         return StreamStep(event.raw)
 
     def _merge_usage(self, usage: Any) -> bool:
@@ -472,4 +477,5 @@ class AnthropicStreamReader:
             hosted_calls=self._hosted,
             after_provider_tool=self._after_tool,
             service_tier=answer_tier(self._nested),
+            provider_error=self._error,
         )

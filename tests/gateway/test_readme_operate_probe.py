@@ -286,6 +286,27 @@ async def test_the_upstream_status_label_is_the_status_the_upstream_answered(gat
     assert statuses == {"200": 1.0}, statuses
 
 
+async def test_an_anthropic_stream_the_provider_ends_with_an_error_event_is_that_error(
+    sink: OtlpSink, gateway_factory: GatewayFactory,
+) -> None:
+    """An `error` event mid-stream (an overload) is relayed as it came; tollgate then added an error event
+    of its own ("upstream stream ended before the answer was complete") and named the span's error
+    `upstream_unavailable` instead of the provider's `overloaded_error`."""
+    h = await gateway_factory()
+    start = {"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+             "model": "claude-3-5-haiku-latest", "content": [], "usage": {"input_tokens": 5, "output_tokens": 1}}}
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    h.fake.queue(Reply(chunks=[b"event: message_start\ndata: " + orjson.dumps(start) + b"\n\n",
+                               b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"]))
+    body = {"model": "claude-3-5-haiku-latest", "max_tokens": 20, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with h.session.post(f"{h.url}/v1/messages", json=body, headers={"x-tollgate-run-id": "overload"}) as resp:
+        raw = await resp.read()
+    assert raw.count(b"event: error") == 1 and b"overloaded_error" in raw, raw
+    [span] = [s for s in await flushed(h, sink) if s.name.startswith("chat ")]
+    assert (span.status_code, span.value("error.type")) == (2, "overloaded_error")
+
+
 async def test_get_v1_models_is_traced(sink: OtlpSink, gateway_factory: GatewayFactory) -> None:
     """DESIGN 2: "`GET /v1/models` and other `/v1/...` paths (embeddings, ...): forwarded to the provider,
     traced." Other forwarded paths are: `GET /v1/files` and `GET /v1/models/{id}` each leave a `GET`

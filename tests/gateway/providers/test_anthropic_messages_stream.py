@@ -130,7 +130,8 @@ def test_other_events_are_relayed_untouched(raw: bytes) -> None:
     reader = ADAPTER.stream_reader(hide_usage=False)
     step = reader.feed(event)
     assert (step.out, step.done, reader.started, reader.complete) == (raw, False, False, False)
-    assert reader.answer() == Answer()
+    # an error event is the provider's: its type is the answer's (the span's `error.type`)
+    assert reader.answer() == (Answer(provider_error="overloaded_error") if b"overloaded" in raw else Answer())
 
 
 def test_malformed_json_is_refused() -> None:
