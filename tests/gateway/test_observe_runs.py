@@ -18,7 +18,8 @@ from gateway.observe_runs import _SWEPT_SERVICE, end_idle_runs
 from gateway.store.base import RunState
 from gateway.store.sqlite import SqliteRunStore
 from otel.setup import setup_telemetry
-from tests.conftest import GatewayFactory
+from otel.telemetry import Telemetry
+from tests.conftest import GatewayFactory, Harness
 
 
 async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_since(
@@ -87,25 +88,32 @@ async def test_a_restart_longer_than_the_idle_period_ends_the_runs_that_went_idl
     telemetry.shutdown()
 
 
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def traced(factory: GatewayFactory, llm_calls: int) -> tuple[Harness, InMemorySpanExporter, Telemetry]:
+    """A gateway whose default agent stops at `llm_calls`, tracing to an in-memory exporter."""
+    h = await factory(agents={"default": {"caps": {"llm_calls": llm_calls}}})
+    exporter = InMemorySpanExporter()
+    h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+    return h, exporter, telemetry
+
+
+async def chat_step(h: Harness, run: str) -> int:
+    async with h.session.post(f"{h.url}/v1/chat/completions", json=CHAT, headers={"x-tollgate-run-id": run}) as resp:
+        return resp.status
+
+
 async def test_a_run_that_resumes_after_going_idle_ends_under_a_root_that_carries_its_stop(
     gateway_factory: GatewayFactory,
 ) -> None:
     """A run idle for `otel.run_idle_s` (a human approval can take longer) has its root exported; it
     used to be the run's only root: "fine, 1 call", while the run went on and stopped. Now the steps
     after it are under the run's next root, in the same trace, which the stop exports."""
-    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 2}}})
-    exporter = InMemorySpanExporter()
-    h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
-    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
-
-    async def step() -> int:
-        async with h.session.post(f"{h.url}/v1/chat/completions", json=chat,
-                                  headers={"x-tollgate-run-id": "paused"}) as resp:
-            return resp.status
-
-    assert await step() == 200
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=2)
+    assert await chat_step(h, "paused") == 200
     assert await end_idle_runs(h.gateway, 60, time.time() + 100) == 1  # the run went idle
-    assert [await step(), await step()] == [200, 403]  # it resumes, then hits caps.llm_calls
+    assert [await chat_step(h, "paused"), await chat_step(h, "paused")] == [200, 403]  # resumes, hits the cap
     assert telemetry.force_flush()
     finished = exporter.get_finished_spans()
     roots = [s for s in finished if s.name.startswith("invoke_agent")]
@@ -129,17 +137,8 @@ async def test_a_stopped_runs_root_is_exported_when_its_client_leaves_while_the_
     stopped runs alone), so the stopped run had no root at all."""
     from gateway import proxy
 
-    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 1}}})
-    exporter = InMemorySpanExporter()
-    h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
-    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
-
-    async def step() -> int:
-        async with h.session.post(f"{h.url}/v1/chat/completions", json=chat,
-                                  headers={"x-tollgate-run-id": "gone"}) as resp:
-            return resp.status
-
-    assert await step() == 200
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=1)
+    assert await chat_step(h, "gone") == 200
     writing = asyncio.Event()
 
     async def slow_row(gw: object, step: object) -> None:  # a ledger slow to write: the client leaves meanwhile
@@ -147,7 +146,7 @@ async def test_a_stopped_runs_root_is_exported_when_its_client_leaves_while_the_
         await asyncio.Event().wait()
 
     monkeypatch.setattr(proxy, "ledger_stop_now", slow_row)
-    task = asyncio.create_task(step())
+    task = asyncio.create_task(chat_step(h, "gone"))
     await writing.wait()
     task.cancel()
 
