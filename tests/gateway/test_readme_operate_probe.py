@@ -239,6 +239,33 @@ async def test_a_step_the_budget_stopped_does_not_record_budget_allow(
     assert budget_stops and budget_stops[0].value >= 1
 
 
+async def test_an_mcp_servers_http_error_is_no_json_rpc_code_on_its_span(sink: OtlpSink,
+                                                                          gateway_factory: GatewayFactory) -> None:
+    """A `tools/call` the server answers with an HTTP 500 and no JSON-RPC response: `error.type` "500",
+    but no `rpc.response.status_code` (which names a JSON-RPC error code, semconv)."""
+    from aiohttp import web
+
+    from tests.gateway.test_mcp_probe import RawServer, call, raw
+
+    class Failing(RawServer):
+        async def handle(self, request: web.Request) -> web.StreamResponse:
+            body = orjson.loads(await request.read()) if request.method == "POST" else {}
+            if body.get("method") == "tools/call":
+                return web.Response(status=500, text="boom")
+            return await super().handle(request)
+
+    server = await Failing().start()
+    try:
+        h = await gateway_factory(mcp_servers={"files": {"url": server.url}},
+                                  agents={"bot": {"tools": {"allow": ["files/read_file"]}}})
+        status, _, _ = await raw(h, "POST", call("read_file", {"path": "a"}))
+        assert status == 500  # the server's own error answer, relayed as it came
+        [span] = [s for s in await flushed(h, sink) if s.name == "tools/call read_file"]
+        assert span.value("error.type") == "500" and "rpc.response.status_code" not in span.attributes
+    finally:
+        await server.close()
+
+
 async def test_an_mcp_call_over_the_tool_call_cap_records_the_caps_stop(
     sink: OtlpSink, gateway_factory: GatewayFactory, files: mcp_server.RunningServer
 ) -> None:
