@@ -33,7 +33,6 @@ from gateway.http1_wire import Sending
 from gateway.identity import Identity
 from gateway.metered import Meter, MeteredAdapter, answer_of, guards_for, output_bound
 from gateway.observe import begin_step, start_span, step_span
-from gateway.observe_forward import refused_call
 from gateway.output_limits import whole_limit
 from gateway.pipeline import (
     base_headers,
@@ -48,7 +47,7 @@ from gateway.pipeline import (
     shape,
     upstream_request,
 )
-from gateway.proxy import GATEWAY, conclude, respond
+from gateway.proxy import GATEWAY, answer_refused, conclude, respond
 from gateway.relay import relay_stream
 from gateway.runtime import Gateway
 from gateway.step import Step
@@ -81,9 +80,10 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
             await _stopped_first(gw, identity)  # a stopped run is stopped on every upstream path
             raise exc from None
     except GatewayError as exc:
+        refusal = error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
         if identity is not None and call is not None:  # a parsed call refused before its step is a step too
-            refused_call(gw, identity, call, exc, request.headers)
-        return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
+            await answer_refused(gw, identity, call, exc, request, refusal)
+        return refusal
     price = gw.pricer.lookup(route.model if route.prefixed else call.model, route.provider.type,
                              output_billed=meter.output != "none", service_tier=call.service_tier)
     step = Step(adapter, identity, call, route, body, raw, price=price)

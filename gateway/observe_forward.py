@@ -106,6 +106,15 @@ def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, header
                                          detail=error.redacted))
 
 
+async def _epoch(gw: Gateway, identity: Identity) -> int:
+    """The run's current epoch (1 for a run the store does not hold yet, or cannot read now)."""
+    try:
+        state = await gw.store.get(identity.run_id, steps=False, reservations=False)
+    except GatewayError:  # the refusal is answered already; only where its span goes is at stake
+        return 1
+    return state.epoch if state is not None else 1
+
+
 def body_model(body: bytes) -> str | None:
     """The `model` a request body names when it is a JSON object naming one as a string, else None
     (an upload or a form fails at its first byte)."""
@@ -117,20 +126,25 @@ def body_model(body: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayError,
-                 headers: Mapping[str, str]) -> None:
+async def refused_call(gw: Gateway, identity: Identity, call: Call, error: GatewayError,
+                       headers: Mapping[str, str], *, started: float) -> None:
     """A model call refused after it was parsed but before its step exists (`model_not_found`, a grammar
     or tool schema that cannot be checked): a span with `error.type` = the code and a ledger row, as for
-    a step refused in the pipeline. Nothing was routed, so the span names no provider; with no step, the
-    run's epoch is not read: the span's parent is the agent's trace context, else the run's first root."""
+    a step refused in the pipeline. Nothing was routed, so the span names no provider. Its parent is the
+    agent's trace context, else the root of the run's current epoch, which this reads from the store
+    (call it once the refusal was answered: the read never delays the answer); a store that fails the
+    read leaves the span under the run's first root. `started`: when the call arrived (Unix seconds)."""
     reason = error.stop_reason or error.code
     # a bad request's message may quote what the agent sent (its schema, its grammar): the code says it
     detail = "" if isinstance(error, InvalidRequest) else error.redacted
     telemetry = telemetry_of(gw)
     if telemetry is not None:
-        span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0,
-                                         parent=_parent(telemetry, headers, identity, 1),
-                                         run_id=identity.run_id, agent=identity.agent)
+        parent = context_from_headers(headers)
+        if parent is None:
+            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=await _epoch(gw, identity),
+                                          resume=False)
+        span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0, parent=parent,
+                                         run_id=identity.run_id, agent=identity.agent, start_time=started)
         if error.stop_reason:
             span.stop(reason, detail or None)
         else:

@@ -94,9 +94,10 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)
     except GatewayError as exc:
+        refusal = error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
         if identity is not None and call is not None:  # a parsed call refused before its step is a step too
-            refused_call(gw, identity, call, exc, request.headers)
-        return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
+            await answer_refused(gw, identity, call, exc, request, refusal)
+        return refusal
     step = Step(adapter, identity, call, route, body, raw, price=price_for(gw, route, call), outputs=plan,
                 original=dict(body), tools=tool_policy)
     begin_step(gw, step, request.headers)
@@ -173,6 +174,20 @@ async def respond(gw: Gateway, step: Step, request: web.Request, response: web.S
     finally:
         gw.notify(step)
     return response
+
+
+async def answer_refused(gw: Gateway, identity: Identity, call: Call, error: GatewayError, request: web.Request,
+                         response: web.StreamResponse) -> None:
+    """Send the refusal of a parsed call that has no step, then record it (`refused_call`): its span's
+    parent is read from the store, which must not delay the answer."""
+    started = time.time()
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # nobody to answer; the refusal is recorded all the same
+    finally:
+        await refused_call(gw, identity, call, error, request.headers, started=started)
 
 
 async def send(response: web.StreamResponse, request: web.Request, step: Step) -> None:
@@ -333,7 +348,8 @@ async def record(gw: Gateway, step: Step) -> None:
     if step.extra.get("state_failed") or step.error_type == StateUnavailable.code:
         return  # the store just failed this step: waiting out its deadline again would delay the answer
     try:
-        await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
+        filed = await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
+        step.extra.setdefault("epoch", filed)  # refused before it read the run: its trace is the current epoch's
         if step.stop_reason:  # the run's root ends once the step's own span has (`observe_runs.end_with`)
             step.extra[ENDS_RUN] = await gw.store.get(step.run_id)
     except GatewayError:

@@ -208,7 +208,12 @@ class RunStore(Protocol):
         another step stopped meanwhile keeps, and answers, its own reason."""
         ...
 
-    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None: ...
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:
+        """Keep the step in the run's list (creating the run) and answer the epoch it is filed under:
+        `step["epoch"]` when given (the epoch it ran under; left out of the list if a reset ended that
+        epoch since), else the run's current one (a step refused before it read the run, whose trace
+        is the current epoch's)."""
+        ...
 
     async def reset(self, run_id: str, now: float) -> RunState | None: ...
 

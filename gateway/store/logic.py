@@ -217,16 +217,18 @@ def stop(state: RunState, reason: str, detail: str, now: float) -> Denial:
     return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
 
 
-def record_step(state: RunState, step: Mapping[str, Any], now: float) -> None:
+def record_step(state: RunState, step: Mapping[str, Any], now: float) -> int:
     """Append the step to the run's list; one that names an epoch a reset has ended since (it was in
-    flight then) is left out: the fresh run lists its own steps (SQLite files it under its epoch)."""
+    flight then) is left out: the fresh run lists its own steps (SQLite files it under its epoch).
+    Answers the step's epoch (`RunStore.record_step`)."""
     given = step.get("epoch")
     if given is not None and int(given) != state.epoch:
-        return
+        return int(given)
     state.steps.append(dict(step))
     if len(state.steps) > MAX_STEPS:
         del state.steps[: len(state.steps) - MAX_STEPS]
     state.updated_at = now
+    return state.epoch
 
 
 def reset(state: RunState, now: float) -> None:

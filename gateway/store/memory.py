@@ -71,8 +71,8 @@ class MemoryRunStore:
     async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
         return logic.stop(self._run(run_id, agent), reason, detail, now)
 
-    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
-        logic.record_step(self._run(run_id, agent), step, now)
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:
+        return logic.record_step(self._run(run_id, agent), step, now)
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
         state = self._runs.get(run_id)

@@ -379,11 +379,11 @@ class RedisRunStore:
         reply = orjson.loads(await self._call("stop", run_id, agent, [reason, detail, float(now)]))
         return Denial(reply[1], reply[2])
 
-    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:
         encoded = orjson.dumps(dict(step)).decode()
         epoch = step.get("epoch")
-        await self._call("record_step", run_id, agent,
-                         [encoded, float(now), logic.MAX_STEPS, -1 if epoch is None else int(epoch)])
+        return int(await self._call("record_step", run_id, agent,
+                         [encoded, float(now), logic.MAX_STEPS, -1 if epoch is None else int(epoch)]))
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
         reply = await self._call("reset", run_id, "", [float(now)])

@@ -290,12 +290,13 @@ return cjson.encode(stopped_denial())
 # A: [step JSON, now, max steps kept, the epoch it ran under or -1]. A step of an ended epoch is left out.
 _RECORD_STEP = """
 create()
-if A[4] ~= -1 and tonumber(redis.call('HGET', K, 'epoch')) ~= A[4] then touch(); return 0 end
+local epoch = tonumber(redis.call('HGET', K, 'epoch'))
+if A[4] ~= -1 and epoch ~= A[4] then touch(); return A[4] end
 redis.call('RPUSH', STEPS, A[1])
 redis.call('LTRIM', STEPS, -A[3], -1)
 redis.call('HSET', K, 'updated_at', num(A[2]))
 touch()
-return 1
+return epoch
 """
 
 # A: [now]. Answers the fresh run as {"f": [field, value, ...], "s": []}, or false when there is none.

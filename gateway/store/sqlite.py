@@ -344,7 +344,7 @@ class SqliteRunStore:
     async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
         return self._change(self._state(run_id, agent), lambda s: logic.stop(s, reason, detail, now))
 
-    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> None:
+    async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:
         """Buffer the step row and the run's activity time; written within `flush_after_s` (module
         docstring). `step["epoch"]`, when given, is the epoch the step ran under (a reset may have come
         since); otherwise the run's current one."""
@@ -353,7 +353,9 @@ class SqliteRunStore:
         data = orjson.dumps(dict(step))
         self._steps.make_room()  # before a new run exists in memory: raises while the file refuses rows
         state = self._state(run_id, agent)
-        self._steps.add(state, state.epoch if epoch is None else epoch, data, now)
+        filed = state.epoch if epoch is None else epoch
+        self._steps.add(state, filed, data, now)
+        return filed
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
         state = self._existing(run_id)

@@ -246,6 +246,18 @@ async def test_stop_reset_and_a_stale_settle(store: RunStore) -> None:
     assert state is not None and state.used == {} and list(state.open) == [new.id]
 
 
+async def test_record_step_answers_the_epoch_it_files_the_step_under(store: RunStore) -> None:
+    """A step refused before it read the run learns its epoch (its trace) from `record_step`; one that
+    names an epoch a reset ended is left out of the fresh run's list and keeps its own epoch."""
+    assert await store.record_step("run-e", "bot", {"n": 1}, NOW) == 1  # creates the run
+    await store.reset("run-e", NOW + 1)
+    assert await store.record_step("run-e", "bot", {"n": 2}, NOW + 2) == 2
+    assert await store.record_step("run-e", "bot", {"n": 3, "epoch": 1}, NOW + 3) == 1  # in flight across it
+    assert await store.record_step("run-e", "bot", {"n": 4, "epoch": 2}, NOW + 4) == 2
+    state = await store.get("run-e")
+    assert state is not None and [s["n"] for s in state.steps] == [2, 4]
+
+
 async def test_record_step_and_list_runs(store: RunStore) -> None:
     await store.record_step("run-a", "bot", {"n": 1}, NOW + 1)
     await store.record_step("run-b", "bot", {"n": 2}, NOW + 3)

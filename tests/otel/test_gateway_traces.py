@@ -577,6 +577,10 @@ async def test_one_trace_per_run_with_its_root_exported_on_reset(
     # after the reset the run starts afresh, in a trace of its own
     [after] = [s for s in of_run(spans, "r-one") if s.kind == CLIENT and s.trace_id != trace_id]
     assert (after.trace_id, after.parent_span_id) == root_ids("r-one", 2)
+    # a step refused before it reads the run (no such model) is in the fresh epoch's trace too
+    assert (await post(h, {"model": "no-such-model", "messages": MSG}, run="r-one"))[0] == 404
+    [refused] = of_run(await flushed(h, sink), "r-one", "chat no-such-model")
+    assert (refused.trace_id, refused.parent_span_id) == root_ids("r-one", 2)
 
 
 async def test_agent_traceparent_is_honoured_and_propagated_upstream(
