@@ -245,8 +245,9 @@ def held_to_text(answer: Answer) -> bool:
 
 def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict | None:
     """The first violation of the answer: tool arguments against their declared schemas, then text
-    against every constraint. An answer that only calls tools, or a paused turn (`unfinished`), is not
-    held to the text constraints; a refusal (`refused`) is not, but the other choices still are."""
+    against every constraint. An answer that calls tools, or a paused turn (`unfinished`), is not held
+    to the text constraints: it is no final answer, and text before its calls is a preamble ("I'll look
+    that up"); a refusal (`refused`) is not either, but the other choices still are."""
     verdict = judge_tool_arguments(call, answer)
     if verdict is not None:
         return verdict
@@ -255,7 +256,7 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
     # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
     # only calls tools (no text, with calls in the answer) is not held to the text constraints
     prefill = "" if answer.after_provider_tool else call.prefill
-    first = prefill + answer.text if answer.text or not answer.tool_calls else ""
+    first = prefill + answer.text if not answer.tool_calls else ""
     texts = answer.other_texts if refused(answer) else (first, *answer.other_texts)
     for text in [t for t in texts if t or not answer.tool_calls]:
         for constraint in plan.constraints:

@@ -49,7 +49,12 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     ended = False  # the stream's final event was read: what an upstream sends after it is ignored
     limit = gw.config.limits.max_answer_bytes  # what is kept (the answer's text, held events) stays under it
     kept = 0  # bytes of held events
-    broken: GatewayError | None = None  # the checkers refused the text (cut at once unless provider tools run)
+    broken: GatewayError | None = None  # the checkers refused the text (cut at once unless it may be a preamble)
+    # text before a call (a client tool's, or one the provider runs) is a preamble, not the answer: a
+    # stream that offers tools is not cut where its text stops conforming, but judged once it is known to
+    # be the answer; from there a client-tools stream holds its events, so the agent sees no more of
+    # that text unless a call follows
+    hold_broken = False
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         async for chunk in upstream.chunks():
@@ -65,15 +70,16 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     raise _too_long(limit)
                 if checkers and broken is None and reader.delta and not all(c.feed(reader.delta) for c in checkers):
                     broken = _nonconforming(checkers)
-                    if not step.call.provider_tools:  # else it may be a preamble: judged at a restart or the end
+                    if not (step.call.provider_tools or step.call.tools):
                         failure = broken
                         break
+                    hold_broken = not step.call.provider_tools  # a provider's tool restarts the checkers
                 if not emitted.out:
                     continue
                 data = scrub(emitted.out, secret)  # an error event may echo the provider key
                 # the stream's end waits for the final verdict too: an SDK stops reading at it, so an
                 # error event after it would never be seen
-                if reader.holding or (emitted.done and checkers):
+                if reader.holding or hold_broken or (emitted.done and checkers):
                     held.append(data)
                     kept += len(data)
                     continue
@@ -115,10 +121,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         return out
     if failure is None and not reader.complete:
         failure = UpstreamUnavailable("upstream stream ended before the answer was complete")
-    if failure is None and broken is not None and held_to_text(answer):
+    if failure is None and broken is not None and not answer.tool_calls and held_to_text(answer):
         failure = broken  # the answer's text, not a preamble, broke its constraint
-    text_judged = False  # an answer of calls alone is not held to the text constraints (unless they are dropped)
-    if failure is None and checkers and not (answer.tool_calls and not answer.text) and held_to_text(answer):
+    text_judged = False  # an answer that calls tools is not held to the text constraints (unless they are dropped)
+    if failure is None and checkers and not answer.tool_calls and held_to_text(answer):
         text_judged = True
         failure = _text_failure(checkers)
     try:

@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.call import Call
+from gateway.call import Answer, Call, ToolCall
 from gateway.config import Limits
-from gateway.outputs import OutputPlan, Resolver, apply_native, plan_outputs
+from gateway.outputs import OutputPlan, Resolver, apply_native, judge, plan_outputs
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.providers.openai_responses import OpenAIResponses
 from grammars.library import GrammarLibrary
@@ -95,3 +95,20 @@ def test_apply_native_puts_a_schema_in_the_responses_text_format() -> None:
     chat: dict[str, Any] = {"messages": MSG}
     assert apply_native(planned, chat, "openai")
     assert chat == {"messages": MSG, "response_format": rf}
+
+
+@pytest.mark.parametrize(("text", "calls", "held"), [
+    ("I'll look that up.", ("lookup",), False),  # a tool turn: its text is a preamble
+    ("", ("lookup",), False),  # calls alone
+    ("I'll look that up.", (), True),  # no call: the text is the answer
+    ("", (), True),  # nothing at all is an answer too, and it is no match of [a-z]+
+])
+async def test_a_turn_that_calls_tools_is_not_held_to_the_text_constraints(
+    text: str, calls: tuple[str, ...], held: bool,
+) -> None:
+    resolver = Resolver(GrammarLibrary.load())
+    c = call(tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}])
+    p = await plan(resolver, c, grammar="regex:[a-z]+")
+    answer = Answer(text=text, tool_calls=tuple(ToolCall(f"c{i}", n, "{}") for i, n in enumerate(calls)))
+    verdict = judge(p, c, answer)
+    assert (verdict is not None) is held

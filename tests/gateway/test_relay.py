@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import Reply, anthropic_stream
+from tests.fakes.upstream import Reply, anthropic_message, anthropic_stream
 
 CLAUDE = "claude-3-5-haiku-latest"
 MSG = [{"role": "user", "content": "go"}]
@@ -99,4 +99,61 @@ async def test_the_answer_after_a_provider_s_tool_is_held_to_the_constraint(gate
     h.fake.queue(Reply(chunks=searched_stream("Let me search.", "no json here")))
     with pytest.raises(anthropic.APIStatusError) as caught:
         await searched(h, "bad-answer")
+    assert "constraint" in orjson.dumps(caught.value.body).decode()
+
+
+WEATHER = {"name": "get_weather", "description": "weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_CALL = {"id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+SCHEMA_GRAMMAR = 'json_schema:{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
+
+
+async def tool_turn(h: Harness, run: str, *, streamed: bool) -> tuple[list[str], list[str], str | None]:
+    """The turn's text blocks, tool names and stop reason, as the agent's SDK sees them."""
+    client = anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0,
+                                      default_headers={"x-tollgate-run-id": run})
+    async with client:
+        if streamed:
+            async with client.messages.stream(model=CLAUDE, max_tokens=64, messages=MSG,
+                                              tools=[WEATHER]) as events:  # type: ignore[list-item]
+                message = await events.get_final_message()
+        else:
+            message = await client.messages.create(model=CLAUDE, max_tokens=64, messages=MSG,  # type: ignore[arg-type]
+                                                   tools=[WEATHER])  # type: ignore[list-item]
+    return ([b.text for b in message.content if b.type == "text"],
+            [b.name for b in message.content if b.type == "tool_use"], message.stop_reason)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_text_before_a_client_tool_call_is_a_preamble_not_the_answer(
+    gateway_factory: GatewayFactory, streamed: bool,
+) -> None:
+    """Claude starts most tool turns with a sentence ("I'll check the weather."): a turn that calls a
+    tool is no final answer, so its text is not held to the answer's grammar. It used to be: the call was
+    dropped for a re-ask (non-streamed) or the stream cut at its first letter."""
+    h = await gateway_factory(agents={"default": {"output": {"grammar": SCHEMA_GRAMMAR, "retries": 1}}})
+    preamble = "I'll check the weather in Oslo for you."
+    if streamed:
+        h.fake.queue(Reply(chunks=anthropic_stream([preamble], tool_uses=[WEATHER_CALL])))
+    else:
+        h.fake.queue(Reply(body=anthropic_message(preamble, tool_uses=[WEATHER_CALL])))
+    assert await tool_turn(h, f"preamble-{streamed}", streamed=streamed) == ([preamble], ["get_weather"], "tool_use")
+    assert len(h.fake.seen) == 1  # not re-asked
+
+
+async def test_a_stream_that_offers_tools_and_ends_without_a_call_is_held_to_the_grammar(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """Its text may have been a preamble until the end showed no call followed: then it is the answer,
+    which breaks the grammar. The agent gets the error, and none of the text from where it broke on."""
+    h = await gateway_factory(agents={"default": {"output": {"grammar": SCHEMA_GRAMMAR, "retries": 0}}})
+    h.fake.queue(Reply(chunks=anthropic_stream(['{"answer": "sunny"} ', "and more prose"])))
+    body = {"model": CLAUDE, "max_tokens": 64, "messages": MSG, "tools": [WEATHER], "stream": True}
+    async with h.session.post(f"{h.url}/v1/messages", json=body, headers={"x-tollgate-run-id": "no-call"}) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    assert "output_nonconforming" in text and "more prose" not in text
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        h.fake.queue(Reply(chunks=anthropic_stream(["Sunny, I think."])))
+        await tool_turn(h, "no-call-sdk", streamed=True)
     assert "constraint" in orjson.dumps(caught.value.body).decode()
