@@ -370,11 +370,10 @@ def add_credentials(provider: Provider, headers: MutableMapping[str, str]) -> No
 # -- guard.after / settle ----------------------------------------------------------------------------
 
 
-async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: bool = True) -> None:
-    """Settle the reservation: real usage, or the whole reservation when usage is unknown.
-
-    `charged=False` (upstream refused with an error status) settles only the counts per step.
-    """
+async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: bool = True,
+                 counted: bool = True) -> None:
+    """Settle the reservation: real usage, or all of it when usage is unknown. `charged=False` (an error
+    status) settles the step's counts only; `counted=False`, none of its model call (`caps.llm_calls`)."""
     reservation = step.reservation
     if reservation is None:
         return
@@ -386,7 +385,8 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices, tier,
                                  price_of=lambda model: gw.pricer.lookup(model, provider)))
     else:
-        actual = {k: v for k, v in reservation.amounts.items() if k not in USAGE_COUNTERS}  # the step counts
+        actual = {k: v for k, v in reservation.amounts.items()  # the step counts
+                  if k not in USAGE_COUNTERS and (counted or k != "llm_calls")}
     step.cost_usd = actual.get("usd", 0.0)
     for key in ("usd", "input_tokens", "output_tokens"):
         if key in actual:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -55,6 +56,7 @@ from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, answers_something, judge_tools, shape_tools, without
 from gateway.upstream import answer_headers, scrub, secret_bytes
 from grammars.tool_args import check_tool_schemas
+from guards.loop import retry_mark
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
@@ -161,7 +163,27 @@ async def conclude(gw: Gateway, step: Step) -> None:
         except GatewayError:
             step.extra["settle_failed"] = True  # the store is down; the response is already decided
     await count_unjudged_hosted(gw, step)
+    await mark_retry(gw, step)
     await record(gw, step)
+
+
+SDK_RETRIED = frozenset({408, 409, 429})  # and every 5xx: what the openai and anthropic SDKs retry by themselves
+
+
+def sdk_retried(status: int | None) -> bool:
+    return status is not None and (status >= 500 or status in SDK_RETRIED)
+
+
+async def mark_retry(gw: Gateway, step: Step) -> None:
+    """A step sent upstream that ends with an error its agent's SDK retries with the same bytes: its
+    request is marked in the run's history (`guards.loop.retry_mark`), before the agent hears of it, so
+    that retry is no step without progress. Best effort: a store that fails now counts the retry."""
+    if not step.extra.get("sent") or step.stop_reason or not sdk_retried(step.status):
+        return
+    mark = retry_mark(step.decisions)
+    if mark is not None:
+        with contextlib.suppress(GatewayError):
+            await gw.write_effects(step.run_id, step.agent, (mark,))
 
 
 async def respond(gw: Gateway, step: Step, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
@@ -246,8 +268,8 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
             finally:
                 upstream.release()
             step.status = upstream.status
-            if upstream.status >= 300:
-                await settle(gw, step, None, charged=False)
+            if upstream.status >= 300:  # generated nothing; one the SDKs retry is no model call of the run
+                await settle(gw, step, None, charged=False, counted=not sdk_retried(upstream.status))
                 step.error_type = str(upstream.status)
                 secret = provider_secret(step.route.provider)
                 headers_out = answer_headers(upstream.headers, base_headers(step.identity, step), secret=secret)

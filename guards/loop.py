@@ -8,16 +8,21 @@ No progress: a step that sends back tool results none of which is new to the run
 identical to the previous one, is a stalled step; `stall_steps` stalled steps in a row stop the run
 before the next call goes upstream. A step with a new result or a new request is progress.
 MCP tool results are judged in their own history, so a result seen by the MCP proxy and then sent
-back to the model is not counted twice.
+back to the model is not counted twice. A step the provider answered with an error its SDK retries on
+its own (a 5xx, a 429 overload) marks its request (`retry_mark`): the identical retry is that step again,
+neither a repeat nor a judge of its already-recorded results.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from gateway.call import Answer
 from gateway.store.logic import repeats
 from guards.base import REASK, BaseGuard, Decision, Push, StepContext
 
 RESULT_KEEP = 1000
+RETRY = "retry:"  # prefix of a request hash in the "request" history: its step got no answer (`retry_mark`)
 
 
 class LoopGuard(BaseGuard):
@@ -62,9 +67,11 @@ class ProgressGuard(BaseGuard):
         if call.operation == "execute_tool" or ctx.extra.get(REASK):
             return Decision.allow(self.name)  # a re-ask is tollgate's request: the agent's was judged
         seen_key = "results"
+        previous = ctx.history("request")
+        if previous and previous[-1] == RETRY + call.request_hash:  # judged when it first came: no new mark
+            return Decision.allow(self.name, effects=(Push("request", (call.request_hash,), 1),))
         prints = tuple(r.fingerprint for r in call.tool_results)
         seen = set(ctx.history(seen_key))
-        previous = ctx.history("request")
         repeated = bool(previous) and previous[-1] == call.request_hash
         new = [p for p in prints if p not in seen]
         stalled = repeated or (bool(prints) and not new)
@@ -95,3 +102,16 @@ class ProgressGuard(BaseGuard):
                 f"{stall_steps} consecutive steps brought no new tool result (or repeated the same request)",
             )
         return Decision.allow(self.name, effects=tuple(effects))
+
+
+def retry_mark(decisions: Sequence[Decision]) -> Push | None:
+    """The history write for a step sent upstream that got an error its agent's SDK retries by itself
+    with the same bytes (408, 409, 429, 5xx: the provider generated nothing): its retry is then no
+    repeat, and its tool results, recorded by this step, are not judged again. None when the step
+    recorded no request (no `stall_steps`, a re-ask)."""
+    for decision in decisions:
+        if decision.guard == ProgressGuard.name:
+            for effect in decision.effects:
+                if isinstance(effect, Push) and effect.key == "request":
+                    return Push("request", (RETRY + effect.values[0],), 1)
+    return None

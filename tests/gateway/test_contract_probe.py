@@ -528,7 +528,7 @@ async def test_max_tokens_header_when_clamped(gateway_factory: GatewayFactory) -
 
 
 async def test_ledger_row_for_every_step_and_chain_verifies(gateway_factory: GatewayFactory) -> None:
-    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 3}}})
+    h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 2}}})  # the 500 is no model call
     h.fake.queue(Reply(body=openai_completion()), Reply(status=500, body={"error": {"message": "boom"}}),
                  Reply(status=400, body={"error": {"message": "bad"}}))
     results = [(await post(h, CHAT, run="mix-1"))[0] for _ in range(4)]
@@ -596,11 +596,11 @@ async def test_spans_semconv_stops_errors_and_no_content_by_default(
 ) -> None:
     h = await gateway_factory(agents={"default": {"caps": {"llm_calls": 2}}})
     h.fake.queue(Reply(body=openai_completion(prompt_tokens=13, completion_tokens=2)),
-                 Reply(status=500, body={"error": {"message": "boom"}}))
+                 Reply(status=400, body={"error": {"message": "boom"}}))  # counts: no SDK retries it
     secret_text = "my-private-prompt-text-q7"
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": secret_text}]}
     assert (await post(h, body, run="sp-1"))[0] == 200
-    assert (await post(h, body, run="sp-1"))[0] == 500
+    assert (await post(h, body, run="sp-1"))[0] == 400
     assert (await post(h, body, run="sp-1"))[0] == 403
     await asyncio.sleep(0)
     spans = await flushed(h, sink)
@@ -612,7 +612,7 @@ async def test_spans_semconv_stops_errors_and_no_content_by_default(
         assert s.value(GenAI.GEN_AI_REQUEST_MODEL) == "gpt-4o-mini"
     ok, failed, stopped = chats
     assert ok.value(GenAI.GEN_AI_USAGE_INPUT_TOKENS) == 13 and Error.ERROR_TYPE not in ok.attributes
-    assert failed.value(Error.ERROR_TYPE) == "500" and failed.status_code == 2
+    assert failed.value(Error.ERROR_TYPE) == "400" and failed.status_code == 2
     assert stopped.value(Error.ERROR_TYPE) == "llm_call_cap" and stopped.status_code == 2
     assert any(name == "tollgate.guard" and attrs.get("tollgate.guard.reason", ("", ""))[1] == "llm_call_cap"
                for name, attrs in stopped.events)

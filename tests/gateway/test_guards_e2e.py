@@ -501,3 +501,68 @@ async def test_documents_named_not_sent_are_400_under_a_budget(gateway_factory: 
             await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=16, messages=[
                 {"role": "user", "content": [{"type": "document", "source": {"type": "url", "url": "https://x/a.pdf"}}]}])  # type: ignore[list-item]
     assert h.fake.seen == []
+
+
+class NoBackoffOpenAI(openai.AsyncOpenAI):
+    """The SDK's own retries, without its waits between them."""
+
+    def _calculate_retry_timeout(self, *args: Any, **kwargs: Any) -> float:
+        return 0.0
+
+
+class NoBackoffAnthropic(anthropic.AsyncAnthropic):
+    def _calculate_retry_timeout(self, *args: Any, **kwargs: Any) -> float:
+        return 0.0
+
+
+SERVER_ERROR = {"error": {"message": "The server had an error", "type": "server_error", "param": None, "code": None}}
+OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+async def test_the_sdks_own_retries_of_provider_errors_stop_nothing(gateway_factory: GatewayFactory, wire: str) -> None:
+    """A provider 5xx (Anthropic's 529 overload) is retried by the agent's SDK with the same bytes: the
+    retry is that step again, not a step without progress, and an error answer is no model call. Two
+    errors in a row used to stop a healthy run with `no_progress` (stall_steps 2), and each counted
+    toward `caps.llm_calls` (a cap of 3 was spent by one answer and its retries)."""
+    h = await gateway_factory(agents=agent(loop={"stall_steps": 2}, caps={"llm_calls": 3}))
+    run = {"x-tollgate-run-id": f"retried-{wire}"}
+    if wire == "openai":
+        h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("search", '{"q": "a"}', "c1")])),
+                     Reply(status=500, body=SERVER_ERROR), Reply(status=500, body=SERVER_ERROR),
+                     Reply(body=openai_completion("found it")))
+        client = NoBackoffOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=2, default_headers=run)
+        tools: list[Any] = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+        messages: list[Any] = [{"role": "user", "content": "find a"}]
+        async with client:
+            first = await client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=tools)
+            messages += [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": "c1", "content": "result a"}]
+            second = await client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=tools)
+        assert second.choices[0].message.content == "found it"
+    else:
+        h.fake.queue(Reply(body=anthropic_message("", tool_uses=[{"id": "t1", "name": "search", "input": {"q": "a"}}])),
+                     Reply(status=529, body=OVERLOADED), Reply(status=529, body=OVERLOADED),
+                     Reply(body=anthropic_message("found it")))
+        aclient = NoBackoffAnthropic(base_url=h.url, api_key="k", max_retries=2, default_headers=run)
+        atools: list[Any] = [{"name": "search", "input_schema": {"type": "object"}}]
+        amessages: list[Any] = [{"role": "user", "content": "find a"}]
+        async with aclient:
+            turn = await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=64, messages=amessages,
+                                                 tools=atools)
+            amessages += [{"role": "assistant", "content": [b.model_dump() for b in turn.content]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a"}]}]
+            answer = await aclient.messages.create(model="claude-3-5-haiku-latest", max_tokens=64,
+                                                   messages=amessages, tools=atools)
+        assert [b.text for b in answer.content if b.type == "text"] == ["found it"]
+    assert len(h.fake.seen) == 4
+    state = await h.run(f"retried-{wire}")
+    assert (state["status"], state["llm_calls"]) == ("active", 2)
+    # the identical request after an answer is a repeat again: the second in a row stops the run
+    for expected in (200, 403):
+        h.fake.queue(Reply(body=openai_completion("again")) if wire == "openai" else Reply(body=anthropic_message("x")))
+        body = ({"model": "gpt-4o-mini", "messages": messages, "tools": tools} if wire == "openai" else
+                {"model": "claude-3-5-haiku-latest", "max_tokens": 64, "messages": amessages, "tools": atools})
+        path = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
+        status, _, _ = await post(h, body, f"retried-{wire}", path)
+        assert status == expected

@@ -12,7 +12,7 @@ from gateway.config import Agent
 from gateway.store.base import RunState
 from guards.base import Decision, Push
 from guards.chain import GuardChain
-from guards.loop import RESULT_KEEP, LoopGuard, ProgressGuard
+from guards.loop import RESULT_KEEP, RETRY, LoopGuard, ProgressGuard, retry_mark
 from tests.guards.support import answer, apply_effects, call, ctx, mcp_call, policy, run, snapshot, tool
 
 LOOP = LoopGuard()
@@ -355,3 +355,26 @@ def loop_push(prints: tuple[str, ...], *calls: ToolCall) -> Push:
     return Push("calls", prints, 4, distinct_limit=2, code="loop_detected",
                 detail=f"the last 4 tool calls have at most 2 distinct name+argument combinations (max_distinct 2); "
                        f"repeating: {names}")
+
+
+def test_the_sdk_retry_of_a_step_that_got_no_answer_is_that_step_again() -> None:
+    """A step the provider answered with an error its SDK retries marks its request (`retry_mark`): the
+    identical retry is no repeat and brings no mark, even though its results were recorded by the
+    first try; once it is answered, the same request again is a repeat."""
+    p = policy(loop={"stall_steps": 2})
+    state = run()
+    sent = call(results=("r1",), request_hash="req-1")
+    first = PROGRESS.before(ctx(sent, p, snapshot(state)))
+    assert apply_effects(state, first) is None
+    mark = retry_mark([Decision.allow("caps"), first])
+    assert mark == Push("request", (RETRY + "req-1",), 1)
+    assert apply_effects(state, Decision.allow("x", effects=(mark,))) is None
+    for _ in range(3):  # the SDK's retries, each answered with an error again
+        retried = PROGRESS.before(ctx(sent, p, snapshot(state)))
+        assert retried.action == "allow" and retried.effects == (Push("request", ("req-1",), 1),)
+        assert apply_effects(state, retried) is None
+        assert apply_effects(state, Decision.allow("x", effects=(mark,))) is None
+    assert state.lists["progress"] == ["1"]
+    state.lists["request"] = ["req-1"]  # the last retry was answered
+    assert PROGRESS.before(ctx(sent, p, snapshot(state))).action == "allow"  # a repeat: one stalled step
+    assert retry_mark([Decision.allow("progress")]) is None  # a re-ask, or no stall_steps: nothing recorded

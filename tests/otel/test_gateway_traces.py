@@ -830,10 +830,12 @@ async def test_metrics_parse_and_pass_promtool_after_real_traffic(
         Reply(body=openai_completion()),
         Reply(chunks=openai_stream(["a", "b"])),
         Reply(status=500, body={"error": {"message": "boom"}}),
+        Reply(body=openai_completion()),
         Reply(body=anthropic_message()),
     )
     await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="run-m1")
     await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True}, run="run-m1")
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="run-m1")  # a 5xx: no model call of the run
     await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="run-m1")
     assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="run-m1"))[0] == 403  # llm_call_cap
     await post(h, {**ANTHROPIC_BODY}, run="run-m2", path="/v1/messages")
@@ -858,7 +860,7 @@ async def test_metrics_parse_and_pass_promtool_after_real_traffic(
         for s in families["tollgate_upstream_requests"].samples
         if s.name.endswith("_total")
     }
-    assert upstream == {("openai", "200"): 2, ("openai", "500"): 1, ("anthropic", "200"): 1}
+    assert upstream == {("openai", "200"): 3, ("openai", "500"): 1, ("anthropic", "200"): 1}
     [reserved] = families["tollgate_budget_reserved_usd"].samples
     assert reserved.value == 0  # nothing in flight
     assert "run-m1" not in text and "run-m2" not in text  # never a run id in a label
