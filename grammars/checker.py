@@ -35,7 +35,8 @@ class IncrementalChecker:
     `feed(chunk)` returns False from the first chunk after which no continuation can be valid, and
     then keeps returning False; `violation` holds the reason. `finish()` is the complete check at the
     end of the output (for JSON kinds the full jsonschema verdict) and returns the violation or None.
-    Not thread-safe: one checker per stream.
+    `feed` raises InvalidGrammar once the stream's matcher time is spent (`engine.Fuel`: an ambiguous
+    grammar). Not thread-safe: one checker per stream.
     """
 
     __slots__ = (
@@ -43,6 +44,7 @@ class IncrementalChecker:
         "_escape_open",
         "_fallback",
         "_final",
+        "_fuel",
         "_json",
         "_matcher",
         "_parts",
@@ -63,6 +65,7 @@ class IncrementalChecker:
         pristine any-JSON matcher to switch to when the upstream spells a literal with escapes."""
         self.violation: Violation | None = None
         self._matcher = matcher
+        self._fuel = engine.Fuel()  # the stream's matcher time, in all (a JSON schema's grammar too)
         self._fallback = fallback
         self._json = json_document
         self._final = final
@@ -96,7 +99,7 @@ class IncrementalChecker:
         data = text.encode("utf-8")
         if self._json:
             data = self._json_equivalent(data)
-        accepted = engine.advance(self._matcher, list(data))
+        accepted = engine.advance(self._matcher, list(data), self._fuel)
         if accepted == len(data):
             return True
         pos = engine.char_offset(data, accepted)

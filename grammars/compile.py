@@ -42,6 +42,9 @@ CACHE_SIZE: Final[int] = 256
 # Formats are left to jsonschema: engines disagree on them (llguidance's email is stricter than
 # jsonschema's), and a stream must never be cut for a reason the final verdict would not share.
 _STREAM_IGNORED: Final[frozenset[str]] = frozenset({"format"})
+# kinds whose matching may grow faster than the output (an ambiguous grammar): their checks are bounded in
+# time (`engine.Fuel`); regexes and choices are matched by a lexer, in time linear in the output
+_CONTEXT_FREE: Final[frozenset[str]] = frozenset({"lark", "gbnf"})
 V = TypeVar("V")
 
 
@@ -76,7 +79,7 @@ class Constraint:
         if core.schema is not None:
             return core.schema.check(text)
         assert core.exact is not None  # non-JSON kinds always have their grammar
-        return engine.check_complete(core.exact, text)
+        return engine.check_complete(core.exact, text, bounded=core.kind in _CONTEXT_FREE)
 
     def checker(self, *, native: bool) -> IncrementalChecker:
         """A streaming checker. `native=True` means the upstream was constrained natively with the same

@@ -4,6 +4,10 @@ One token per byte plus an end-of-output token, so "how many tokens were accepte
 and the token mask at a failure point is the set of bytes the grammar would have taken instead. Grammar
 construction drops the GIL; a pristine matcher is built once per constraint and `deep_copy`-ed (about
 1 µs) for every check, because building one costs about 0.5 ms.
+
+Checks run on the event loop, so their matcher time is bounded (`Fuel`): an ambiguous grammar
+(`a: "x" | a a`) makes llguidance's Earley parse grow with about the cube of the output's length, which
+its `LLParserLimits` do not bound (1,000 characters took 27 s, stalling every other request).
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ from __future__ import annotations
 import functools
 import json
 import re
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Final
 
 import llguidance as llg
 
+from gateway.errors import InvalidGrammar
 from grammars.spec import Violation
 
 if TYPE_CHECKING:
@@ -32,6 +38,9 @@ JSON_OPTIONS: Final[JsonCompileOptions] = {
     "coerce_one_of": True,
 }
 _MAX_EXPECTED_ITEMS: Final[int] = 12
+CHECK_S: Final[float] = 0.25  # the matcher time one output's check may take in all
+_STEP_S: Final[float] = 0.002  # what one call into the matcher should take at most (the next is sized by it)
+_FIRST_STEP: Final[int] = 64  # tokens of a check's first call, before its cost per token is known
 _NOISE: Final = re.compile(r"^([\s^~]*|\d+\s*\|.*|regex parse error:)$")
 
 
@@ -170,31 +179,74 @@ def incomplete(matcher: llg.LLMatcher, char_pos: int) -> Violation:
     return Violation(f"at char {char_pos}: output ended too early; {expected}", char_pos)
 
 
-def advance(matcher: llg.LLMatcher, tokens: list[int]) -> int:
+class Fuel:
+    """The matcher time one output's check may still take (`CHECK_S` in all), and the cost per token of
+    its last call. `spend` raises InvalidGrammar once it is used up: the grammar, not the answer, is at
+    fault (write it unambiguously)."""
+
+    __slots__ = ("left", "per_token")
+
+    def __init__(self, seconds: float = CHECK_S) -> None:
+        self.left = seconds
+        self.per_token = 0.0
+
+    def step(self) -> int:
+        """How many tokens the next call may take to stay within `_STEP_S`."""
+        return _FIRST_STEP if self.per_token <= 0 else max(1, int(_STEP_S / self.per_token))
+
+    def spend(self, seconds: float, tokens: int) -> None:
+        self.left -= seconds
+        self.per_token = seconds / max(tokens, 1)
+        if self.left < 0:
+            raise InvalidGrammar(
+                f"checking the answer against its grammar took more than {CHECK_S * 1000:.0f} ms of matcher "
+                "time (an ambiguous grammar, such as a: \"x\" | a a, costs time that grows with about the "
+                "cube of the answer's length): write the grammar so that each text has one parse")
+
+
+def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel) -> int:
     """Consume the longest acceptable prefix of `tokens`; return its length. The matcher stays usable
     (its state is just before the first refused token, where `compute_bitmask` says what would do).
+    In calls sized by `fuel` (one, for a stream's usual chunk), which raises InvalidGrammar when the
+    check has taken its time.
 
     Why not `try_consume_tokens`: `validate_tokens` (read-only) then `consume_tokens` is 1.2-2x faster
     per chunk (measured in tests/grammars/bench_grammars.py), and gives the same count."""
-    accepted = matcher.validate_tokens(tokens)
-    if accepted:
-        matcher.consume_tokens(tokens if accepted == len(tokens) else tokens[:accepted])
-    return accepted
+    done = 0
+    while done < len(tokens):
+        size = fuel.step()
+        part = tokens if done == 0 and size >= len(tokens) else tokens[done : done + size]
+        started = time.perf_counter()
+        accepted = matcher.validate_tokens(part)
+        if accepted:
+            matcher.consume_tokens(part if accepted == len(part) else part[:accepted])
+        fuel.spend(time.perf_counter() - started, len(part))
+        done += accepted
+        if accepted < len(part):
+            break
+    return done
 
 
-def check_complete(pristine: llg.LLMatcher, text: str) -> Violation | None:
+def check_complete(pristine: llg.LLMatcher, text: str, *, bounded: bool = False) -> Violation | None:
     """Match a whole output against a pristine matcher (which is left untouched).
 
     One read-only `validate_tokens` over the bytes plus the end-of-output token decides (about 7x
-    cheaper than consuming them); the matcher only advances to explain a failure."""
+    cheaper than consuming them); the matcher only advances to explain a failure. `bounded` (a
+    context-free grammar, whose parse may grow faster than the output): consumed in calls a `Fuel`
+    sizes and bounds instead, raising InvalidGrammar when the check takes too long."""
     matcher = pristine.deep_copy()
     data = text.encode("utf-8")
     tokens = [*data, EOS]
-    accepted = matcher.validate_tokens(tokens)
-    if accepted == len(tokens):
-        return None
-    if accepted:
-        matcher.consume_tokens(tokens[:accepted])
+    if bounded:
+        accepted = advance(matcher, tokens, Fuel())
+        if accepted == len(tokens):
+            return None
+    else:
+        accepted = matcher.validate_tokens(tokens)
+        if accepted == len(tokens):
+            return None
+        if accepted:
+            matcher.consume_tokens(tokens[:accepted])
     if accepted == len(data):
         return incomplete(matcher, len(text))
     return failure(matcher, text, char_offset(data, accepted))

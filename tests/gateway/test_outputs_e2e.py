@@ -394,3 +394,32 @@ async def test_openai_strict_nulls_for_optional_properties_are_accepted(gateway_
     assert orjson.loads(result.choices[0].message.content or "") == {"a": 1, "b": None}
     sent = h.fake.seen[-1].json["response_format"]["json_schema"]
     assert sent["strict"] is True and sorted(sent["schema"]["required"]) == ["a", "b"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_ambiguous_request_grammar_cannot_stall_the_gateway(gateway_factory: GatewayFactory,
+                                                                     stream: bool) -> None:
+    """A 23-byte grammar from one agent (`start: "x" | start start`) made the check of a 1,000-character
+    answer take 27 s on the event loop, and every other request and the admin port waited. The check now
+    gives up after its time: the agent gets a 400 saying why, and the gateway stays responsive."""
+    h = await gateway_factory()
+    answer = "x" * 1000
+    h.fake.queue(Reply(chunks=openai_stream([answer[i:i + 20] for i in range(0, 1000, 20)])) if stream
+                 else Reply(body=openai_completion(answer)))
+    headers = {"x-tollgate-grammar": 'lark:start: "x" | start start'}
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with client(h.url, f"ambiguous-{stream}") as c:
+        if stream:
+            with pytest.raises(openai.APIError, match="ambiguous grammar"):
+                async for _ in await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, stream=True,
+                                                               extra_headers=headers):
+                    pass
+        else:
+            with pytest.raises(openai.BadRequestError, match="ambiguous grammar"):
+                await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, extra_headers=headers)
+    assert loop.time() - started < 3  # 0.25 s of matcher time, not minutes
+    async with h.session.get(f"{h.admin_url}/healthz") as resp:
+        assert resp.status == 200
+    run = await h.run(f"ambiguous-{stream}")
+    assert run["reserved_usd"] == 0 and run["llm_calls"] == 1  # it went upstream: counted, nothing held

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.errors import InvalidGrammar
 from grammars import engine
 
 
@@ -81,3 +82,41 @@ def test_escaped_trailing_backslashes_still_compile(source: str, text: str) -> N
     matcher, error = engine.build_matcher(engine.grammar_for("regex", source))
     assert matcher is not None, error
     assert engine.check_complete(matcher, text) is None
+
+
+AMBIGUOUS = 'start: a\na: "x" | a a\n'  # each text of n x's has Catalan(n) parses
+LINEAR = 'start: item ("," item)*\nitem: /[a-z]+/\n'
+
+
+def lark_matcher(source: str) -> object:
+    matcher, error = engine.build_matcher(engine.grammar_for("lark", source))
+    assert matcher is not None, error
+    return matcher
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+@pytest.mark.parametrize(("text", "verdict"), [
+    ("ab,cd", None),
+    ("ab,,cd", "at char 3: unexpected ','"),
+    ("ab,", "at char 3: output ended too early"),
+    ("x" * 5000 + ",y", None),  # many calls, each sized by the cost of the last
+    ("x" * 5000 + ",Y", "at char 5001: unexpected 'Y'"),
+])
+def test_a_bounded_check_gives_the_verdict_of_a_plain_one(bounded: bool, text: str, verdict: str | None) -> None:
+    violation = engine.check_complete(lark_matcher(LINEAR), text, bounded=bounded)  # type: ignore[arg-type]
+    assert (violation.message.split(";")[0] if violation else None) == verdict
+
+
+def test_an_ambiguous_grammar_s_check_is_cut_at_its_time_not_run_for_minutes() -> None:
+    """llguidance's parse of 1,000 x's against `a: "x" | a a` took 27 s on the event loop (its
+    `LLParserLimits` do not bound it): the bounded check gives up after `CHECK_S` of matcher time."""
+    matcher = lark_matcher(AMBIGUOUS)
+    assert engine.check_complete(matcher, "x" * 20, bounded=True) is None  # short texts are fine
+    fuel = engine.Fuel()
+    with pytest.raises(InvalidGrammar, match="ambiguous grammar"):
+        engine.check_complete(matcher, "x" * 1000, bounded=True)
+    with pytest.raises(InvalidGrammar, match="ambiguous grammar"):
+        streamed = matcher.deep_copy()  # type: ignore[attr-defined]
+        for _ in range(100):  # a stream, 10 characters per chunk
+            engine.advance(streamed, list(b"x" * 10), fuel)
+    assert -0.05 < fuel.left < 0  # gave up once the time was spent, within the last call's cost
