@@ -64,7 +64,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         )
         gw.transports.update(local)
         gw.services["grammars"] = library
-        gw.services["resolver"] = Resolver(library)
+        gw.services["resolver"] = Resolver(library, max_source_bytes=config.limits.max_schema_bytes)
         ledger_path = config.ledger_file
         # the run store's own file (locked by it): its ledger is this process's alone, written on the loop
         shares_store = (config.state.backend == "sqlite"

@@ -245,6 +245,10 @@ class Limits(Frozen):
     max_json_depth: PosInt = 64
     max_messages: PosInt = 10_000
     max_tools: PosInt = 512
+    # a schema or grammar a request brings (`response_format`, `guided_*`, `x-tollgate-grammar`, a tool's
+    # parameters), as JSON or grammar text: compiling one costs ~3 s of CPU per MB (jsonschema's check,
+    # llguidance), on a worker thread every request shares; a larger one is a 400
+    max_schema_bytes: PosInt = 256 * 1024
     max_header_bytes: PosInt = 16 * 1024
     max_headers: PosInt = 128
     body_idle_s: PosFloat = 30  # a request body with no byte for this long: 408 request_timeout

@@ -8,6 +8,7 @@ them apply: an answer must satisfy each. Pure apart from compiling off the event
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -95,9 +96,10 @@ class Resolver:
     """Grammar references (names or inline constraints) resolved once: the agent's `output.grammar`
     and the `x-tollgate-grammar` values repeat on every step. Bounded: headers come from agents."""
 
-    def __init__(self, library: GrammarLibrary, size: int = 256) -> None:
+    def __init__(self, library: GrammarLibrary, size: int = 256, max_source_bytes: int | None = None) -> None:
         self._library = library
         self._size = size
+        self.max_source_bytes = max_source_bytes  # of a request's own constraints (`limits.max_schema_bytes`)
         self._specs: dict[str, ConstraintSpec] = {}
         self.plans: dict[tuple[Any, ...], OutputPlan] = {}  # see plan_outputs; bounded like _specs
 
@@ -139,6 +141,7 @@ async def plan_outputs(
         specs.append(library.resolve(grammar_ref))
     specs.extend(library.resolve(value.strip()) for value in header)
     specs.extend(from_request)
+    _check_sizes(from_request, library.max_source_bytes)  # a header's is bounded by its size, a name's trusted
     unique = list({s.key: s for s in specs}.values())
     own = next((s for s in unique if s in from_request), None)
     if own is not None and own is not unique[0] and _native_in_body(call, dialect)[0]:
@@ -146,24 +149,46 @@ async def plan_outputs(
         # or a header's grammar never replaces it natively (it may be the weaker); they are validated after
         unique.remove(own)
         unique.insert(0, own)
-    native: Mapping[str, Any] | None = None
-    exact = False
     first = unique[0]
     already_native, body_exact = (_native_in_body(call, dialect) if from_request and first in from_request
                                   else (False, False))
-    if not already_native:
-        native = native_params(dialect, first)
-    exact = native_is_exact(dialect, first) and (native is not None or body_exact)
-    if native is not None or body_exact:
-        # OpenAI strict mode turns optional properties into required-but-nullable ones: a valid
-        # answer may carry nulls the original schema would reject
-        unique[0] = validation_spec(dialect, first)
+    if len(first.source) > _ON_LOOP_CHARS:  # rewriting a large schema takes milliseconds: off the loop
+        native, exact, unique[0] = await asyncio.to_thread(_native_form, dialect, first, already_native, body_exact)
+    else:
+        native, exact, unique[0] = _native_form(dialect, first, already_native, body_exact)
     constraints = tuple([await compile_async(s) for s in unique])
     plan = OutputPlan(constraints, retries, stream_check, native, exact,
                       strip_guided=body_has_guided and dialect not in _VLLM)
     if not from_request:
         library.remember(key, plan)
     return plan
+
+
+_ON_LOOP_CHARS: Final = 16 * 1024  # a schema rewritten on the event loop (~0.2 ms per KB), larger ones off it
+
+
+def _native_form(dialect: str, first: ConstraintSpec, already_native: bool,
+                 body_exact: bool) -> tuple[Mapping[str, Any] | None, bool, ConstraintSpec]:
+    """The first constraint's native request fields (None when the body has them already or the dialect
+    has none), whether they fix the output exactly, and the spec an answer is validated against."""
+    native = None if already_native else native_params(dialect, first)
+    exact = native_is_exact(dialect, first) and (native is not None or body_exact)
+    if native is not None or body_exact:
+        # OpenAI strict mode turns optional properties into required-but-nullable ones: a valid
+        # answer may carry nulls the original schema would reject
+        return native, exact, validation_spec(dialect, first)
+    return native, exact, first
+
+
+def _check_sizes(specs: tuple[ConstraintSpec, ...], limit: int | None) -> None:
+    """Raise InvalidGrammar for a request's constraint longer than `limit` bytes: compiling it and
+    rewriting it for strict mode would cost seconds, some of it on the event loop."""
+    for spec in specs:
+        if limit is not None and len(spec.source) > limit // 4:
+            size = len(spec.source.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise InvalidGrammar(f"{spec.kind}: the constraint is {size} bytes, more than "
+                                     f"limits.max_schema_bytes ({limit})")
 
 
 def _into_text_format(body: dict[str, Any], native: Mapping[str, Any]) -> None:

@@ -91,7 +91,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             raise InvalidRequest(f"model {call.model!r} runs in-process and serves Chat Completions only")
         tool_policy = gw.tool_policy(identity.agent, identity.policy)
         if call.tools:  # a schema tollgate cannot check is a 400 before anything is reserved or sent
-            await check_tool_schemas((t.name, t.parameters) for t in call.tools if tool_policy.allowed(t.name))
+            await check_tool_schemas(((t.name, t.parameters) for t in call.tools if tool_policy.allowed(t.name)),
+                                     max_bytes=limits.max_schema_bytes)
         output = identity.policy.output
         plan = await plan_outputs(gw.services["resolver"], call, request.headers, output.grammar, output.retries,
                                   output.stream_check, route.provider.dialect)

@@ -423,3 +423,24 @@ async def test_an_ambiguous_request_grammar_cannot_stall_the_gateway(gateway_fac
         assert resp.status == 200
     run = await h.run(f"ambiguous-{stream}")
     assert run["reserved_usd"] == 0 and run["llm_calls"] == 1  # it went upstream: counted, nothing held
+
+
+async def test_a_request_schema_over_max_schema_bytes_is_a_400_before_anything_is_compiled(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A 6.9 MB `response_format` schema cost ~20 s of CPU to compile (1.7 s of it on the event loop),
+    each distinct one again; a tool's parameters the same. Over `limits.max_schema_bytes` it is a 400
+    `invalid_request` naming the limit, and nothing goes upstream."""
+    h = await gateway_factory(limits={"max_schema_bytes": 4096})
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(400)}}
+    async with client(h.url, "big-schema") as c:
+        with pytest.raises(openai.BadRequestError, match="max_schema_bytes"):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format={
+                "type": "json_schema", "json_schema": {"name": "a", "schema": big}})
+        with pytest.raises(openai.BadRequestError, match=r"parameters of tool 'f'.*max_schema_bytes"):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=[
+                {"type": "function", "function": {"name": "f", "parameters": big}}])
+        assert h.fake.seen == []
+        h.fake.queue(Reply(body=openai_completion('{"answer": 4}')))
+        done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)  # small
+    assert done.choices[0].message.content == '{"answer": 4}'
