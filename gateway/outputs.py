@@ -90,6 +90,7 @@ class OutputVerdict:
     violation: Violation
     kind: str
     instruction: str
+    answer_text: str | None = None  # the choice's text that broke it, quoted by its re-ask (None: the first's)
 
 
 class Resolver:
@@ -283,11 +284,16 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
     prefill = "" if answer.after_provider_tool else call.prefill
     first = prefill + answer.text if not answer.tool_calls else ""
     texts = answer.other_texts if refused(answer) else (first, *answer.other_texts)
-    for text in [t for t in texts if t or not answer.tool_calls]:
+    for index, text in enumerate(texts):
+        if not text and answer.tool_calls:
+            continue
         for constraint in plan.constraints:
             violation = constraint.validate(text)
             if violation is not None:
-                return OutputVerdict(violation, constraint.spec.kind, reask_instruction(violation, constraint.spec))
+                # a re-ask quotes the text that broke it (another choice's, for `n`; the first without prefill)
+                quoted = None if index == 0 and not refused(answer) else text
+                return OutputVerdict(violation, constraint.spec.kind, reask_instruction(violation, constraint.spec),
+                                     quoted)
     return None
 
 

@@ -228,7 +228,11 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
     plan = step.outputs
     retries = plan.retries if plan is not None else step.identity.policy.output.retries
     while True:
-        await guard_before(gw, step)
+        try:
+            await guard_before(gw, step)
+        except GatewayError:  # a re-ask refused before it was sent (the caps, the budget) is none
+            step.reasks = min(step.reasks, max(step.attempts - 1, 0))
+            raise
         payload = shape(step)
         url, headers = upstream_request(step, request.headers)
         headers.update(start_span(gw, step, request.headers))
@@ -316,7 +320,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
             )
         step.reasks += 1
         _discard(step, answer)
-        reask(gw, step, answer.text, verdict.instruction)
+        reask(gw, step, answer.text if verdict.answer_text is None else verdict.answer_text, verdict.instruction)
     hosted = step.extra.get("hosted_discarded", 0)
     if hosted:  # what the provider ran for re-asked attempts counts with the answer the agent gets
         answer = replace(answer, hosted_calls=answer.hosted_calls + hosted)

@@ -444,3 +444,30 @@ async def test_a_request_schema_over_max_schema_bytes_is_a_400_before_anything_i
         h.fake.queue(Reply(body=openai_completion('{"answer": 4}')))
         done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)  # small
     assert done.choices[0].message.content == '{"answer": 4}'
+
+
+async def test_a_re_ask_of_several_choices_quotes_the_one_that_broke_the_schema(gateway_factory: GatewayFactory) -> None:
+    """With `n: 2` and only the second choice wrong, the re-ask used to quote the first (valid) one as
+    "your previous answer" beside the second's error."""
+    h = await gateway_factory()
+    two = openai_completion('{"answer": 4}')
+    two["choices"].append({"index": 1, "message": {"role": "assistant", "content": "four, I think"},
+                           "finish_reason": "stop", "logprobs": None})
+    fixed = openai_completion('{"answer": 4}')
+    fixed["choices"].append({**fixed["choices"][0], "index": 1})
+    h.fake.queue(Reply(body=two), Reply(body=fixed))
+    async with client(h.url, "n2") as c:
+        result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF, n=2)  # type: ignore[arg-type]
+    assert [ch.message.content for ch in result.choices] == ['{"answer": 4}'] * 2
+    assert h.fake.seen[1].json["messages"][-2] == {"role": "assistant", "content": "four, I think"}
+
+
+async def test_a_re_ask_the_caps_refuse_is_not_counted_as_one(gateway_factory: GatewayFactory) -> None:
+    h = await gateway_factory(agents={"default": {"output": {"retries": 3}, "caps": {"llm_calls": 2}}})
+    h.fake.default = Reply(body=openai_completion("nope"))
+    async with client(h.url, "capped-reask") as c:
+        with pytest.raises(openai.PermissionDeniedError):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)  # type: ignore[arg-type]
+    assert len(h.fake.seen) == 2
+    [step] = (await h.run("capped-reask"))["steps"]
+    assert (step["attempts"], step["reasks"]) == (2, 1)  # the second re-ask never left
