@@ -228,11 +228,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
     plan = step.outputs
     retries = plan.retries if plan is not None else step.identity.policy.output.retries
     while True:
-        try:
-            await guard_before(gw, step)
-        except GatewayError:  # a re-ask refused before it was sent (the caps, the budget) is none
-            step.reasks = min(step.reasks, max(step.attempts - 1, 0))
-            raise
+        await guard_before(gw, step)
         payload = shape(step)
         url, headers = upstream_request(step, request.headers)
         headers.update(start_span(gw, step, request.headers))

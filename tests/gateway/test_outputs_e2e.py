@@ -461,13 +461,3 @@ async def test_a_re_ask_of_several_choices_quotes_the_one_that_broke_the_schema(
     assert [ch.message.content for ch in result.choices] == ['{"answer": 4}'] * 2
     assert h.fake.seen[1].json["messages"][-2] == {"role": "assistant", "content": "four, I think"}
 
-
-async def test_a_re_ask_the_caps_refuse_is_not_counted_as_one(gateway_factory: GatewayFactory) -> None:
-    h = await gateway_factory(agents={"default": {"output": {"retries": 3}, "caps": {"llm_calls": 2}}})
-    h.fake.default = Reply(body=openai_completion("nope"))
-    async with client(h.url, "capped-reask") as c:
-        with pytest.raises(openai.PermissionDeniedError):
-            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)  # type: ignore[arg-type]
-    assert len(h.fake.seen) == 2
-    [step] = (await h.run("capped-reask"))["steps"]
-    assert (step["attempts"], step["reasks"]) == (2, 1)  # the second re-ask never left
