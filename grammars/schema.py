@@ -195,7 +195,8 @@ def build_check(schema: Any) -> SchemaCheck:
     # An explicit registry: jsonschema's default one fetches unknown remote $refs over HTTP (a
     # client-supplied schema must never make tollgate open a connection).
     validator = cls(schema, format_checker=format_checker(), registry=_NO_RETRIEVAL)
-    _check_refs(schema, cls)
+    if _check_refs(schema, cls):
+        _check_cycles(validator)
     _check_patterns(schema)
     return SchemaCheck(validator)
 
@@ -226,12 +227,26 @@ def _check_patterns(schema: Any) -> None:
             ) from None
 
 
-def _check_refs(schema: Any, cls: type[Validator]) -> None:
+def _check_cycles(validator: Validator) -> None:
+    """Reject a schema that refers to itself without descending into the document (`{"$ref": "#"}`, or
+    through `anyOf` / `allOf` alone): validating never ends, so every answer would fail after paid
+    re-asks. Probed with `null`, which descends into nothing: a cycle it reaches is one of those."""
+    try:
+        for _ in itertools.islice(validator.iter_errors(None), 1):
+            pass
+    except RecursionError:
+        raise InvalidGrammar("json_schema: the schema refers to itself without descending into the document "
+                             "(a $ref cycle through $ref, allOf or anyOf alone): no answer could be validated") from None
+    except referencing.exceptions.Unresolvable:
+        return  # a ref based on a nested $id: judged at answer time (`_check_refs`)
+
+
+def _check_refs(schema: Any, cls: type[Validator]) -> bool:
     """Reject refs that cannot be resolved inside the schema (or to a JSON Schema metaschema):
-    jsonschema would only fail at answer time. Nothing is ever fetched."""
+    jsonschema would only fail at answer time. Nothing is ever fetched. True when it has refs."""
     refs = list(_refs(schema))
     if not refs:
-        return
+        return False
     meta = cls.META_SCHEMA
     dialect = str(meta.get("$id", meta.get("id", "")))
     specification = referencing.jsonschema.specification_with(
@@ -250,6 +265,7 @@ def _check_refs(schema: Any, cls: type[Validator]) -> None:
             if has_ids and not ref.startswith("#"):
                 continue
             raise InvalidGrammar(f"json_schema: cannot resolve $ref {ref!r} inside the schema") from exc
+    return True
 
 
 def _refs(schema: Any) -> Iterator[str]:

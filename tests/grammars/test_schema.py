@@ -227,3 +227,20 @@ def test_multiple_of_applies_in_every_draft() -> None:
     draft4 = build_check({"$schema": "http://json-schema.org/draft-04/schema#", "multipleOf": 0.1})
     assert draft4.check("0.3") is None
     assert draft4.check("0.35") == Violation("at <root>: 0.35 is not a multiple of 0.1")
+
+
+@pytest.mark.parametrize(("schema", "refused"), [
+    ({"$ref": "#"}, True),  # every answer failed "nested too deeply", after paid re-asks
+    ({"anyOf": [{"type": "object"}, {"$ref": "#"}]}, True),
+    ({"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"$ref": "#"}}}, True),
+    ({"type": "object", "properties": {"child": {"$ref": "#"}}}, False),  # descends: a tree
+    ({"$defs": {"n": {"type": ["null", "object"], "properties": {"next": {"$ref": "#/$defs/n"}}}},
+      "$ref": "#/$defs/n"}, False),  # a linked list
+])
+def test_a_schema_that_refers_to_itself_in_place_is_refused(schema: dict[str, Any], refused: bool) -> None:
+    if refused:
+        with pytest.raises(InvalidGrammar, match="without descending into the document"):
+            build_check(schema)
+    else:
+        check = build_check(schema)
+        assert check.check_value({"child": {"child": {}}} if "properties" in schema else {"next": None}) is None
