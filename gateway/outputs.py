@@ -157,7 +157,12 @@ async def plan_outputs(
         native, exact, unique[0] = await asyncio.to_thread(_native_form, dialect, first, already_native, body_exact)
     else:
         native, exact, unique[0] = _native_form(dialect, first, already_native, body_exact)
-    constraints = tuple([await compile_async(s) for s in unique])
+    try:
+        constraints = tuple([await compile_async(s) for s in unique])
+    except InvalidGrammar:
+        if unique[0] is not first:  # the strict-mode rewrite failed: say what is wrong in the agent's own terms
+            await compile_async(first)
+        raise
     plan = OutputPlan(constraints, retries, stream_check, native, exact,
                       strip_guided=body_has_guided and dialect not in _VLLM)
     if not from_request:

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.call import Answer, Call, ToolCall
 from gateway.config import Limits
+from gateway.errors import InvalidGrammar
 from gateway.outputs import OutputPlan, Resolver, apply_native, judge, plan_outputs
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.providers.openai_responses import OpenAIResponses
@@ -112,3 +113,13 @@ async def test_a_turn_that_calls_tools_is_not_held_to_the_text_constraints(
     answer = Answer(text=text, tool_calls=tuple(ToolCall(f"c{i}", n, "{}") for i, n in enumerate(calls)))
     verdict = judge(p, c, answer)
     assert (verdict is not None) is held
+
+
+async def test_a_bad_schema_is_reported_as_the_agent_wrote_it_not_as_rewritten_for_strict_mode() -> None:
+    """OpenAI's strict mode makes optional properties nullable: the error used to quote the rewrite
+    (`['nope', 'null']`), a type the agent never wrote."""
+    resolver = Resolver(GrammarLibrary.load())
+    schema = {"type": "object", "properties": {"a": {"type": "nope"}}}
+    with pytest.raises(InvalidGrammar) as caught:
+        await plan(resolver, call(guided_json=schema), grammar=None, dialect="openai")
+    assert "'nope' is not valid" in caught.value.message and "null" not in caught.value.message
