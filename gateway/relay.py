@@ -235,7 +235,7 @@ def _too_long(limit: int) -> UpstreamUnavailable:
 
 
 def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
-    if step.identity.policy.on_stop == "message":
+    if step.stops_with_message:
         return step.adapter.stream_stop_tail(step.call, reader, stop.reason, stop.message)
     return step.adapter.error_event(stop)
 

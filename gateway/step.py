@@ -65,6 +65,13 @@ class Step:
     def agent(self) -> str:
         return self.identity.agent
 
+    @property
+    def stops_with_message(self) -> bool:
+        """Whether a stop answers 200 with a final assistant message (`on_stop: message`): not when the
+        answer is held to a text constraint, which that prose would break (a framework parsing structured
+        output would fail on it, hiding the stop): then it is the 403."""
+        return self.identity.policy.on_stop == "message" and self.outputs is None
+
     def summary(self) -> dict[str, Any]:
         """The step as the admin API lists it under a run."""
         answer = self.answer

@@ -526,7 +526,7 @@ async def test_the_sdks_own_retries_of_provider_errors_stop_nothing(gateway_fact
     errors in a row used to stop a healthy run with `no_progress` (stall_steps 2), and each counted
     toward `caps.llm_calls` (a cap of 3 was spent by one answer and its retries)."""
     h = await gateway_factory(agents=agent(loop={"stall_steps": 2}, caps={"llm_calls": 3}))
-    run = {"x-tollgate-run-id": f"retried-{wire}"}
+    run = {"x-tollgate-run-id": f"retried-{wire}", "x-tollgate-agent": "bot"}
     if wire == "openai":
         h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("search", '{"q": "a"}', "c1")])),
                      Reply(status=500, body=SERVER_ERROR), Reply(status=500, body=SERVER_ERROR),
@@ -566,3 +566,29 @@ async def test_the_sdks_own_retries_of_provider_errors_stop_nothing(gateway_fact
         path = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
         status, _, _ = await post(h, body, f"retried-{wire}", path)
         assert status == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_of_a_step_held_to_a_schema_is_the_403_even_with_on_stop_message(
+    gateway_factory: GatewayFactory, stream: bool,
+) -> None:
+    """The stop message is prose: an Agents SDK `output_type` or LangChain `with_structured_output`
+    failed to parse it (ModelBehaviorError, ValidationError) and never said why the run stopped. A
+    step held to a text constraint gets the 403 with the stop's code instead; one without, the message."""
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}, on_stop="message"))
+    h.fake.queue(Reply(body=openai_completion('{"a": 1}')))
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    c = openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0,
+                           default_headers={"x-tollgate-run-id": f"structured-stop-{stream}", "x-tollgate-agent": "bot"})
+    async with c:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=schema)  # type: ignore[arg-type]
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            if stream:
+                async for _ in await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, stream=True,
+                                                               response_format=schema):  # type: ignore[arg-type]
+                    pass
+            else:
+                await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=schema)  # type: ignore[arg-type]
+        assert caught.value.code == "llm_call_cap"
+        plain = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)  # no constraint: the message
+    assert "llm_call_cap" in (plain.choices[0].message.content or "")
