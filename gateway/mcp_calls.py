@@ -81,7 +81,7 @@ from gateway.mcp_transport import McpRequest, refusal, relay, state_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState, WriteClaim
-from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, refusal_detail
+from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, proposed_names, refusal_detail
 from guards.base import StepContext
 from guards.caps import PENDING_KEEP
 from guards.chain import GuardChain, Verdict
@@ -448,9 +448,9 @@ async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
     pending = step.ctx.history(PENDING)
     if not pending or step.unguarded:
         return False
-    qualified = dataclasses.replace(call, name=step.qualified)
     store, run_id = step.mcp.gw.store, step.ctx.run_id
-    for fingerprint in (call.fingerprint, qualified.fingerprint):
+    names = proposed_names(step.mcp.server_name, call.name)
+    for fingerprint in (dataclasses.replace(call, name=name).fingerprint for name in names):
         if fingerprint in pending and await store.take(run_id, PENDING, fingerprint):
             return True
     return False

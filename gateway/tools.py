@@ -27,6 +27,19 @@ def mcp_tool_name(server: str, tool: str) -> str:
     return f"{server}/{tool}"
 
 
+def _sdk_part(value: str, fallback: str) -> str:
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "_" for c in value).strip("_-")
+    return safe or fallback
+
+
+def proposed_names(server: str, tool: str) -> tuple[str, str, str]:
+    """The names a model may have proposed an MCP call by, which the agent then executes through the
+    MCP proxy: the tool's own, `server/tool`, and the OpenAI Agents SDK's with its
+    `include_server_in_tool_names` (`mcp_<server>__<tool>`, when the agent names its MCP server as
+    tollgate does; a name the SDK shortens with a hash is not recognised, and counts again)."""
+    return tool, mcp_tool_name(server, tool), f"mcp_{_sdk_part(server, 'server')}__{_sdk_part(tool, 'tool')}"
+
+
 def matches(name: str, pattern: str) -> bool:
     """True when `name` equals `pattern` or matches it as a case-sensitive glob."""
     return name == pattern or fnmatchcase(name, pattern)

@@ -425,14 +425,17 @@ async def test_an_oversized_server_answer_is_refused_not_relayed(
     assert status == 200 and answer["result"]["content"][0]["text"] == "contents of a", answer
 
 
+@pytest.mark.parametrize("proposed", ["read_file", "files/read_file", "mcp_files__read_file"])
 async def test_a_proposal_from_a_real_model_answer_is_executed_without_counting_twice(
-    gateway_factory: GatewayFactory, files: mcp_server.RunningServer
+    gateway_factory: GatewayFactory, files: mcp_server.RunningServer, proposed: str,
 ) -> None:
+    """By whichever name the model saw the tool: its own, `server/tool`, or the Agents SDK's with
+    `include_server_in_tool_names` (`mcp_files__read_file`, which counted twice: a cap halved)."""
     from tests.fakes.upstream import Reply, openai_completion, tool_call
 
-    tools = {**TOOLS, "allow": [*TOOLS["allow"], "read_file"]}
+    tools = {**TOOLS, "allow": [*TOOLS["allow"], proposed]}
     h = await gateway(gateway_factory, files, caps={"tool_calls": 1}, tools=tools)
-    h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call("read_file", '{"path": "a"}', "c1")])))
+    h.fake.queue(Reply(body=openai_completion("", tool_calls=[tool_call(proposed, '{"path": "a"}', "c1")])))
     async with h.session.post(f"{h.url}/v1/chat/completions",
                               json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "read a"}]},
                               headers={"x-tollgate-agent": "bot", "x-tollgate-run-id": "r1"}) as resp:
