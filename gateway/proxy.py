@@ -53,10 +53,11 @@ from gateway.relay import collect_stream, relay_stream
 from gateway.routing import Route
 from gateway.runtime import Gateway
 from gateway.step import Step
+from gateway.store.base import RunState
 from gateway.toolgate import TOOL_NOT_ALLOWED, answers_something, judge_tools, shape_tools, without
 from gateway.upstream import answer_headers, scrub, secret_bytes
 from grammars.tool_args import check_tool_schemas
-from guards.loop import retry_mark
+from guards.loop import forgiven, retry_marks
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
@@ -175,16 +176,22 @@ def sdk_retried(status: int | None) -> bool:
     return status is not None and (status >= 500 or status in SDK_RETRIED)
 
 
+def _forgiven_error(step: Step) -> bool:
+    """The agent's own request (no re-ask) answered with an error its SDK retries, forgiven so far
+    (`guards.loop.forgiven`: an agent resending it forever counts again)."""
+    snapshot = step.extra.get("snapshot")
+    return (sdk_retried(step.status) and step.reasks == 0
+            and forgiven(snapshot if isinstance(snapshot, RunState) else None, step.call.request_hash))
+
+
 async def mark_retry(gw: Gateway, step: Step) -> None:
     """A step sent upstream that ends with an error its agent's SDK retries with the same bytes: its
-    request is marked in the run's history (`guards.loop.retry_mark`), before the agent hears of it, so
+    request is marked in the run's history (`guards.loop.retry_marks`), before the agent hears of it, so
     that retry is no step without progress. Best effort: a store that fails now counts the retry."""
-    if not step.extra.get("sent") or step.stop_reason or not sdk_retried(step.status):
+    if not step.extra.get("sent") or step.stop_reason or step.reasks or not sdk_retried(step.status):
         return
-    mark = retry_mark(step.decisions)
-    if mark is not None:
-        with contextlib.suppress(GatewayError):
-            await gw.write_effects(step.run_id, step.agent, (mark,))
+    with contextlib.suppress(GatewayError):
+        await gw.write_effects(step.run_id, step.agent, retry_marks(step.call.request_hash, step.decisions))
 
 
 async def respond(gw: Gateway, step: Step, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
@@ -270,7 +277,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 upstream.release()
             step.status = upstream.status
             if upstream.status >= 300:  # generated nothing; one the SDKs retry is no model call of the run
-                await settle(gw, step, None, charged=False, counted=not sdk_retried(upstream.status))
+                await settle(gw, step, None, charged=False, counted=not _forgiven_error(step))
                 step.error_type = str(upstream.status)
                 secret = provider_secret(step.route.provider)
                 headers_out = answer_headers(upstream.headers, base_headers(step.identity, step), secret=secret)

@@ -9,8 +9,9 @@ identical to the previous one, is a stalled step; `stall_steps` stalled steps in
 before the next call goes upstream. A step with a new result or a new request is progress.
 MCP tool results are judged in their own history, so a result seen by the MCP proxy and then sent
 back to the model is not counted twice. A step the provider answered with an error its SDK retries on
-its own (a 5xx, a 429 overload) marks its request (`retry_mark`): the identical retry is that step again,
-neither a repeat nor a judge of its already-recorded results.
+its own (a 5xx, a 429 overload) marks its request (`retry_marks`): the identical retry is that step again,
+neither a repeat nor a judge of its already-recorded results, while its request has had fewer than
+`FORGIVEN_RETRIES` such answers (an agent resending a failing request forever is stalled again).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.call import Answer
+from gateway.store.base import RunState
 from gateway.store.logic import repeats
 from guards.base import REASK, BaseGuard, Decision, Push, StepContext
 
 RESULT_KEEP = 1000
-RETRY = "retry:"  # prefix of a request hash in the "request" history: its step got no answer (`retry_mark`)
+RETRY = "retry:"  # prefix of a request hash in the "request" history: its step got no answer (`retry_marks`)
+RETRIES = "retries"  # history: the request hashes of steps the provider answered so (`retry_marks`)
+RETRIES_KEEP = 50
+FORGIVEN_RETRIES = 5  # error answers per request: more than the SDKs' retries (2 by default in openai, anthropic)
 
 
 class LoopGuard(BaseGuard):
@@ -68,11 +73,12 @@ class ProgressGuard(BaseGuard):
             return Decision.allow(self.name)  # a re-ask is tollgate's request: the agent's was judged
         seen_key = "results"
         previous = ctx.history("request")
-        if previous and previous[-1] == RETRY + call.request_hash:  # judged when it first came: no new mark
+        marked = bool(previous) and previous[-1] == RETRY + call.request_hash
+        if marked and forgiven(ctx.run, call.request_hash):  # judged when it first came: no new mark
             return Decision.allow(self.name, effects=(Push("request", (call.request_hash,), 1),))
         prints = tuple(r.fingerprint for r in call.tool_results)
         seen = set(ctx.history(seen_key))
-        repeated = bool(previous) and previous[-1] == call.request_hash
+        repeated = marked or (bool(previous) and previous[-1] == call.request_hash)
         new = [p for p in prints if p not in seen]
         stalled = repeated or (bool(prints) and not new)
         return self._judge(ctx, stalled, seen_key, tuple(new), loop.stall_steps, request=call.request_hash)
@@ -104,14 +110,22 @@ class ProgressGuard(BaseGuard):
         return Decision.allow(self.name, effects=tuple(effects))
 
 
-def retry_mark(decisions: Sequence[Decision]) -> Push | None:
-    """The history write for a step sent upstream that got an error its agent's SDK retries by itself
-    with the same bytes (408, 409, 429, 5xx: the provider generated nothing): its retry is then no
-    repeat, and its tool results, recorded by this step, are not judged again. None when the step
-    recorded no request (no `stall_steps`, a re-ask)."""
+def forgiven(run: RunState | None, request_hash: str) -> bool:
+    """Whether a step of `request_hash` the provider answered with an error its SDK retries is forgiven
+    (no step without progress, no model call of the run): fewer than `FORGIVEN_RETRIES` such answers of
+    it so far."""
+    return run is None or run.lists.get(RETRIES, []).count(request_hash) < FORGIVEN_RETRIES
+
+
+def retry_marks(request_hash: str, decisions: Sequence[Decision]) -> tuple[Push, ...]:
+    """The history writes for a step sent upstream that got an error its agent's SDK retries by itself
+    with the same bytes (408, 409, 429, 5xx: the provider generated nothing): the request's count of
+    such answers (`forgiven`), and, when the step recorded its request (`stall_steps`), the mark that
+    makes its retry no repeat, whose tool results, recorded by this step, are not judged again."""
+    marks = [Push(RETRIES, (request_hash,), RETRIES_KEEP)]
     for decision in decisions:
         if decision.guard == ProgressGuard.name:
             for effect in decision.effects:
                 if isinstance(effect, Push) and effect.key == "request":
-                    return Push("request", (RETRY + effect.values[0],), 1)
-    return None
+                    marks.append(Push("request", (RETRY + effect.values[0],), 1))
+    return tuple(marks)

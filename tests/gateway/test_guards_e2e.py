@@ -592,3 +592,14 @@ async def test_a_stop_of_a_step_held_to_a_schema_is_the_403_even_with_on_stop_me
         assert caught.value.code == "llm_call_cap"
         plain = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)  # no constraint: the message
     assert "llm_call_cap" in (plain.choices[0].message.content or "")
+
+
+async def test_an_agent_resending_a_failing_request_forever_is_counted_again(gateway_factory: GatewayFactory) -> None:
+    """The provider's SDK-retried errors are forgiven per request (`guards.loop.FORGIVEN_RETRIES`): past
+    them, an agent looping on the same failing request counts toward `caps.llm_calls` again, and stops."""
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 3}))
+    h.fake.default = Reply(status=500, body=SERVER_ERROR)
+    body = {"model": "gpt-4o-mini", "messages": MSG}
+    statuses = [(await post(h, body, "failing-forever"))[0] for _ in range(9)]
+    assert statuses == [500] * 8 + [403]  # 5 forgiven, 3 counted, then the cap
+    assert (await h.run("failing-forever"))["stop_reason"] == "llm_call_cap"

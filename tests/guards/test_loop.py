@@ -12,7 +12,17 @@ from gateway.config import Agent
 from gateway.store.base import RunState
 from guards.base import Decision, Push
 from guards.chain import GuardChain
-from guards.loop import RESULT_KEEP, RETRY, LoopGuard, ProgressGuard, retry_mark
+from guards.loop import (
+    FORGIVEN_RETRIES,
+    RESULT_KEEP,
+    RETRIES,
+    RETRIES_KEEP,
+    RETRY,
+    LoopGuard,
+    ProgressGuard,
+    forgiven,
+    retry_marks,
+)
 from tests.guards.support import answer, apply_effects, call, ctx, mcp_call, policy, run, snapshot, tool
 
 LOOP = LoopGuard()
@@ -358,23 +368,42 @@ def loop_push(prints: tuple[str, ...], *calls: ToolCall) -> Push:
 
 
 def test_the_sdk_retry_of_a_step_that_got_no_answer_is_that_step_again() -> None:
-    """A step the provider answered with an error its SDK retries marks its request (`retry_mark`): the
-    identical retry is no repeat and brings no mark, even though its results were recorded by the
-    first try; once it is answered, the same request again is a repeat."""
+    """A step the provider answered with an error its SDK retries marks its request (`retry_marks`): the
+    identical retry is no repeat and brings no mark, even though its results were recorded by the first
+    try; once it is answered, the same request again is a repeat."""
     p = policy(loop={"stall_steps": 2})
     state = run()
     sent = call(results=("r1",), request_hash="req-1")
     first = PROGRESS.before(ctx(sent, p, snapshot(state)))
     assert apply_effects(state, first) is None
-    mark = retry_mark([Decision.allow("caps"), first])
-    assert mark == Push("request", (RETRY + "req-1",), 1)
-    assert apply_effects(state, Decision.allow("x", effects=(mark,))) is None
+    marks = retry_marks("req-1", [Decision.allow("caps"), first])
+    assert marks == (Push(RETRIES, ("req-1",), RETRIES_KEEP), Push("request", (RETRY + "req-1",), 1))
+    assert apply_effects(state, Decision.allow("x", effects=marks)) is None
     for _ in range(3):  # the SDK's retries, each answered with an error again
         retried = PROGRESS.before(ctx(sent, p, snapshot(state)))
         assert retried.action == "allow" and retried.effects == (Push("request", ("req-1",), 1),)
         assert apply_effects(state, retried) is None
-        assert apply_effects(state, Decision.allow("x", effects=(mark,))) is None
+        assert apply_effects(state, Decision.allow("x", effects=marks)) is None
     assert state.lists["progress"] == ["1"]
     state.lists["request"] = ["req-1"]  # the last retry was answered
     assert PROGRESS.before(ctx(sent, p, snapshot(state))).action == "allow"  # a repeat: one stalled step
-    assert retry_mark([Decision.allow("progress")]) is None  # a re-ask, or no stall_steps: nothing recorded
+    assert retry_marks("req-2", [Decision.allow("progress")]) == (Push(RETRIES, ("req-2",), RETRIES_KEEP),)
+
+
+def test_a_request_resent_forever_after_errors_is_stalled_again() -> None:
+    """Forgiven `FORGIVEN_RETRIES` times per request: an agent looping on a failing request is then a
+    repeat again, and `stall_steps` stops it (the caps count it again too, `forgiven`)."""
+    p = policy(loop={"stall_steps": 2})
+    state = run()
+    sent = call(request_hash="req-1")
+    decisions = [PROGRESS.before(ctx(sent, p, snapshot(state)))]
+    verdicts = []
+    for _ in range(FORGIVEN_RETRIES + 2):
+        assert apply_effects(state, decisions[-1]) is None
+        assert apply_effects(state, Decision.allow("x", effects=retry_marks("req-1", decisions))) is None
+        decisions = [PROGRESS.before(ctx(sent, p, snapshot(state)))]
+        verdicts.append(decisions[-1].action)
+    # error answers 1-4 are forgiven (their retries skipped), the 5th's retry is a repeat: stalled, and the
+    # next one the second stalled step in a row
+    assert verdicts == ["allow"] * FORGIVEN_RETRIES + ["stop", "stop"]
+    assert not forgiven(state, "req-1") and forgiven(state, "req-2") and forgiven(None, "req-1")
