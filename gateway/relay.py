@@ -29,6 +29,9 @@ from gateway.upstream import UpstreamResponse, answer_headers, scrub, secret_byt
 from grammars.checker import IncrementalChecker
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# what a stream offering tools holds of its text after it broke its grammar, waiting for a call to show
+# it was a preamble (a sentence or two): past it the text is the answer, and the grammar's error ends it
+PREAMBLE_BYTES = 64 * 1024
 
 
 async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: UpstreamResponse) -> web.StreamResponse:
@@ -79,6 +82,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 data = scrub(emitted.out, secret)  # an error event may echo the provider key
                 # the stream's end waits for the final verdict too: an SDK stops reading at it, so an
                 # error event after it would never be seen
+                if hold_broken and not reader.holding and kept > PREAMBLE_BYTES:
+                    failure = broken  # no call came: this is the answer, not a preamble (held no longer)
+                    break
                 if reader.holding or hold_broken or (emitted.done and checkers):
                     held.append(data)
                     kept += len(data)

@@ -7,6 +7,7 @@ import anthropic
 import orjson
 import pytest
 
+from gateway.relay import PREAMBLE_BYTES
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.upstream import Reply, anthropic_message, anthropic_stream
 
@@ -157,3 +158,17 @@ async def test_a_stream_that_offers_tools_and_ends_without_a_call_is_held_to_the
         h.fake.queue(Reply(chunks=anthropic_stream(["Sunny, I think."])))
         await tool_turn(h, "no-call-sdk", streamed=True)
     assert "constraint" in orjson.dumps(caught.value.body).decode()
+
+
+async def test_a_broken_text_held_for_a_call_that_never_comes_is_cut_past_a_preamble_s_size(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """Held text is bounded by `relay.PREAMBLE_BYTES`, not by `limits.max_answer_bytes` (64 MiB a stream):
+    past it no call is coming, and the stream ends with the grammar's error, nothing of the text sent."""
+    h = await gateway_factory(agents={"default": {"output": {"grammar": SCHEMA_GRAMMAR, "retries": 0}}})
+    prose = ["lorem ipsum " * 100] * (PREAMBLE_BYTES // 1200 + 20) + ["never reached"]
+    h.fake.queue(Reply(chunks=anthropic_stream(prose)))
+    body = {"model": CLAUDE, "max_tokens": 64, "messages": MSG, "tools": [WEATHER], "stream": True}
+    async with h.session.post(f"{h.url}/v1/messages", json=body, headers={"x-tollgate-run-id": "long"}) as resp:
+        text = (await resp.read()).decode()
+    assert "output_nonconforming" in text and "lorem" not in text and len(text) < 4096
