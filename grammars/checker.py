@@ -35,8 +35,8 @@ class IncrementalChecker:
     `feed(chunk)` returns False from the first chunk after which no continuation can be valid, and
     then keeps returning False; `violation` holds the reason. `finish()` is the complete check at the
     end of the output (for JSON kinds the full jsonschema verdict) and returns the violation or None.
-    `feed` raises InvalidGrammar once the stream's matcher time is spent (`engine.Fuel`: an ambiguous
-    grammar). Not thread-safe: one checker per stream.
+    `feed` raises InvalidGrammar once a `bounded` stream's matcher time is spent (`engine.Fuel`: an
+    ambiguous grammar). Not thread-safe: one checker per stream.
     """
 
     __slots__ = (
@@ -60,12 +60,14 @@ class IncrementalChecker:
         json_document: bool,
         final: Callable[[str], Violation | None] | None,
         fallback: llg.LLMatcher | None = None,
+        bounded: bool = False,
     ) -> None:
         """`matcher` is this stream's own matcher. `fallback` (JSON schema grammars only) is a
-        pristine any-JSON matcher to switch to when the upstream spells a literal with escapes."""
+        pristine any-JSON matcher to switch to when the upstream spells a literal with escapes. `bounded`
+        (a context-free grammar): its matcher time is bounded (`engine.Fuel`)."""
         self.violation: Violation | None = None
         self._matcher = matcher
-        self._fuel = engine.Fuel()  # the stream's matcher time, in all (a JSON schema's grammar too)
+        self._fuel = engine.Fuel() if bounded else None  # a context-free grammar's: its matcher time
         self._fallback = fallback
         self._json = json_document
         self._final = final

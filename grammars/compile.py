@@ -89,7 +89,8 @@ class Constraint:
         core = self._core
         if core.schema is None:
             assert core.exact is not None
-            return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None)
+            return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None,
+                                      bounded=core.kind in _CONTEXT_FREE)
         assert core.syntax is not None
         if native and core.exact is not None and core.exact is not core.syntax:
             return IncrementalChecker(

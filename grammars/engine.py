@@ -5,7 +5,7 @@ and the token mask at a failure point is the set of bytes the grammar would have
 construction drops the GIL; a pristine matcher is built once per constraint and `deep_copy`-ed (about
 1 µs) for every check, because building one costs about 0.5 ms.
 
-Checks run on the event loop, so their matcher time is bounded (`Fuel`): an ambiguous grammar
+Checks run on the event loop, so a context-free grammar's matcher time is bounded (`Fuel`): an ambiguous grammar
 (`a: "x" | a a`) makes llguidance's Earley parse grow with about the cube of the output's length, which
 its `LLParserLimits` do not bound (1,000 characters took 27 s, stalling every other request).
 """
@@ -38,9 +38,9 @@ JSON_OPTIONS: Final[JsonCompileOptions] = {
     "coerce_one_of": True,
 }
 _MAX_EXPECTED_ITEMS: Final[int] = 12
-CHECK_S: Final[float] = 0.25  # the matcher time one output's check may take in all
+CHECK_S: Final[float] = 0.25  # the matcher CPU time a context-free grammar's check may take beyond...
+_PER_TOKEN_S: Final[float] = 10e-6  # ...this much per token it took (about 10x what a linear grammar costs)
 _STEP_S: Final[float] = 0.002  # what one call into the matcher should take at most (the next is sized by it)
-_FIRST_STEP: Final[int] = 64  # tokens of a check's first call, before its cost per token is known
 _NOISE: Final = re.compile(r"^([\s^~]*|\d+\s*\|.*|regex parse error:)$")
 
 
@@ -180,51 +180,73 @@ def incomplete(matcher: llg.LLMatcher, char_pos: int) -> Violation:
 
 
 class Fuel:
-    """The matcher time one output's check may still take (`CHECK_S` in all), and the cost per token of
-    its last call. `spend` raises InvalidGrammar once it is used up: the grammar, not the answer, is at
-    fault (write it unambiguously)."""
+    """The matcher CPU time one output's check may still take: `CHECK_S`, plus `_PER_TOKEN_S` for every
+    token it took (a linear grammar takes about 1 µs a byte, so it never runs out; one whose parse grows
+    faster than the output does), and the size of its next call: from one token, doubling while a call
+    stays within `_STEP_S`. Thread CPU time, so waiting for the GIL costs nothing. `spend` raises
+    InvalidGrammar once it is used up: the grammar, not the answer, is at fault."""
 
-    __slots__ = ("left", "per_token")
+    __slots__ = ("left", "per_token", "size")
 
     def __init__(self, seconds: float = CHECK_S) -> None:
         self.left = seconds
         self.per_token = 0.0
+        self.size = 1
 
     def step(self) -> int:
-        """How many tokens the next call may take to stay within `_STEP_S`."""
-        return _FIRST_STEP if self.per_token <= 0 else max(1, int(_STEP_S / self.per_token))
+        """How many tokens the next call may take."""
+        return self.size
 
     def spend(self, seconds: float, tokens: int) -> None:
-        self.left -= seconds
+        self.left += tokens * _PER_TOKEN_S - seconds
         self.per_token = seconds / max(tokens, 1)
+        fits = int(_STEP_S / self.per_token) if self.per_token > 0 else 2 * self.size
+        self.size = max(1, min(2 * self.size, fits))
         if self.left < 0:
             raise InvalidGrammar(
-                f"checking the answer against its grammar took more than {CHECK_S * 1000:.0f} ms of matcher "
-                "time (an ambiguous grammar, such as a: \"x\" | a a, costs time that grows with about the "
-                "cube of the answer's length): write the grammar so that each text has one parse")
+                "checking the answer against its grammar took too long: its parse grows faster than the "
+                "answer (an ambiguous grammar, such as a: \"x\" | a a, grows with about the cube of the "
+                "answer's length): write the grammar so that each text has one parse")
 
 
-def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel) -> int:
+def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel | None = None) -> int:
     """Consume the longest acceptable prefix of `tokens`; return its length. The matcher stays usable
     (its state is just before the first refused token, where `compute_bitmask` says what would do).
-    In calls sized by `fuel` (one, for a stream's usual chunk), which raises InvalidGrammar when the
-    check has taken its time.
+    With `fuel` (a context-free grammar), in calls it sizes, raising InvalidGrammar when the check has
+    taken its time.
 
     Why not `try_consume_tokens`: `validate_tokens` (read-only) then `consume_tokens` is 1.2-2x faster
     per chunk (measured in tests/grammars/bench_grammars.py), and gives the same count."""
+    if fuel is None:
+        accepted = matcher.validate_tokens(tokens)
+        if accepted:
+            matcher.consume_tokens(tokens if accepted == len(tokens) else tokens[:accepted])
+            _check_limits(matcher)
+        return accepted
     done = 0
     while done < len(tokens):
-        size = fuel.step()
-        part = tokens if done == 0 and size >= len(tokens) else tokens[done : done + size]
-        started = time.perf_counter()
+        part = tokens[done : done + fuel.step()]
+        started = time.thread_time()
         accepted = matcher.validate_tokens(part)
         if accepted:
             matcher.consume_tokens(part if accepted == len(part) else part[:accepted])
-        fuel.spend(time.perf_counter() - started, len(part))
+            _check_limits(matcher)
+        fuel.spend(time.thread_time() - started, accepted)
         done += accepted
         if accepted < len(part):
             break
     return done
+
+
+def _check_limits(matcher: llg.LLMatcher) -> None:
+    """Raise InvalidGrammar when consuming put the matcher in its error state: llguidance's parser
+    limits (`LLParserLimits`: items per Earley row, lexer fuel) were hit, a grammar too complex to check
+    the answer with, not a verdict on it. Only the first line of llguidance's message is kept: the rest
+    quotes the answer."""
+    if matcher.is_error():
+        reason = matcher.get_error().strip().splitlines()[:1]
+        raise InvalidGrammar("the grammar is too complex to check the answer with"
+                             + (f" ({reason[0][:200]})" if reason else ""))
 
 
 def check_complete(pristine: llg.LLMatcher, text: str, *, bounded: bool = False) -> Violation | None:
@@ -232,14 +254,15 @@ def check_complete(pristine: llg.LLMatcher, text: str, *, bounded: bool = False)
 
     One read-only `validate_tokens` over the bytes plus the end-of-output token decides (about 7x
     cheaper than consuming them); the matcher only advances to explain a failure. `bounded` (a
-    context-free grammar, whose parse may grow faster than the output): consumed in calls a `Fuel`
-    sizes and bounds instead, raising InvalidGrammar when the check takes too long."""
+    context-free grammar, whose parse may grow faster than the output): the bytes are consumed in calls
+    a `Fuel` sizes and bounds instead (raising InvalidGrammar when the check takes too long), and the
+    end judged as a stream's is, by `is_accepting`."""
     matcher = pristine.deep_copy()
     data = text.encode("utf-8")
     tokens = [*data, EOS]
     if bounded:
-        accepted = advance(matcher, tokens, Fuel())
-        if accepted == len(tokens):
+        accepted = advance(matcher, list(data), Fuel())
+        if accepted == len(data) and matcher.is_accepting():
             return None
     else:
         accepted = matcher.validate_tokens(tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gateway.errors import InvalidGrammar
@@ -120,3 +122,22 @@ def test_an_ambiguous_grammar_s_check_is_cut_at_its_time_not_run_for_minutes() -
         for _ in range(100):  # a stream, 10 characters per chunk
             engine.advance(streamed, list(b"x" * 10), fuel)
     assert -0.05 < fuel.left < 0  # gave up once the time was spent, within the last call's cost
+
+
+def test_a_linear_grammar_s_long_answer_never_runs_out_of_time() -> None:
+    """The budget grows with the answer (`_PER_TOKEN_S` a token): a megabyte a linear grammar accepts is
+    no "ambiguous grammar" (a flat 250 ms cut valid answers past ~350 KB)."""
+    text = ",".join(["abcdefgh"] * 110_000)  # ~1 MB
+    assert engine.check_complete(lark_matcher(LINEAR), text, bounded=True) is None  # type: ignore[arg-type]
+
+
+def test_a_grammar_that_hits_llguidance_s_parser_limits_is_the_grammar_s_fault_not_the_answer_s() -> None:
+    """40 mutually recursive ambiguous rules: one 64-token call took 17.8 s. Calls now grow from one token,
+    and the Earley row limit llguidance hits within ten tokens says the grammar is too complex (it used to
+    read as the answer's violation at char 10)."""
+    rules = "\n".join(f's{i}: "x" | s{i} s{i} | s{(i + 1) % 40} | s{i} s{(i + 1) % 40}' for i in range(40))
+    matcher = lark_matcher("start: s0\n" + rules)
+    started = time.perf_counter()
+    with pytest.raises(InvalidGrammar, match="too complex to check the answer with"):
+        engine.check_complete(matcher, "x" * 64, bounded=True)  # type: ignore[arg-type]
+    assert time.perf_counter() - started < 1
