@@ -287,7 +287,10 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
     # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
     # only calls tools (no text, with calls in the answer) is not held to the text constraints
     prefill = "" if answer.after_provider_tool else call.prefill
-    first = prefill + answer.text if not answer.tool_calls else ""
+    # `tool_calls` are every choice's: with several, only a choice of calls alone (no text) is known to
+    # be one, so a text is held to the constraints whatever another choice called
+    preamble = bool(answer.tool_calls) and (call.params.choice_count or 1) == 1
+    first = prefill + answer.text if not preamble else ""
     texts = answer.other_texts if refused(answer) else (first, *answer.other_texts)
     for index, text in enumerate(texts):
         if not text and answer.tool_calls:

@@ -169,6 +169,7 @@ async def conclude(gw: Gateway, step: Step) -> None:
     await record(gw, step)
 
 
+RELAYED_ERROR = "relayed_error"  # step.extra: the step's answer is the provider's error answer, relayed
 SDK_RETRIED = frozenset({408, 409, 429})  # and every 5xx: what the openai and anthropic SDKs retry by themselves
 
 
@@ -185,10 +186,11 @@ def _forgiven_error(step: Step) -> bool:
 
 
 async def mark_retry(gw: Gateway, step: Step) -> None:
-    """A step sent upstream that ends with an error its agent's SDK retries with the same bytes: its
+    """A step the provider answered with an error its agent's SDK retries with the same bytes (not a
+    charged failure of tollgate's: a 502 for a malformed or oversized answer, a 504): its
     request is marked in the run's history (`guards.loop.retry_marks`), before the agent hears of it, so
     that retry is no step without progress. Best effort: a store that fails now counts the retry."""
-    if not step.extra.get("sent") or step.stop_reason or step.reasks or not sdk_retried(step.status):
+    if not step.extra.get(RELAYED_ERROR) or step.stop_reason or step.reasks or not sdk_retried(step.status):
         return
     with contextlib.suppress(GatewayError):
         await gw.write_effects(step.run_id, step.agent, retry_marks(step.call.request_hash, step.decisions))
@@ -277,6 +279,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 upstream.release()
             step.status = upstream.status
             if upstream.status >= 300:  # generated nothing; one the SDKs retry is no model call of the run
+                step.extra[RELAYED_ERROR] = True  # the provider's own error answer, not tollgate's 502/504
                 await settle(gw, step, None, charged=False, counted=not _forgiven_error(step))
                 step.error_type = str(upstream.status)
                 secret = provider_secret(step.route.provider)

@@ -26,7 +26,7 @@ from guards.base import REASK, BaseGuard, Decision, Push, StepContext
 RESULT_KEEP = 1000
 RETRY = "retry:"  # prefix of a request hash in the "request" history: its step got no answer (`retry_marks`)
 RETRIES = "retries"  # history: the request hashes of steps the provider answered so (`retry_marks`)
-RETRIES_KEEP = 50
+RETRIES_KEEP = 50  # and the most such answers forgiven in a run
 FORGIVEN_RETRIES = 5  # error answers per request: more than the SDKs' retries (2 by default in openai, anthropic)
 
 
@@ -113,8 +113,12 @@ class ProgressGuard(BaseGuard):
 def forgiven(run: RunState | None, request_hash: str) -> bool:
     """Whether a step of `request_hash` the provider answered with an error its SDK retries is forgiven
     (no step without progress, no model call of the run): fewer than `FORGIVEN_RETRIES` such answers of
-    it so far."""
-    return run is None or run.lists.get(RETRIES, []).count(request_hash) < FORGIVEN_RETRIES
+    it so far, and fewer than `RETRIES_KEEP` in the run (an agent hammering a rate-limited provider with
+    ever new requests counts again too)."""
+    if run is None:
+        return True
+    answered = run.lists.get(RETRIES, [])
+    return len(answered) < RETRIES_KEEP and answered.count(request_hash) < FORGIVEN_RETRIES
 
 
 def retry_marks(request_hash: str, decisions: Sequence[Decision]) -> tuple[Push, ...]:

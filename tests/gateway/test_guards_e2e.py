@@ -603,3 +603,15 @@ async def test_an_agent_resending_a_failing_request_forever_is_counted_again(gat
     statuses = [(await post(h, body, "failing-forever"))[0] for _ in range(9)]
     assert statuses == [500] * 8 + [403]  # 5 forgiven, 3 counted, then the cap
     assert (await h.run("failing-forever"))["stop_reason"] == "llm_call_cap"
+
+
+async def test_tollgate_s_own_502_after_a_charged_answer_is_no_forgiven_retry(gateway_factory: GatewayFactory) -> None:
+    """Only the provider's own error answer is forgiven: a 502 for an answer over `limits.max_answer_bytes`
+    is charged, and its identical resends are repeats (they used to be marked too: 8 paid calls, never
+    stopped)."""
+    h = await gateway_factory(agents=agent(loop={"stall_steps": 2}), limits={"max_answer_bytes": 2000})
+    h.fake.default = Reply(body=openai_completion("x" * 5000))
+    body = {"model": "gpt-4o-mini", "messages": MSG}
+    statuses = [(await post(h, body, "oversized"))[0] for _ in range(4)]
+    assert statuses == [502, 502, 403, 403] and len(h.fake.seen) == 2
+    assert (await h.run("oversized"))["stop_reason"] == "no_progress"

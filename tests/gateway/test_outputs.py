@@ -123,3 +123,15 @@ async def test_a_bad_schema_is_reported_as_the_agent_wrote_it_not_as_rewritten_f
     with pytest.raises(InvalidGrammar) as caught:
         await plan(resolver, call(guided_json=schema), grammar=None, dialect="openai")
     assert "'nope' is not valid" in caught.value.message and "null" not in caught.value.message
+
+
+async def test_with_several_choices_a_text_is_held_whatever_another_choice_called() -> None:
+    """An answer's tool calls are every choice's: with `n: 2`, prose in one choice beside a call in the
+    other used to pass as a "preamble"."""
+    resolver = Resolver(GrammarLibrary.load())
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    c = call(tools=tools, n=2)
+    p = await plan(resolver, c, grammar="regex:[a-z]+")
+    calls = (ToolCall("c1", "lookup", "{}"),)
+    assert judge(p, c, Answer(text="I'll look that up.", tool_calls=calls, other_texts=("",))) is not None
+    assert judge(p, c, Answer(text="", tool_calls=calls, other_texts=("fine",))) is None

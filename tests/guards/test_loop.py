@@ -407,3 +407,10 @@ def test_a_request_resent_forever_after_errors_is_stalled_again() -> None:
     # next one the second stalled step in a row
     assert verdicts == ["allow"] * FORGIVEN_RETRIES + ["stop", "stop"]
     assert not forgiven(state, "req-1") and forgiven(state, "req-2") and forgiven(None, "req-1")
+
+
+def test_errors_are_forgiven_at_most_retries_keep_times_in_a_run() -> None:
+    state = run(lists={RETRIES: [f"req-{i}" for i in range(RETRIES_KEEP - 1)]})
+    assert forgiven(state, "new")
+    state.lists[RETRIES].append("one-more")
+    assert not forgiven(state, "new")  # ever new failing requests count again once the run had its share
