@@ -187,14 +187,13 @@ def _native_form(dialect: str, first: ConstraintSpec, already_native: bool,
 
 
 def _check_sizes(specs: tuple[ConstraintSpec, ...], limit: int | None) -> None:
-    """Raise InvalidGrammar for a request's constraint longer than `limit` bytes: compiling it and
-    rewriting it for strict mode would cost seconds, some of it on the event loop."""
-    for spec in specs:
-        if limit is not None and len(spec.source) > limit // 4:
-            size = len(spec.source.encode("utf-8", "surrogatepass"))
-            if size > limit:
-                raise InvalidGrammar(f"{spec.kind}: the constraint is {size} bytes, more than "
-                                     f"limits.max_schema_bytes ({limit})")
+    """Raise InvalidGrammar when a request's constraints are longer than `limit` bytes together:
+    compiling and rewriting them for strict mode would cost seconds, some of it on the event loop."""
+    if limit is not None and sum(len(spec.source) for spec in specs) > limit // 4:
+        size = sum(len(spec.source.encode("utf-8", "surrogatepass")) for spec in specs)
+        if size > limit:
+            raise InvalidGrammar(f"the request's output constraints are {size} bytes together, more than "
+                                 f"limits.max_schema_bytes ({limit})")
 
 
 def _into_text_format(body: dict[str, Any], native: Mapping[str, Any]) -> None:

@@ -55,16 +55,18 @@ def _compile(key: str) -> SchemaCheck | str:
 
 async def check_tool_schemas(tools: Iterable[tuple[str, Mapping[str, Any] | None]], *,
                              max_bytes: int | None = None) -> None:
-    """Raise InvalidGrammar naming the first tool whose parameter schema tollgate cannot check, or whose
-    JSON is longer than `max_bytes` (`limits.max_schema_bytes`: compiling it would cost seconds).
+    """Raise InvalidGrammar naming the first tool whose parameter schema tollgate cannot check, or when
+    their JSON together is longer than `max_bytes` (`limits.max_schema_bytes`: compiling would cost
+    seconds of the worker threads every request shares).
 
     `tools` are (name, parameters) pairs; None parameters declare no schema. Cached schemas cost a
     lookup; the others compile together in one worker thread, never on the event loop."""
     keyed = [(name, _key(parameters)) for name, parameters in tools if parameters is not None]
-    for name, key in keyed:
-        if max_bytes is not None and len(key) > max_bytes // 4 and len(key.encode()) > max_bytes:
-            raise InvalidGrammar(f"parameters of tool {name!r}: the schema is {len(key.encode())} bytes of JSON, "
-                                 f"more than limits.max_schema_bytes ({max_bytes})", param="tools")
+    if max_bytes is not None and sum(len(key) for _, key in keyed) > max_bytes // 4:
+        total = sum(len(key.encode()) for _, key in keyed)
+        if total > max_bytes:
+            raise InvalidGrammar(f"the tools' parameter schemas are {total} bytes of JSON together, more than "
+                                 f"limits.max_schema_bytes ({max_bytes})", param="tools")
     results = {key: _CHECKS.get(key) for _, key in keyed}
     misses = [key for key, check in results.items() if check is None]
     if misses:

@@ -437,9 +437,13 @@ async def test_a_request_schema_over_max_schema_bytes_is_a_400_before_anything_i
         with pytest.raises(openai.BadRequestError, match="max_schema_bytes"):
             await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format={
                 "type": "json_schema", "json_schema": {"name": "a", "schema": big}})
-        with pytest.raises(openai.BadRequestError, match=r"parameters of tool 'f'.*max_schema_bytes"):
+        with pytest.raises(openai.BadRequestError, match=r"parameter schemas.*max_schema_bytes"):
             await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=[
                 {"type": "function", "function": {"name": "f", "parameters": big}}])
+        half = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(70)}}  # ~2 KB each
+        with pytest.raises(openai.BadRequestError, match=r"together, more than limits.max_schema_bytes"):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=[  # the sum counts
+                {"type": "function", "function": {"name": f"f{i}", "parameters": half}} for i in range(3)])
         assert h.fake.seen == []
         h.fake.queue(Reply(body=openai_completion('{"answer": 4}')))
         done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)  # small
