@@ -227,16 +227,21 @@ def _check_patterns(schema: Any) -> None:
             ) from None
 
 
+_PROBES: tuple[Any, ...] = (None, True, 0, 0.5, "", [], {})
+
+
 def _check_cycles(validator: Validator) -> None:
     """Reject a schema that refers to itself without descending into the document (`{"$ref": "#"}`, or
     through `anyOf` / `allOf` alone): validating never ends, so every answer would fail after paid
-    re-asks. Probed with `null`, which descends into nothing: a cycle it reaches is one of those."""
+    re-asks. Probed with an empty value of each JSON type, which descend into nothing: a cycle one
+    reaches (some are gated by type: `if: {type: string}, then: {$ref: "#"}`) is one of those."""
     try:
-        for _ in itertools.islice(validator.iter_errors(None), 1):
-            pass
+        for probe in _PROBES:
+            for _ in itertools.islice(validator.iter_errors(probe), 1):
+                pass
     except RecursionError:
         raise InvalidGrammar("json_schema: the schema refers to itself without descending into the document "
-                             "(a $ref cycle through $ref, allOf or anyOf alone): no answer could be validated") from None
+                             "(a $ref cycle through in-place keywords alone: $ref, allOf, anyOf, if/then): no answer could be validated") from None
     except referencing.exceptions.Unresolvable:
         return  # a ref based on a nested $id: judged at answer time (`_check_refs`)
 

@@ -233,6 +233,8 @@ def test_multiple_of_applies_in_every_draft() -> None:
     ({"$ref": "#"}, True),  # every answer failed "nested too deeply", after paid re-asks
     ({"anyOf": [{"type": "object"}, {"$ref": "#"}]}, True),
     ({"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"$ref": "#"}}}, True),
+    ({"if": {"type": "string"}, "then": {"$ref": "#"}}, True),  # gated by type: strings never finish
+    ({"anyOf": [{"type": "null"}, {"type": "string", "allOf": [{"$ref": "#"}]}]}, True),
     ({"type": "object", "properties": {"child": {"$ref": "#"}}}, False),  # descends: a tree
     ({"$defs": {"n": {"type": ["null", "object"], "properties": {"next": {"$ref": "#/$defs/n"}}}},
       "$ref": "#/$defs/n"}, False),  # a linked list
