@@ -615,3 +615,18 @@ async def test_tollgate_s_own_502_after_a_charged_answer_is_no_forgiven_retry(ga
     statuses = [(await post(h, body, "oversized"))[0] for _ in range(4)]
     assert statuses == [502, 502, 403, 403] and len(h.fake.seen) == 2
     assert (await h.run("oversized"))["stop_reason"] == "no_progress"
+
+
+async def test_a_stop_of_a_step_forcing_a_tool_is_the_403_even_with_on_stop_message(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """LangChain's `with_structured_output` on ChatAnthropic forces a tool: the stop's prose is no call
+    of it, and the framework's parse failed without saying why the run stopped."""
+    h = await gateway_factory(agents=agent(caps={"llm_calls": 1}, on_stop="message"))
+    h.fake.queue(Reply(body=anthropic_message("", tool_uses=[{"id": "t1", "name": "Out", "input": {"a": 1}}])))
+    body = {"model": "claude-3-5-haiku-latest", "max_tokens": 64, "messages": MSG,
+            "tools": [{"name": "Out", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "Out"}}
+    assert (await post(h, body, "forced", "/v1/messages"))[0] == 200
+    status, headers, raw = await post(h, body, "forced", "/v1/messages")
+    assert status == 403 and headers["x-tollgate-stop-reason"] == "llm_call_cap"
+    assert orjson.loads(raw)["error"]["code"] == "llm_call_cap"
