@@ -32,6 +32,7 @@ from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignor
 
 from gateway.errors import InvalidGrammar
 from gateway.frozen_init import fast_init
+from grammars.fanout import in_place_fanout
 from grammars.regexes import UnsupportedPattern, compile_pattern, search
 from grammars.spec import Violation, parse_json
 
@@ -40,6 +41,8 @@ __all__ = ["SchemaCheck", "build_check", "describe_errors", "format_checker", "p
 _MAX_ERRORS_SCANNED: Final[int] = 100
 _MAX_ERRORS_SHOWN: Final[int] = 5
 _MAX_MESSAGE: Final[int] = 240
+# subschemas jsonschema may apply to one value (`grammars.fanout`): legit unions apply tens to hundreds
+MAX_FANOUT: Final[int] = 5000
 
 
 def _pattern(validator: Validator, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
@@ -196,6 +199,9 @@ def build_check(schema: Any) -> SchemaCheck:
     # client-supplied schema must never make tollgate open a connection).
     validator = cls(schema, format_checker=format_checker(), registry=_NO_RETRIEVAL)
     if _check_refs(schema, cls):
+        if in_place_fanout(schema, MAX_FANOUT) > MAX_FANOUT:  # first: probing such a schema takes minutes
+            raise InvalidGrammar(f"json_schema: more than {MAX_FANOUT} subschemas may apply to one value "
+                                 "(allOf / anyOf / oneOf over $refs multiply): validating could take minutes")
         _check_cycles(validator)
     _check_patterns(schema)
     return SchemaCheck(validator)

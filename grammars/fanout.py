@@ -1,0 +1,101 @@
+"""How many subschemas jsonschema may apply to one value of a document (pure).
+
+Why: in-place applicators (`allOf`, `anyOf`, `oneOf`, `not`, `if` / `then` / `else`, `dependentSchemas`,
+`$ref`) apply their subschemas to the same value, and chained through `$ref`s their fan-outs multiply:
+16 levels of `anyOf: [{"$ref": next}, {"$ref": next}]`, a 1 KB tool schema, took 6 s to validate
+`{"p": 5}` on the event loop, and each two more levels four times that. `in_place_fanout` finds the
+largest such count of any subschema, so a schema over a bound is refused when it compiles (its size
+alone says nothing: `limits.max_schema_bytes` lets that one through).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Final
+from urllib.parse import unquote
+
+_IN_PLACE_LISTS: Final = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_ONE: Final = ("not", "if", "then", "else")
+
+
+def in_place_fanout(schema: Any, limit: int) -> int:
+    """The most subschemas that may be applied to one value of a document valid or not, counting through
+    local `$ref`s (`#` JSON pointers; any other ref counts as one); counting stops past `limit` (the
+    result is then some value over it). A ref cycle counts once (`grammars.schema` refuses the ones that
+    never descend)."""
+    memo: dict[int, int] = {}
+
+    def cost(node: Any, open_: set[int]) -> int:
+        if not isinstance(node, dict):
+            return 1
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if key in open_:
+            return 1
+        open_.add(key)
+        total = 1
+        for child in _in_place(schema, node):
+            total += cost(child, open_)
+            if total > limit:
+                break
+        open_.discard(key)
+        memo[key] = total
+        return total
+
+    best = 0
+    for node in _subschemas(schema):
+        best = max(best, cost(node, set()))
+        if best > limit:
+            break
+    return best
+
+
+def _in_place(root: Any, node: dict[str, Any]) -> Iterator[Any]:
+    """The subschemas `node` applies to the value it is applied to."""
+    for keyword in _IN_PLACE_LISTS:
+        items = node.get(keyword)
+        if isinstance(items, list):
+            yield from items
+    for keyword in _IN_PLACE_ONE:
+        if keyword in node:
+            yield node[keyword]
+    dependent = node.get("dependentSchemas")
+    if isinstance(dependent, dict):
+        yield from dependent.values()
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = resolve_local(root, ref)
+        if target is not None:
+            yield target
+
+
+def _subschemas(node: Any) -> Iterator[dict[str, Any]]:
+    """Every object in the schema (some are not subschemas, such as a `properties` map: they cost 1)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            yield current
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+
+
+def resolve_local(root: Any, ref: str) -> Any | None:
+    """The part of `root` a local `$ref` (`#`, `#/$defs/a`, with `~0`, `~1` and %-escapes) names, else
+    None (a ref to another document, an anchor, a pointer to nothing)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        name = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and name in node:
+            node = node[name]
+        elif isinstance(node, list) and name.isdigit() and int(name) < len(node):
+            node = node[int(name)]
+        else:
+            return None
+    return node
