@@ -5,7 +5,8 @@ Why: in-place applicators (`allOf`, `anyOf`, `oneOf`, `not`, `if` / `then` / `el
 16 levels of `anyOf: [{"$ref": next}, {"$ref": next}]`, a 1 KB tool schema, took 6 s to validate
 `{"p": 5}` on the event loop, and each two more levels four times that. `in_place_fanout` finds the
 largest such count of any subschema, so a schema over a bound is refused when it compiles (its size
-alone says nothing: `limits.max_schema_bytes` lets that one through).
+alone says nothing: `limits.max_schema_bytes` lets that one through); `in_place_cycle`, whether a subschema
+applies itself that way, which no validation of a value reaching it ends.
 """
 
 from __future__ import annotations
@@ -49,6 +50,34 @@ def in_place_fanout(schema: Any, limit: int) -> int:
         if best > limit:
             break
     return best
+
+
+def in_place_cycle(schema: Any) -> bool:
+    """Whether some subschema applies itself to the value it is applied to, through in-place keywords
+    alone (`{"$ref": "#"}`, `anyOf: [..., {"$ref": "#"}]`, `if`/`then` to a ref): validating a value that
+    reaches it never ends. A ref under a keyword that descends (`properties`, `items`) is a recursive
+    schema, which ends with the document. Iterative: no schema is too deep for it."""
+    done: set[int] = set()
+    for start in _subschemas(schema):
+        if id(start) in done:
+            continue
+        on_path: set[int] = {id(start)}
+        stack: list[tuple[Any, Iterator[Any]]] = [(start, _in_place(schema, start))]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.discard(id(node))
+                done.add(id(node))
+                continue
+            if not isinstance(child, dict) or id(child) in done:
+                continue
+            if id(child) in on_path:
+                return True
+            on_path.add(id(child))
+            stack.append((child, _in_place(schema, child)))
+    return False
 
 
 def _in_place(root: Any, node: dict[str, Any]) -> Iterator[Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidGrammar
-from grammars.fanout import in_place_fanout, resolve_local
+from grammars.fanout import in_place_cycle, in_place_fanout, resolve_local
 from grammars.schema import MAX_FANOUT, build_check
 
 
@@ -53,3 +53,17 @@ def test_a_schema_whose_refs_multiply_past_the_bound_is_refused_when_it_compiles
         build_check(chain(24))
     assert time.perf_counter() - started < 1
     assert build_check(chain(8)).check_value("ok") is None  # 2 ** 8: fine
+
+
+@pytest.mark.parametrize(("schema", "cycle"), [
+    ({"$ref": "#"}, True),
+    ({"anyOf": [{"type": "object"}, {"$ref": "#"}]}, True),
+    ({"if": {"type": "string"}, "then": {"$ref": "#"}}, True),
+    ({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"oneOf": [{"$ref": "#/$defs/a"}]}}, "type": "null"}, True),
+    ({"type": "object", "properties": {"child": {"$ref": "#"}}}, False),  # a tree
+    ({"$defs": {"n": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#/$defs/n"}}]}},
+      "$ref": "#/$defs/n"}, False),
+    (chain(30), False),  # deep, and no cycle
+])
+def test_in_place_cycle(schema: dict[str, Any], cycle: bool) -> None:
+    assert in_place_cycle(schema) is cycle
