@@ -25,6 +25,7 @@ def in_place_fanout(schema: Any, limit: int) -> int:
     result is then some value over it). A ref cycle counts once (`grammars.schema` refuses the ones that
     never descend)."""
     memo: dict[int, int] = {}
+    names = _names(schema)
 
     def cost(node: Any, open_: set[int]) -> int:
         if not isinstance(node, dict):
@@ -36,7 +37,7 @@ def in_place_fanout(schema: Any, limit: int) -> int:
             return 1
         open_.add(key)
         total = 1
-        for child in _in_place(schema, node):
+        for child in _in_place(schema, names, node):
             total += cost(child, open_)
             if total > limit:
                 break
@@ -58,11 +59,12 @@ def in_place_cycle(schema: Any) -> bool:
     reaches it never ends. A ref under a keyword that descends (`properties`, `items`) is a recursive
     schema, which ends with the document. Iterative: no schema is too deep for it."""
     done: set[int] = set()
+    names = _names(schema)
     for start in _subschemas(schema):
         if id(start) in done:
             continue
         on_path: set[int] = {id(start)}
-        stack: list[tuple[Any, Iterator[Any]]] = [(start, _in_place(schema, start))]
+        stack: list[tuple[Any, Iterator[Any]]] = [(start, _in_place(schema, names, start))]
         while stack:
             node, children = stack[-1]
             child = next(children, None)
@@ -76,11 +78,24 @@ def in_place_cycle(schema: Any) -> bool:
             if id(child) in on_path:
                 return True
             on_path.add(id(child))
-            stack.append((child, _in_place(schema, child)))
+            stack.append((child, _in_place(schema, names, child)))
     return False
 
 
-def _in_place(root: Any, node: dict[str, Any]) -> Iterator[Any]:
+def _names(schema: Any) -> dict[str, Any]:
+    """The subschemas a ref may name other than by JSON pointer: by `$anchor` (`#name`), by an `$id`
+    (as written, and as `#name` for an old-style `"$id": "#name"`), by `$dynamicAnchor`."""
+    names: dict[str, Any] = {}
+    for node in _subschemas(schema):
+        for keyword in ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(keyword), str):
+                names.setdefault("#" + node[keyword], node)
+        if isinstance(node.get("$id"), str):
+            names.setdefault(node["$id"].rstrip("#"), node)
+    return names
+
+
+def _in_place(root: Any, names: dict[str, Any], node: dict[str, Any]) -> Iterator[Any]:
     """The subschemas `node` applies to the value it is applied to."""
     for keyword in _IN_PLACE_LISTS:
         items = node.get(keyword)
@@ -92,11 +107,26 @@ def _in_place(root: Any, node: dict[str, Any]) -> Iterator[Any]:
     dependent = node.get("dependentSchemas")
     if isinstance(dependent, dict):
         yield from dependent.values()
-    ref = node.get("$ref")
-    if isinstance(ref, str):
-        target = resolve_local(root, ref)
-        if target is not None:
-            yield target
+    for keyword in ("$ref", "$dynamicRef"):
+        ref = node.get(keyword)
+        if isinstance(ref, str):
+            target = resolve(root, names, ref)
+            if target is not None:
+                yield target
+
+
+def resolve(root: Any, names: dict[str, Any], ref: str) -> Any | None:
+    """What `ref` names in the schema: a JSON pointer (`resolve_local`), a name (`_names`), or a pointer
+    into a subschema named by its `$id` (`item.json#/$defs/a`); None when it is none of those. A ref
+    relative to a nested `$id`'s base URI is not resolved (it counts as one)."""
+    if ref.startswith("#/") or ref == "#":
+        return resolve_local(root, ref)
+    if ref in names or ref.rstrip("#") in names:
+        return names.get(ref, names.get(ref.rstrip("#")))
+    base, _, fragment = ref.partition("#")
+    if base in names and fragment.startswith("/"):
+        return resolve_local(names[base], "#" + fragment)
+    return None
 
 
 def _subschemas(node: Any) -> Iterator[dict[str, Any]]:

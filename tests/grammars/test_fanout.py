@@ -67,3 +67,14 @@ def test_a_schema_whose_refs_multiply_past_the_bound_is_refused_when_it_compiles
 ])
 def test_in_place_cycle(schema: dict[str, Any], cycle: bool) -> None:
     assert in_place_cycle(schema) is cycle
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"a": {"$anchor": "loop", "anyOf": [{"type": "string"}, {"$ref": "#loop"}]}}, "$ref": "#/$defs/a"},
+    {"$defs": {"a": {"$id": "a.json", "allOf": [{"$ref": "a.json"}]}}, "$ref": "a.json"},
+    {"$defs": {"a": {"$id": "#old", "allOf": [{"$ref": "#old"}]}}, "type": "null"},
+    {"$defs": {"a": {"$id": "a.json", "$defs": {"b": {"allOf": [{"$ref": "a.json#/$defs/b"}]}}}}, "type": "null"},
+])
+def test_refs_by_anchor_or_id_are_followed(schema: dict[str, Any]) -> None:
+    """A ref by name is no way around the cycle and fan-out bounds."""
+    assert in_place_cycle(schema)
