@@ -15,6 +15,7 @@ import functools
 import itertools
 import math
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -30,6 +31,7 @@ from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.protocols import Validator
 from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignore[import-untyped]
 
+from gateway import exact_json
 from gateway.errors import InvalidGrammar
 from gateway.frozen_init import fast_init
 from grammars.fanout import in_place_cycle, in_place_fanout
@@ -110,8 +112,46 @@ def _decimal(number: float) -> Fraction:
 # and multipleOf decided on decimals
 _BOUNDED: Final = {"pattern": _pattern, "patternProperties": _pattern_properties,
                    "additionalProperties": _additional_properties, "multipleOf": _multiple_of}
+
+
+class _Work(threading.local):
+    """The keyword applications the check running on this thread may still make (`SchemaCheck`)."""
+
+    left: int = 0
+
+
+_WORK = _Work()
+# keyword applications a check may make (5-20 us each), plus WORK_PER_BYTE a byte of its value (a valid
+# answer takes under one a byte)
+WORK_BASE: Final[int] = 20_000
+WORK_PER_BYTE: Final[int] = 2
+
+
+class _TooCostly(Exception):
+    pass
+
+
+def _metered(keyword: Any) -> Any:
+    """`keyword` counting against the running check's work (schemas whose applicators multiply through
+    refs the static bound, `grammars.fanout`, cannot follow: relative to a nested `$id`, `$dynamicRef`,
+    `unevaluated*` re-walking them)."""
+    @functools.wraps(keyword)
+    def counted(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        _WORK.left -= 1
+        if _WORK.left < 0:
+            raise _TooCostly
+        return keyword(validator, value, instance, schema)
+
+    return counted
+
+
+def _draft(cls: Any) -> type[Validator]:
+    keywords = {**cls.VALIDATORS, **_BOUNDED}
+    return jsonschema.validators.extend(cls, {name: _metered(fn) for name, fn in keywords.items()})
+
+
 _DRAFTS: Final[dict[str, type[Validator]]] = {
-    uri.rstrip("#"): jsonschema.validators.extend(cls, _BOUNDED)
+    uri.rstrip("#"): _draft(cls)
     for cls in (
         jsonschema.Draft4Validator,
         jsonschema.Draft6Validator,
@@ -143,11 +183,20 @@ class SchemaCheck:
         value, violation = parse_json(text)
         if violation is not None:
             return violation
-        return self.check_value(value)
+        return self.check_value(value, len(text))
 
-    def check_value(self, value: Any) -> Violation | None:
+    def check_value(self, value: Any, size: int | None = None) -> Violation | None:
+        """`size`: of the value's JSON text (measured when not given). Raises InvalidGrammar when the
+        check makes more than `WORK_BASE + WORK_PER_BYTE * size` keyword applications: the schema, not
+        the value, is at fault."""
+        if size is None:
+            size = len(exact_json.dumps(value))
+        _WORK.left = WORK_BASE + WORK_PER_BYTE * size
         try:
             errors = list(itertools.islice(self.validator.iter_errors(value), _MAX_ERRORS_SCANNED))
+        except _TooCostly:
+            raise InvalidGrammar("json_schema: validating one answer against the schema takes too long (its "
+                                 "subschemas, through $refs, apply too many times to each value)") from None
         except RecursionError:
             return Violation("at <root>: the document is nested too deeply to validate")
         except referencing.exceptions.Unresolvable as exc:
@@ -199,6 +248,14 @@ def build_check(schema: Any) -> SchemaCheck:
     # client-supplied schema must never make tollgate open a connection).
     validator = cls(schema, format_checker=format_checker(), registry=_NO_RETRIEVAL)
     if _check_refs(schema, cls):
+        _check_ref_graph(schema)
+    _check_patterns(schema)
+    return SchemaCheck(validator)
+
+
+def _check_ref_graph(schema: Any) -> None:
+    """Refuse a schema whose refs never descend (`fanout.in_place_cycle`) or multiply past `MAX_FANOUT`."""
+    try:
         if in_place_cycle(schema):  # every answer would fail "nested too deeply", after paid re-asks
             raise InvalidGrammar("json_schema: the schema refers to itself without descending into the document "
                                  "(a $ref cycle through in-place keywords alone: $ref, allOf, anyOf, if/then): "
@@ -206,8 +263,8 @@ def build_check(schema: Any) -> SchemaCheck:
         if in_place_fanout(schema, MAX_FANOUT) > MAX_FANOUT:
             raise InvalidGrammar(f"json_schema: more than {MAX_FANOUT} subschemas may apply to one value "
                                  "(allOf / anyOf / oneOf over $refs multiply): validating could take minutes")
-    _check_patterns(schema)
-    return SchemaCheck(validator)
+    except RecursionError:  # a chain of refs hundreds deep: no validation of it would end either
+        raise InvalidGrammar("json_schema: its $refs nest too deeply to validate") from None
 
 
 def _validator_class(schema: Any) -> type[Validator]:

@@ -246,3 +246,31 @@ def test_a_schema_that_refers_to_itself_in_place_is_refused(schema: dict[str, An
     else:
         check = build_check(schema)
         assert check.check_value({"child": {"child": {}}} if "properties" in schema else {"next": None}) is None
+
+
+def nested_id_chain(levels: int) -> dict[str, Any]:
+    """`levels` of `anyOf` over two refs, resolved against a nested `$id` (which the static bound,
+    `grammars.fanout`, resolves against the root instead, counting a fan-out of a few)."""
+    inner: dict[str, Any] = {"$defs": {f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}] * 2} for i in range(levels)}}
+    inner["$defs"][f"a{levels}"] = {"type": "string", "minLength": 99}
+    inner["$ref"], inner["$id"] = "#/$defs/a0", "urn:inner"
+    decoys = {f"a{i}": {"type": "string"} for i in range(levels + 1)}
+    return {"$defs": {**decoys, "inner": inner}, "$ref": "urn:inner"}
+
+
+def test_a_check_that_applies_too_many_keywords_is_cut_as_the_schema_s_fault() -> None:
+    """16 levels took 5.4 s to check one small value; the keyword budget (`WORK_BASE` plus `WORK_PER_BYTE`
+    a byte) ends it in a fraction of that, as the schema's fault (InvalidGrammar), not the answer's."""
+    check = build_check(nested_id_chain(16))
+    started = time.perf_counter()
+    with pytest.raises(InvalidGrammar, match="takes too long"):
+        check.check('{"p": 5}')
+    assert time.perf_counter() - started < 1
+    assert build_check(nested_id_chain(4)).check_value("x" * 99) is None  # 2 ** 4: fine
+
+
+def test_a_ref_chain_too_deep_to_follow_is_refused_not_a_500() -> None:
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(1500)}
+    defs["a1500"] = {"type": "string"}
+    with pytest.raises(InvalidGrammar, match="nest too deeply"):
+        build_check({"$defs": defs, "$ref": "#/$defs/a0"})
