@@ -39,7 +39,7 @@ JSON_OPTIONS: Final[JsonCompileOptions] = {
 }
 _MAX_EXPECTED_ITEMS: Final[int] = 12
 CHECK_S: Final[float] = 0.25  # the matcher CPU time a context-free grammar's check may take beyond...
-_PER_TOKEN_S: Final[float] = 10e-6  # ...this much per token it took (about 10x what a linear grammar costs)
+_PER_TOKEN_S: Final[float] = 3e-6  # ...this much per token it took (about 3x what a linear grammar costs)
 _STEP_S: Final[float] = 0.002  # what one call into the matcher should take at most (the next is sized by it)
 _NOISE: Final = re.compile(r"^([\s^~]*|\d+\s*\|.*|regex parse error:)$")
 
@@ -181,7 +181,7 @@ def incomplete(matcher: llg.LLMatcher, char_pos: int) -> Violation:
 
 class Fuel:
     """The matcher CPU time one output's check may still take: `CHECK_S`, plus `_PER_TOKEN_S` for every
-    token it took (a linear grammar takes about 1 µs a byte, so it never runs out; one whose parse grows
+    token it took (a linear grammar takes under 1 µs a byte, so it never runs out; one whose parse grows
     faster than the output does), and the size of its next call: from one token, doubling while a call
     stays within `_STEP_S`. Thread CPU time, so waiting for the GIL costs nothing. `spend` raises
     InvalidGrammar once it is used up: the grammar, not the answer, is at fault."""
@@ -231,6 +231,17 @@ def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel | None = None)
         if accepted:
             matcher.consume_tokens(part if accepted == len(part) else part[:accepted])
             _check_limits(matcher)
+        if accepted < len(part) and len(part) > 1 and not matcher.is_error():
+            # llguidance may refuse a token batched after a `stop=` lexeme that it takes alone: judge
+            # the refused one by itself, as a stream fed a byte at a time would be
+            alone = part[accepted : accepted + 1]
+            if matcher.validate_tokens(alone):
+                matcher.consume_tokens(alone)
+                _check_limits(matcher)
+                accepted += 1
+                fuel.spend(time.thread_time() - started, accepted)
+                done += accepted
+                continue
         fuel.spend(time.thread_time() - started, accepted)
         done += accepted
         if accepted < len(part):

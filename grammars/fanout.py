@@ -129,6 +129,12 @@ def resolve(root: Any, names: dict[str, Any], ref: str) -> Any | None:
     return None
 
 
+def object_count(schema: Any) -> int:
+    """How many objects the schema holds: a fan-out no larger than a few times this is a flat union,
+    not refs multiplying."""
+    return sum(1 for _ in _subschemas(schema))
+
+
 def _subschemas(node: Any) -> Iterator[dict[str, Any]]:
     """Every object in the schema (some are not subschemas, such as a `properties` map: they cost 1)."""
     stack = [node]

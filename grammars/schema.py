@@ -34,7 +34,7 @@ from jsonschema_specifications import REGISTRY as _SPECIFICATIONS  # type: ignor
 from gateway import exact_json
 from gateway.errors import InvalidGrammar
 from gateway.frozen_init import fast_init
-from grammars.fanout import in_place_cycle, in_place_fanout
+from grammars.fanout import in_place_cycle, in_place_fanout, object_count
 from grammars.regexes import UnsupportedPattern, compile_pattern, search
 from grammars.spec import Violation, parse_json
 
@@ -260,7 +260,8 @@ def _check_ref_graph(schema: Any) -> None:
             raise InvalidGrammar("json_schema: the schema refers to itself without descending into the document "
                                  "(a $ref cycle through in-place keywords alone: $ref, allOf, anyOf, if/then): "
                                  "no answer could be validated")
-        if in_place_fanout(schema, MAX_FANOUT) > MAX_FANOUT:
+        bound = max(MAX_FANOUT, 4 * object_count(schema))  # a large flat union is no multiplication
+        if in_place_fanout(schema, bound) > bound:
             raise InvalidGrammar(f"json_schema: more than {MAX_FANOUT} subschemas may apply to one value "
                                  "(allOf / anyOf / oneOf over $refs multiply): validating could take minutes")
     except RecursionError:  # a chain of refs hundreds deep: no validation of it would end either

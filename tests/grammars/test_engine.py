@@ -141,3 +141,11 @@ def test_a_grammar_that_hits_llguidance_s_parser_limits_is_the_grammar_s_fault_n
     with pytest.raises(InvalidGrammar, match="too complex to check the answer with"):
         engine.check_complete(matcher, "x" * 64, bounded=True)  # type: ignore[arg-type]
     assert time.perf_counter() - started < 1
+
+
+@pytest.mark.parametrize("text", ["abxz", "yxz", "qbaxz", "abcdexz", "abcdefxz"])
+def test_a_stop_lexeme_s_verdict_does_not_depend_on_how_the_bytes_are_batched(text: str) -> None:
+    """llguidance refused the byte after a `stop=` lexeme when it came in the same call: a bounded check
+    (calls of 1, 2, 4, ... bytes) refused "yxz" with "unexpected 'z'; expected 'z'", a stream took it."""
+    matcher = lark_matcher('start: foo "z"\nfoo[stop="x"]: /[a-y]*/\n')
+    assert engine.check_complete(matcher, text, bounded=True) is None  # type: ignore[arg-type]
