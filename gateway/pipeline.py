@@ -487,7 +487,7 @@ def error_response(adapter: Adapter, error: GatewayError, headers: dict[str, str
 def stop_response(step: Step, error: Stopped) -> web.Response:
     """A stop before any byte was sent: 403 in the wire format, or 200 with a final message."""
     headers = {**base_headers(step.identity, step), STOP_HEADER: error.reason}
-    if step.stops_with_message:
+    if step.identity.policy.on_stop == "message":
         if step.call.stream:
             body = step.adapter.stop_stream(step.call, error.reason, error.message)
             return web.Response(status=200, body=body, content_type="text/event-stream", headers=headers)

@@ -117,7 +117,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             step.changed = add_native(step, plan) or step.changed
         response = await run_step(gw, step, request)
     except Stopped as exc:
-        step.status = 200 if step.stops_with_message else 403
+        step.status = 200 if identity.policy.on_stop == "message" else 403
         step.error_type = exc.reason
         response = stop_response(step, exc)
     except GatewayError as exc:

@@ -241,7 +241,7 @@ def _too_long(limit: int) -> UpstreamUnavailable:
 
 
 def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
-    if step.stops_with_message:
+    if step.identity.policy.on_stop == "message":
         return step.adapter.stream_stop_tail(step.call, reader, stop.reason, stop.message)
     return step.adapter.error_event(stop)
 

@@ -65,15 +65,6 @@ class Step:
     def agent(self) -> str:
         return self.identity.agent
 
-    @property
-    def stops_with_message(self) -> bool:
-        """Whether a stop answers 200 with a final assistant message (`on_stop: message`): not when the
-        answer is held to a text constraint or must call the tool the request forces, which that prose
-        would break (a framework parsing structured output, LangChain's `with_structured_output` by a
-        forced tool included, would fail on it, hiding the stop): then it is the 403."""
-        policy = self.identity.policy
-        return policy.on_stop == "message" and self.outputs is None and not self.call.tool_choice
-
     def summary(self) -> dict[str, Any]:
         """The step as the admin API lists it under a run."""
         answer = self.answer
