@@ -246,8 +246,9 @@ class Limits(Frozen):
     max_messages: PosInt = 10_000
     max_tools: PosInt = 512
     # a schema or grammar a request brings (`response_format`, `guided_*`, `x-tollgate-grammar`, a tool's
-    # parameters), as JSON or grammar text: compiling one costs ~3 s of CPU per MB (jsonschema's check,
-    # llguidance), on a worker thread every request shares; a larger one is a 400
+    # parameters), as JSON or grammar text, the tools' together and the output constraints' together:
+    # compiling costs 3-9 s of CPU per MB (jsonschema's check, llguidance) on the worker threads every
+    # request shares; more is a 400
     max_schema_bytes: PosInt = 256 * 1024
     max_header_bytes: PosInt = 16 * 1024
     max_headers: PosInt = 128

@@ -177,20 +177,25 @@ def sdk_retried(status: int | None) -> bool:
     return status is not None and (status >= 500 or status in SDK_RETRIED)
 
 
+def _sdk_retry(step: Step) -> bool:
+    """The step's answer is the provider's own error answer to the agent's own request (no re-ask), one
+    its SDK retries with the same bytes (not a charged failure of tollgate's: a 502 for a malformed or
+    oversized answer, a 504)."""
+    return bool(step.extra.get(RELAYED_ERROR)) and step.reasks == 0 and sdk_retried(step.status)
+
+
 def _forgiven_error(step: Step) -> bool:
-    """The agent's own request (no re-ask) answered with an error its SDK retries, forgiven so far
-    (`guards.loop.forgiven`: an agent resending it forever counts again)."""
+    """An SDK-retried error (`_sdk_retry`) forgiven so far (`guards.loop.forgiven`: an agent resending
+    it forever counts again)."""
     snapshot = step.extra.get("snapshot")
-    return (sdk_retried(step.status) and step.reasks == 0
-            and forgiven(snapshot if isinstance(snapshot, RunState) else None, step.call.request_hash))
+    return _sdk_retry(step) and forgiven(snapshot if isinstance(snapshot, RunState) else None, step.call.request_hash)
 
 
 async def mark_retry(gw: Gateway, step: Step) -> None:
-    """A step the provider answered with an error its agent's SDK retries with the same bytes (not a
-    charged failure of tollgate's: a 502 for a malformed or oversized answer, a 504): its
-    request is marked in the run's history (`guards.loop.retry_marks`), before the agent hears of it, so
-    that retry is no step without progress. Best effort: a store that fails now counts the retry."""
-    if not step.extra.get(RELAYED_ERROR) or step.stop_reason or step.reasks or not sdk_retried(step.status):
+    """An SDK-retried error (`_sdk_retry`): the request is marked in the run's history
+    (`guards.loop.retry_marks`), before the agent hears of it, so that retry is no step without progress.
+    Best effort: a store that fails now counts the retry."""
+    if step.stop_reason or not _sdk_retry(step):
         return
     with contextlib.suppress(GatewayError):
         await gw.write_effects(step.run_id, step.agent, retry_marks(step.call.request_hash, step.decisions))

@@ -231,20 +231,18 @@ def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel | None = None)
         if accepted:
             matcher.consume_tokens(part if accepted == len(part) else part[:accepted])
             _check_limits(matcher)
-        if accepted < len(part) and len(part) > 1 and not matcher.is_error():
+        refused = accepted < len(part)
+        if refused and len(part) > 1 and not matcher.is_error():
             # llguidance may refuse a token batched after a `stop=` lexeme that it takes alone: judge
             # the refused one by itself, as a stream fed a byte at a time would be
             alone = part[accepted : accepted + 1]
             if matcher.validate_tokens(alone):
                 matcher.consume_tokens(alone)
                 _check_limits(matcher)
-                accepted += 1
-                fuel.spend(time.thread_time() - started, accepted)
-                done += accepted
-                continue
+                accepted, refused = accepted + 1, False
         fuel.spend(time.thread_time() - started, accepted)
         done += accepted
-        if accepted < len(part):
+        if refused:
             break
     return done
 
