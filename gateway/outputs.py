@@ -80,6 +80,11 @@ class OutputPlan:
     def kinds(self) -> tuple[str, ...]:
         return tuple(c.spec.kind for c in self.constraints)
 
+    @property
+    def current(self) -> bool:
+        """False once a constraint's compile is spoiled (`Constraint.spoiled`): plan again."""
+        return all(c.current for c in self.constraints)
+
     def checkers(self) -> list[IncrementalChecker]:
         return [c.checker(native=self.native_exact and i == 0) for i, c in enumerate(self.constraints)]
 
@@ -135,7 +140,7 @@ async def plan_outputs(
     # without constraints from the body, the plan depends only on these: an agent's steps share one
     key = (grammar_ref, header, retries, stream_check, dialect, body_has_guided)
     cached = None if from_request else library.plans.get(key)
-    if cached is not None:
+    if cached is not None and cached.current:
         return cached
     specs: list[ConstraintSpec] = []
     if grammar_ref:

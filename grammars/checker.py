@@ -16,6 +16,7 @@ from typing import Final
 
 import llguidance as llg
 
+from gateway.errors import InvalidGrammar
 from grammars import engine
 from grammars.spec import Violation
 
@@ -47,6 +48,7 @@ class IncrementalChecker:
         "_fuel",
         "_json",
         "_matcher",
+        "_on_limit",
         "_parts",
         "_started",
         "_trailing",
@@ -61,14 +63,17 @@ class IncrementalChecker:
         final: Callable[[str], Violation | None] | None,
         fallback: llg.LLMatcher | None = None,
         bounded: bool = False,
+        on_limit: Callable[[], None] | None = None,
     ) -> None:
         """`matcher` is this stream's own matcher. `fallback` (JSON schema grammars only) is a
         pristine any-JSON matcher to switch to when the upstream spells a literal with escapes. `bounded`
-        (a context-free grammar): its matcher time is bounded (`engine.Fuel`)."""
+        (a context-free grammar): its matcher time is bounded (`engine.Fuel`). `on_limit` is called
+        before `feed` raises InvalidGrammar for a parser limit (the pristine matcher may be spent)."""
         self.violation: Violation | None = None
         self._matcher = matcher
         self._fuel = engine.Fuel() if bounded else None  # a context-free grammar's: its matcher time
         self._fallback = fallback
+        self._on_limit = on_limit
         self._json = json_document
         self._final = final
         self._parts: list[str] = []
@@ -101,7 +106,12 @@ class IncrementalChecker:
         data = text.encode("utf-8")
         if self._json:
             data = self._json_equivalent(data)
-        accepted = engine.advance(self._matcher, list(data), self._fuel)
+        try:
+            accepted = engine.advance(self._matcher, list(data), self._fuel)
+        except InvalidGrammar:
+            if self._on_limit is not None:
+                self._on_limit()
+            raise
         if accepted == len(data):
             return True
         pos = engine.char_offset(data, accepted)

@@ -79,7 +79,23 @@ class Constraint:
         if core.schema is not None:
             return core.schema.check(text)
         assert core.exact is not None  # non-JSON kinds always have their grammar
-        return engine.check_complete(core.exact, text, bounded=core.kind in _CONTEXT_FREE)
+        try:
+            return engine.check_complete(core.exact, text, bounded=core.kind in _CONTEXT_FREE)
+        except InvalidGrammar:
+            self.spoiled()
+            raise
+
+    def spoiled(self) -> None:
+        """A check gave up (its time, or a parser limit). A lexer that ran out of states stays out of them in every copy of
+        the pristine matcher, which would refuse every later answer: the next compile of this spec
+        builds a fresh one."""
+        _CACHE.discard(self.spec.key, self._core)
+
+    @property
+    def current(self) -> bool:
+        """Whether the cache still holds this compile: False once a check spoiled it (or the cache
+        evicted it), so a holder of compiled constraints compiles again."""
+        return _CACHE.holds(self.spec.key, self._core)
 
     def checker(self, *, native: bool) -> IncrementalChecker:
         """A streaming checker. `native=True` means the upstream was constrained natively with the same
@@ -90,12 +106,11 @@ class Constraint:
         if core.schema is None:
             assert core.exact is not None
             return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None,
-                                      bounded=core.kind in _CONTEXT_FREE)
+                                      bounded=core.kind in _CONTEXT_FREE, on_limit=self.spoiled)
         assert core.syntax is not None
         if native and core.exact is not None and core.exact is not core.syntax:
-            return IncrementalChecker(
-                core.exact.deep_copy(), json_document=True, final=core.schema.check, fallback=core.syntax
-            )
+            return IncrementalChecker(core.exact.deep_copy(), json_document=True, final=core.schema.check,
+                                      fallback=core.syntax, on_limit=self.spoiled)
         return IncrementalChecker(core.syntax.deep_copy(), json_document=True, final=core.schema.check)
 
 
@@ -121,6 +136,15 @@ class LRU(Generic[V]):
             self._items.move_to_end(key)
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
+
+    def holds(self, key: str, item: V) -> bool:
+        return self._items.get(key) is item  # one dict read: atomic, no lock needed
+
+    def discard(self, key: str, item: V) -> None:
+        """Forget `key` if it still holds `item` (a newer compile may have replaced it)."""
+        with self._lock:
+            if self._items.get(key) is item:
+                del self._items[key]
 
     def clear(self) -> None:
         with self._lock:

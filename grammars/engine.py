@@ -41,6 +41,7 @@ _MAX_EXPECTED_ITEMS: Final[int] = 12
 CHECK_S: Final[float] = 0.25  # the matcher CPU time a context-free grammar's check may take beyond...
 _PER_TOKEN_S: Final[float] = 3e-6  # ...this much per token it took (about 3x what a linear grammar costs)
 _STEP_S: Final[float] = 0.002  # what one call into the matcher should take at most (the next is sized by it)
+_LEXER_SPENT: Final[str] = "lexer error"  # how llguidance's error state begins when its lexer hit a limit
 _NOISE: Final = re.compile(r"^([\s^~]*|\d+\s*\|.*|regex parse error:)$")
 
 
@@ -222,6 +223,8 @@ def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel | None = None)
         if accepted:
             matcher.consume_tokens(tokens if accepted == len(tokens) else tokens[:accepted])
             _check_limits(matcher)
+        if accepted < len(tokens):
+            _check_refusal(matcher, tokens[accepted])
         return accepted
     done = 0
     while done < len(tokens):
@@ -243,6 +246,7 @@ def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel | None = None)
         fuel.spend(time.thread_time() - started, accepted)
         done += accepted
         if refused:
+            _check_refusal(matcher, part[accepted])
             break
     return done
 
@@ -256,6 +260,19 @@ def _check_limits(matcher: llg.LLMatcher) -> None:
         reason = matcher.get_error().strip().splitlines()[:1]
         raise InvalidGrammar("the grammar is too complex to check the answer with"
                              + (f" ({reason[0][:200]})" if reason else ""))
+
+
+def _check_refusal(matcher: llg.LLMatcher, token: int) -> None:
+    """Raise InvalidGrammar when `matcher` refused `token` because a parser limit was hit rather than
+    because the grammar forbids it. Why: a lexer out of states (`max_lexer_states`, reached by a
+    regex whose automaton is exponential, such as [ab]*a[ab]{40}, on a long answer) refuses every new
+    byte without entering its error state, which would read as the answer's fault. Consuming the
+    token on a copy tells the two apart: only the spent lexer answers with a "lexer error" there (a
+    forbidden token is a "Parser Error", one after the end a stopped parser)."""
+    probe = matcher.deep_copy()
+    probe.consume_token(token)
+    if probe.is_error() and probe.get_error().startswith(_LEXER_SPENT):
+        _check_limits(probe)
 
 
 def check_complete(pristine: llg.LLMatcher, text: str, *, bounded: bool = False) -> Violation | None:
@@ -279,6 +296,8 @@ def check_complete(pristine: llg.LLMatcher, text: str, *, bounded: bool = False)
             return None
         if accepted:
             matcher.consume_tokens(tokens[:accepted])
+        if accepted < len(data):
+            _check_refusal(matcher, tokens[accepted])
     if accepted == len(data):
         return incomplete(matcher, len(text))
     return failure(matcher, text, char_offset(data, accepted))

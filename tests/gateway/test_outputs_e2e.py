@@ -20,6 +20,7 @@ from tests.fakes.upstream import (
     openai_stream,
     tool_call,
 )
+from tests.grammars.samples import EXPONENTIAL, exponential_answer
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 RF = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
@@ -465,3 +466,19 @@ async def test_a_re_ask_of_several_choices_quotes_the_one_that_broke_the_schema(
     assert [ch.message.content for ch in result.choices] == ['{"answer": 4}'] * 2
     assert h.fake.seen[1].json["messages"][-2] == {"role": "assistant", "content": "four, I think"}
 
+
+
+async def test_a_regex_whose_lexer_one_answer_spent_still_checks_the_next_answer(gateway_factory: GatewayFactory) -> None:
+    """`[ab]*a[ab]{40}` has an exponential automaton: a 30 KB answer spends llguidance's lexer states.
+    That answer is the grammar's 400; it used to read as the answer's violation, and every later answer
+    against the same regex was refused at char 0 until a restart."""
+    h = await gateway_factory(agents={"default": {"output": {"retries": 0}}})
+    headers = {"x-tollgate-grammar": f"regex:{EXPONENTIAL}"}
+    h.fake.queue(Reply(body=openai_completion(exponential_answer(30_000))),
+                 Reply(body=openai_completion(exponential_answer(50))))
+    async with client(h.url, "spent-lexer") as c:
+        with pytest.raises(openai.BadRequestError, match="too complex to check the answer with"):
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, extra_headers=headers)
+        done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, extra_headers=headers)
+    assert done.choices[0].message.content == exponential_answer(50)
+    assert (await h.run("spent-lexer"))["reserved_usd"] == 0

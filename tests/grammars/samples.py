@@ -79,3 +79,15 @@ def user_with(**changes: Any) -> str:
 
 def chunks(text: str, size: int) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+EXPONENTIAL = "[ab]*a[ab]{40}"  # its automaton has 2**41 states: a long answer visits new ones at every byte
+
+
+def exponential_answer(length: int) -> str:
+    """`length` bytes in no repeating pattern, ending as EXPONENTIAL wants (so it is a valid answer)."""
+    state, letters = 1, []
+    for _ in range(length):
+        state = (state * 1103515245 + 12345) % 2**31
+        letters.append("ab"[state >> 16 & 1])
+    return "".join(letters) + "a" + "b" * 40

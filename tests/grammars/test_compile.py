@@ -18,7 +18,15 @@ from grammars.compile import (
     compile_constraint,
 )
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
-from tests.grammars.samples import BAD_AGE, COMPACT, PRETTY, USER_SCHEMA, user_with
+from tests.grammars.samples import (
+    BAD_AGE,
+    COMPACT,
+    EXPONENTIAL,
+    PRETTY,
+    USER_SCHEMA,
+    exponential_answer,
+    user_with,
+)
 
 ZIP = {
     "type": "object",
@@ -365,3 +373,25 @@ def test_constraints_work_across_threads() -> None:
     worker.join()
     checker = box[0].checker(native=True)
     assert checker.feed('{"a": 1, "b": "x"}') and checker.finish() is None
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_constraint_whose_lexer_ran_out_of_states_is_rebuilt_for_the_next_answer(streamed: bool) -> None:
+    """Copies of a pristine matcher share its lexer: once one long answer spent its states, every later
+    answer against that constraint was refused at char 0 until the cache evicted it. The compile after
+    such a check builds a fresh matcher."""
+    compile_mod.clear_cache()
+    spec = ConstraintSpec("regex", EXPONENTIAL)
+    spent = compile_constraint(spec)
+    with pytest.raises(InvalidGrammar, match="too complex to check the answer with"):
+        if streamed:
+            checker = spent.checker(native=False)
+            answer = exponential_answer(30_000)
+            for start in range(0, len(answer), 100):
+                checker.feed(answer[start:start + 100])
+        else:
+            spent.validate(exponential_answer(30_000))
+    fresh = compile_constraint(spec)
+    assert fresh._core is not spent._core
+    assert fresh.validate(exponential_answer(100)) is None
+    assert compile_constraint(spec)._core is fresh._core  # a healthy one stays cached

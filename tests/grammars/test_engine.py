@@ -8,6 +8,7 @@ import pytest
 
 from gateway.errors import InvalidGrammar
 from grammars import engine
+from tests.grammars.samples import EXPONENTIAL, exponential_answer
 
 
 def mask(*allowed: int) -> bytes:
@@ -149,3 +150,27 @@ def test_a_stop_lexeme_s_verdict_does_not_depend_on_how_the_bytes_are_batched(te
     (calls of 1, 2, 4, ... bytes) refused "yxz" with "unexpected 'z'; expected 'z'", a stream took it."""
     matcher = lark_matcher('start: foo "z"\nfoo[stop="x"]: /[a-y]*/\n')
     assert engine.check_complete(matcher, text, bounded=True) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_lexer_out_of_states_is_the_grammar_s_fault_not_a_refused_answer(streamed: bool) -> None:
+    """llguidance's lexer stops at `max_lexer_states`, refusing the next byte without an error state: a
+    valid 30 KB answer read as "unexpected 'b' at char 22526". It is now the grammar's 400."""
+    matcher, error = engine.build_matcher(engine.grammar_for("regex", EXPONENTIAL))
+    assert matcher is not None, error
+    answer = exponential_answer(30_000)
+    with pytest.raises(InvalidGrammar, match=r"too complex to check the answer with \(lexer error"):
+        if streamed:
+            stream = matcher.deep_copy()
+            for start in range(0, len(answer), 100):
+                engine.advance(stream, list(answer[start:start + 100].encode()))
+        else:
+            engine.check_complete(matcher, answer)
+    fresh, _ = engine.build_matcher(engine.grammar_for("regex", EXPONENTIAL))
+    assert engine.advance(fresh, list(b"abc")) == 2  # a genuine refusal is still the answer's fault
+
+
+def test_a_genuine_refusal_after_many_bytes_is_still_a_violation() -> None:
+    matcher, _ = engine.build_matcher(engine.grammar_for("regex", "[a-z]*"))
+    violation = engine.check_complete(matcher, "x" * 50_000 + "1")  # type: ignore[arg-type]
+    assert violation is not None and violation.message.startswith("at char 50000: unexpected '1'")
