@@ -68,7 +68,8 @@ class IncrementalChecker:
         """`matcher` is this stream's own matcher. `fallback` (JSON schema grammars only) is a
         pristine any-JSON matcher to switch to when the upstream spells a literal with escapes. `bounded`
         (a context-free grammar): its matcher time is bounded (`engine.Fuel`). `on_limit` is called
-        before `feed` raises InvalidGrammar for a parser limit (the pristine matcher may be spent)."""
+        when the matcher gives up (a parser limit or its time; the pristine matcher may be spent),
+        before `feed` raises InvalidGrammar, or switches to `fallback` when there is one."""
         self.violation: Violation | None = None
         self._matcher = matcher
         self._fuel = engine.Fuel() if bounded else None  # a context-free grammar's: its matcher time
@@ -111,7 +112,11 @@ class IncrementalChecker:
         except InvalidGrammar:
             if self._on_limit is not None:
                 self._on_limit()
-            raise
+            if self._fallback is None:
+                raise
+            # the schema grammar gave up (a `pattern` whose automaton is exponential ran its lexer out of
+            # states): JSON syntax can still be checked, and the final verdict, on RE2, decides the rest
+            return self._degrade()
         if accepted == len(data):
             return True
         pos = engine.char_offset(data, accepted)

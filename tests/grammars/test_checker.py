@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 
 from grammars.compile import Violation, compile_constraint
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
-from tests.grammars.samples import BAD_AGE, COMPACT, PRETTY, USER_SCHEMA, chunks
+from tests.grammars.samples import (
+    BAD_AGE,
+    COMPACT,
+    EXPONENTIAL,
+    PRETTY,
+    USER_SCHEMA,
+    chunks,
+    exponential_answer,
+)
 
 SMALL = {
     "type": "object",
@@ -421,3 +429,15 @@ def test_a_digit_in_a_string_literal_still_cuts() -> None:
     spec = json_schema_spec({"type": "object", "properties": {"x": {"enum": ["a1"]}}})
     first_bad, verdict = feed_all(spec, ['{"x": "a', '2e"}'], native=True)
     assert (first_bad, verdict) == (1, Violation("at char 8: unexpected '2'; expected '1'", 8))
+
+
+def test_a_schema_pattern_that_spends_the_native_lexer_degrades_to_syntax_not_an_error() -> None:
+    """A `pattern` whose automaton is exponential runs the schema grammar's lexer out of states on a long
+    string: the stream was ended as the grammar's 400 though RE2, which gives the final verdict, accepts
+    it. The check now goes on with JSON syntax, and still cuts what syntax refuses."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{EXPONENTIAL}$"}}}
+    spec = json_schema_spec(schema)
+    doc = json.dumps({"s": exponential_answer(30_000)})
+    assert feed_all(spec, chunks(doc, 100), native=True) == (None, None)
+    bad = doc[:-1] + "]"
+    assert feed_all(spec, chunks(bad, 100), native=True)[0] == len(chunks(bad, 100)) - 1
