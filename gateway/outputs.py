@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from gateway.call import Answer, Call
 from gateway.errors import InvalidGrammar
@@ -253,6 +253,26 @@ def judge_tool_arguments(call: Call, answer: Answer) -> OutputVerdict | None:
                     f"Error: {message}\nCall the tool again with arguments that satisfy its parameter schema.",
                 )
     return None
+
+
+CHECK_ON_LOOP_CHARS: Final = 64 * 1024
+"""An answer longer than this (text and tool arguments together) is checked in a worker thread: a check
+may take time in proportion to the answer up to its bounds (`engine.Fuel`, the schema keyword budget),
+seconds for a megabyte, and no other request should wait for it. Shorter ones are checked at once: the
+thread hop costs more than their check."""
+T = TypeVar("T")
+
+
+def answer_chars(answer: Answer) -> int:
+    return (len(answer.text) + sum(map(len, answer.other_texts))
+            + sum(len(call.arguments) for call in answer.tool_calls))
+
+
+async def off_loop_if_long(answer: Answer, check: Callable[[], T]) -> T:
+    """`check()`, in a worker thread when `answer` is longer than `CHECK_ON_LOOP_CHARS`."""
+    if answer_chars(answer) > CHECK_ON_LOOP_CHARS:
+        return await asyncio.to_thread(check)
+    return check()
 
 
 PAUSED: Final = frozenset({"pause_turn"})

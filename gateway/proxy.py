@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -27,7 +28,7 @@ from gateway.identity import Identity
 from gateway.observe import UPSTREAM_STATUS, begin_step, ledger_stop_now, start_span
 from gateway.observe_forward import refused_call
 from gateway.observe_runs import ENDS_RUN
-from gateway.outputs import OutputPlan, apply_native, judge, plan_outputs
+from gateway.outputs import OutputPlan, apply_native, judge, off_loop_if_long, plan_outputs
 from gateway.pipeline import (
     base_headers,
     count_unjudged_hosted,
@@ -319,7 +320,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
                 _discard(step, answer)
                 reask(gw, step, answer.text, tools.instruction)
                 continue
-        verdict = judge(plan, step.call, answer)
+        verdict = await off_loop_if_long(answer, functools.partial(judge, plan, step.call, answer))
         if verdict is None:
             break
         step.violations.append(f"{verdict.kind}: {verdict.violation.redacted}")  # telemetry: no content

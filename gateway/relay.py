@@ -9,6 +9,8 @@ reservation when the stream broke or carried no usage.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,7 +20,7 @@ from aiohttp import web
 from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, ToolNotAllowed, UpstreamUnavailable
 from gateway.observe import ledger_stop_now, step_span
-from gateway.outputs import held_to_text, judge_tool_arguments
+from gateway.outputs import CHECK_ON_LOOP_CHARS, held_to_text, judge_tool_arguments, off_loop_if_long
 from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
@@ -71,7 +73,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     broken = None
                 if reader.output_chars + kept > limit:
                     raise _too_long(limit)
-                if checkers and broken is None and reader.delta and not all(c.feed(reader.delta) for c in checkers):
+                if checkers and broken is None and (delta := reader.delta) and not (
+                        all(c.feed(delta) for c in checkers) if len(delta) <= CHECK_ON_LOOP_CHARS
+                        else await asyncio.to_thread(_feed_all, checkers, delta)):  # a long delta off the loop
                     broken = _nonconforming(checkers)
                     if not (step.call.provider_tools or step.call.tools):
                         failure = broken
@@ -132,7 +136,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     text_judged = False  # an answer that calls tools is not held to the text constraints (unless they are dropped)
     if failure is None and checkers and not answer.tool_calls and held_to_text(answer):
         text_judged = True
-        failure = _text_failure(checkers)
+        failure = await _text_failure(checkers, answer)
     try:
         if failure is not None:
             step.error_type = failure.code
@@ -152,7 +156,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     step.extra["tools_dropped"] = len(tools.denied)
                     if checkers and not text_judged and not answer.tool_calls and held_to_text(answer):
                         # what is left is the answer now (commentary before the calls is none of it)
-                        dropped = _text_failure(checkers)
+                        dropped = await _text_failure(checkers, answer)
                         if dropped is not None:
                             raise dropped
                     if not answers_something(answer):
@@ -164,7 +168,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                             "arrives cannot be re-asked (output.stream_check: buffer can): the run goes on")
                 # the held calls reach the agent only with arguments their tools' schemas accept; a
                 # stream cannot be re-asked once it started (`stream_check: buffer` can)
-                verdict = judge_tool_arguments(step.call, answer)
+                verdict = await off_loop_if_long(answer, functools.partial(judge_tool_arguments, step.call, answer))
                 if verdict is not None:
                     step.violations.append(f"{verdict.kind}: {verdict.violation.redacted}")
                     raise OutputNonconforming(f"the streamed answer breaks a tool's parameter schema: "
@@ -246,9 +250,13 @@ def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
     return step.adapter.error_event(stop)
 
 
-def _text_failure(checkers: Sequence[IncrementalChecker]) -> OutputNonconforming | None:
+def _feed_all(checkers: Sequence[IncrementalChecker], delta: str) -> bool:
+    return all(c.feed(delta) for c in checkers)
+
+
+async def _text_failure(checkers: Sequence[IncrementalChecker], answer: Answer) -> OutputNonconforming | None:
     """The error of an answer whose streamed text breaks a constraint once complete, else None."""
-    problems = [v for v in (c.finish() for c in checkers) if v is not None]
+    problems = await off_loop_if_long(answer, lambda: [v for v in (c.finish() for c in checkers) if v is not None])
     if problems:
         return OutputNonconforming(f"the streamed answer breaks its constraint: {problems[0].message}")
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import orjson
@@ -10,7 +11,15 @@ import pytest
 from gateway.call import Answer, Call, ToolCall
 from gateway.config import Limits
 from gateway.errors import InvalidGrammar
-from gateway.outputs import OutputPlan, Resolver, apply_native, judge, plan_outputs
+from gateway.outputs import (
+    CHECK_ON_LOOP_CHARS,
+    OutputPlan,
+    Resolver,
+    apply_native,
+    judge,
+    off_loop_if_long,
+    plan_outputs,
+)
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.providers.openai_responses import OpenAIResponses
 from grammars.library import GrammarLibrary
@@ -135,3 +144,13 @@ async def test_with_several_choices_a_text_is_held_whatever_another_choice_calle
     calls = (ToolCall("c1", "lookup", "{}"),)
     assert judge(p, c, Answer(text="I'll look that up.", tool_calls=calls, other_texts=("",))) is not None
     assert judge(p, c, Answer(text="", tool_calls=calls, other_texts=("fine",))) is None
+
+
+async def test_a_long_answer_is_checked_in_a_worker_thread_a_short_one_at_once() -> None:
+    """A check may take seconds for a megabyte (within its bounds): the event loop must not wait for it."""
+    here = threading.get_ident()
+    long = "x" * (CHECK_ON_LOOP_CHARS + 1)
+    assert await off_loop_if_long(Answer(text="x" * CHECK_ON_LOOP_CHARS), threading.get_ident) == here
+    assert await off_loop_if_long(Answer(text=long), threading.get_ident) != here
+    assert await off_loop_if_long(Answer(other_texts=("", long)), threading.get_ident) != here
+    assert await off_loop_if_long(Answer(tool_calls=(ToolCall("c1", "f", long),)), threading.get_ident) != here

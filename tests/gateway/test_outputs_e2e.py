@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import anthropic
@@ -10,6 +11,8 @@ import openai
 import orjson
 import pytest
 
+from grammars.schema import SchemaCheck
+from grammars.spec import Violation
 from tests.conftest import GatewayFactory
 from tests.fakes.responses import response_body, response_stream
 from tests.fakes.upstream import (
@@ -482,3 +485,32 @@ async def test_a_regex_whose_lexer_one_answer_spent_still_checks_the_next_answer
         done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, extra_headers=headers)
     assert done.choices[0].message.content == exponential_answer(50)
     assert (await h.run("spent-lexer"))["reserved_usd"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_long_answer_s_schema_verdict_is_reached_off_the_event_loop(
+    gateway_factory: GatewayFactory, monkeypatch: pytest.MonkeyPatch, stream: bool,
+) -> None:
+    """A 200 KB answer's jsonschema verdict may take seconds within its keyword budget: it runs in a
+    worker thread, streamed or not, and the verdict is the same."""
+    threads: list[int] = []
+    check = SchemaCheck.check
+
+    def recorded(self: SchemaCheck, text: str) -> Violation | None:
+        threads.append(threading.get_ident())
+        return check(self, text)
+
+    monkeypatch.setattr(SchemaCheck, "check", recorded)
+    h = await gateway_factory()
+    answer = orjson.dumps({"answer": 4, "pad": "x" * 200_000}).decode()
+    h.fake.queue(Reply(chunks=openai_stream([answer[i:i + 4096] for i in range(0, len(answer), 4096)])) if stream
+                 else Reply(body=openai_completion(answer)))
+    async with client(h.url, f"long-{stream}") as c:
+        if stream:
+            parts = [chunk.choices[0].delta.content or "" async for chunk in await c.chat.completions.create(
+                model="gpt-4o-mini", messages=MSG, response_format=RF, stream=True) if chunk.choices]
+            assert "".join(parts) == answer
+        else:
+            done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)
+            assert done.choices[0].message.content == answer
+    assert threads and threading.get_ident() not in threads
