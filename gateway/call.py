@@ -227,6 +227,9 @@ class Answer:
     hosted_calls: int = 0  # tool calls the provider ran itself (web search, its MCP client): counted only
     tool_result: ToolResult | None = None  # MCP: the result the server returned
     other_texts: tuple[str, ...] = ()  # the text of every choice after the first (OpenAI's `n` > 1)
+    # OpenAI's `n` > 1: the names of the tools each choice calls, the first's then those of `other_texts`
+    # (`tool_calls` are every choice's); a choice that calls tools is no final answer: its text is a preamble
+    choice_calls: tuple[tuple[str, ...], ...] = ()
     # the price tier the answer says it was billed at: OpenAI's service tier, Anthropic's `usage.speed`
     service_tier: str | None = None
     # `text` follows a tool the provider ran (Anthropic's server tools): it is the answer without what came

@@ -308,25 +308,29 @@ def judge(plan: OutputPlan | None, call: Call, answer: Answer) -> OutputVerdict 
         return verdict
     if plan is None or unfinished(answer):
         return None
-    # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform; a choice that
-    # only calls tools (no text, with calls in the answer) is not held to the text constraints
+    # every choice reaches the agent (OpenAI's `n`), so every choice's text must conform, but one that
+    # calls tools is no final answer: its text is a preamble
     prefill = "" if answer.after_provider_tool else call.prefill
-    # `tool_calls` are every choice's: with several, only a choice of calls alone (no text) is known to
-    # be one, so a text is held to the constraints whatever another choice called
-    preamble = bool(answer.tool_calls) and (call.params.choice_count or 1) == 1
-    first = prefill + answer.text if not preamble else ""
-    texts = answer.other_texts if refused(answer) else (first, *answer.other_texts)
-    for index, text in enumerate(texts):
-        if not text and answer.tool_calls:
+    texts = [*enumerate(answer.other_texts, 1)] if refused(answer) else [
+        (0, prefill + answer.text), *enumerate(answer.other_texts, 1)]
+    for choice, text in texts:
+        if _calls_tools(answer, choice):
             continue
         for constraint in plan.constraints:
             violation = constraint.validate(text)
             if violation is not None:
                 # a re-ask quotes the text that broke it (another choice's, for `n`; the first without prefill)
-                quoted = None if index == 0 and not refused(answer) else text
                 return OutputVerdict(violation, constraint.spec.kind, reask_instruction(violation, constraint.spec),
-                                     quoted)
+                                     None if choice == 0 else text)
     return None
+
+
+def _calls_tools(answer: Answer, choice: int) -> bool:
+    """Whether choice `choice` (0: the first) calls tools; an answer of one choice says so in
+    `tool_calls` alone (other protocols fill no `choice_calls`)."""
+    if choice < len(answer.choice_calls):
+        return bool(answer.choice_calls[choice])
+    return choice == 0 and bool(answer.tool_calls)
 
 
 def resolve_agent_grammars(library: GrammarLibrary, agents: Mapping[str, Any]) -> None:

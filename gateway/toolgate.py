@@ -78,7 +78,8 @@ def judge_tools(policy: ToolPolicy, answer: Answer) -> ToolVerdict | None:
 
 def without(answer: Answer, names: frozenset[str]) -> Answer:
     """The answer as the agent receives it after dropping the calls of `names`."""
-    return replace(answer, tool_calls=tuple(c for c in answer.tool_calls if c.name not in names))
+    return replace(answer, tool_calls=tuple(c for c in answer.tool_calls if c.name not in names),
+                   choice_calls=tuple(tuple(n for n in made if n not in names) for made in answer.choice_calls))
 
 
 def answers_something(answer: Answer) -> bool:

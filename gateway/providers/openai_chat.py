@@ -148,20 +148,25 @@ class OpenAIChat:
         calls: list[ToolCall] = []
         reasons: list[str] = []
         refused = False
+        by_choice: list[tuple[str, ...]] = []
         for index, choice in enumerate(body.get("choices") or ()):
             message = choice.get("message") or {}
-            if index == 0:
-                text = message.get("content") or ""
-                refused = bool(refusal_of(message)) and not text  # a refusal instead of an answer
-            elif not (refusal_of(message) and not message.get("content")):  # a refusal has no text to judge
-                content = message.get("content")
-                others.append(content if isinstance(content, str) else "")
+            before = len(calls)
             for tc in message.get("tool_calls") or ():
                 name, arguments = call_fields(tc)
                 calls.append(ToolCall(str(tc.get("id", "")), name, arguments))
             legacy = proposed(message)
             if legacy is not None:
                 calls.append(ToolCall("", *legacy))
+            names = tuple(c.name for c in calls[before:])
+            if index == 0:
+                text = message.get("content") or ""
+                refused = bool(refusal_of(message)) and not text  # a refusal instead of an answer
+                by_choice.append(names)
+            elif not (refusal_of(message) and not message.get("content")):  # a refusal has no text to judge
+                content = message.get("content")
+                others.append(content if isinstance(content, str) else "")
+                by_choice.append(names)
             if choice.get("finish_reason"):
                 reasons.append(str(choice["finish_reason"]))
         return Answer(
@@ -172,6 +177,7 @@ class OpenAIChat:
             finish_reasons=tuple(reasons),
             usage=usage_from(body.get("usage")),
             other_texts=tuple(others),
+            choice_calls=tuple(by_choice) if len(by_choice) > 1 else (),  # one choice: `tool_calls` says it
             service_tier=service_tier(body),
             refused=refused,
         )
@@ -422,6 +428,11 @@ class OpenAIStreamReader:
 
     def answer(self) -> Answer:
         calls = tuple(ToolCall(v[0], v[1], v[2]) for _, v in sorted(self._calls.items()))
+        names: dict[int, list[str]] = {}
+        for (index, _), slot in sorted(self._calls.items()):
+            names.setdefault(index, []).append(slot[1])
+        # every choice asked for, one of calls alone too; one that refused without content has no text to judge
+        others = [i for i in range(1, self._choices) if i not in self._refusing or self._others.get(i)]
         return Answer(
             response_id=self._id,
             model=self._model,
@@ -429,9 +440,8 @@ class OpenAIStreamReader:
             tool_calls=calls,
             finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
             usage=self._usage,
-            # a choice that refused without content has no text to judge; one with content is an answer
-            other_texts=tuple("".join(parts) for i, parts in sorted(self._others.items())
-                              if i not in self._refusing or "".join(parts)),
+            other_texts=tuple("".join(self._others.get(i, ())) for i in others),
+            choice_calls=tuple(tuple(names.get(i, ())) for i in (0, *others)) if others else (),
             service_tier=self._tier,
             refused=self._refused and not "".join(self._text),
         )

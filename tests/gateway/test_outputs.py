@@ -22,6 +22,7 @@ from gateway.outputs import (
 )
 from gateway.providers.openai_chat import OpenAIChat
 from gateway.providers.openai_responses import OpenAIResponses
+from gateway.toolgate import without
 from grammars.library import GrammarLibrary
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -142,8 +143,26 @@ async def test_with_several_choices_a_text_is_held_whatever_another_choice_calle
     c = call(tools=tools, n=2)
     p = await plan(resolver, c, grammar="regex:[a-z]+")
     calls = (ToolCall("c1", "lookup", "{}"),)
-    assert judge(p, c, Answer(text="I'll look that up.", tool_calls=calls, other_texts=("",))) is not None
-    assert judge(p, c, Answer(text="", tool_calls=calls, other_texts=("fine",))) is None
+    second_calls = Answer(text="I'll look that up.", tool_calls=calls, other_texts=("",),
+                          choice_calls=((), ("lookup",)))
+    assert judge(p, c, second_calls) is not None  # the first choice's prose is its final answer
+    first_calls = Answer(text="I'll look that up.", tool_calls=calls, other_texts=("fine",),
+                         choice_calls=(("lookup",), ()))
+    assert judge(p, c, first_calls) is None  # its own preamble; the other choice conforms
+
+
+async def test_with_several_choices_an_empty_choice_beside_another_s_call_is_still_judged() -> None:
+    """An empty text was skipped whenever any choice called a tool: `choice_calls` says whose calls they are."""
+    resolver = Resolver(GrammarLibrary.load())
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    c = call(tools=tools, n=2)
+    p = await plan(resolver, c, grammar="regex:[a-z]+")
+    calls = (ToolCall("c1", "lookup", "{}"),)
+    verdict = judge(p, c, Answer(text="", tool_calls=calls, other_texts=("",), choice_calls=(("lookup",), ())))
+    assert verdict is not None and verdict.answer_text == ""
+    dropped = without(Answer(text="", tool_calls=calls, other_texts=("ok",), choice_calls=(("lookup",), ())),
+                      frozenset({"lookup"}))
+    assert dropped.choice_calls == ((), ()) and judge(p, c, dropped) is not None  # its calls were dropped
 
 
 async def test_a_long_answer_is_checked_in_a_worker_thread_a_short_one_at_once() -> None:

@@ -514,3 +514,54 @@ async def test_a_long_answer_s_schema_verdict_is_reached_off_the_event_loop(
             done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, response_format=RF)
             assert done.choices[0].message.content == answer
     assert threads and threading.get_ident() not in threads
+
+
+def two_choices(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    body = openai_completion("")
+    body["choices"] = [{"index": i, "message": {"role": "assistant", **m}, "logprobs": None,
+                        "finish_reason": "tool_calls" if m.get("tool_calls") else "stop"}
+                       for i, m in enumerate((first, second))]
+    return body
+
+
+def two_choice_stream(first: dict[str, Any], second: dict[str, Any]) -> list[bytes]:
+    events = []
+    for index, delta in enumerate((first, second)):
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
+                 "choices": [{"index": index, "delta": {"role": "assistant", **delta},
+                              "finish_reason": "tool_calls" if delta.get("tool_calls") else "stop"}]}
+        events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    usage = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini", "choices": [],
+             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+    return [*events, b"data: " + orjson.dumps(usage) + b"\n\n", b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_two_choices_each_choice_s_own_calls_decide_whether_its_text_is_the_answer(
+    gateway_factory: GatewayFactory, stream: bool,
+) -> None:
+    """`n: 2`: one choice's call made every other choice's empty text pass unjudged, and a choice's own
+    preamble was judged as a final answer. Now a choice is exempt by its own calls only."""
+    h = await gateway_factory(agents={"default": {"output": {"grammar": "regex:[a-z]+", "retries": 0}}})
+    call = {"tool_calls": [tool_call("lookup", "{}", "call_1") | {"index": 0}]}
+    preamble_and_call = {"content": "I'll check.", **call}
+    reply = two_choice_stream if stream else two_choices
+    h.fake.queue(Reply(chunks=reply(preamble_and_call, {"content": "fine"})) if stream
+                 else Reply(body=reply(preamble_and_call, {"content": "fine"})),
+                 Reply(chunks=reply(call, {"content": ""})) if stream else Reply(body=reply(call, {"content": ""})))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    async with client(h.url, f"two-{stream}") as c:
+        if stream:
+            chunks = [ch async for ch in await c.chat.completions.create(
+                model="gpt-4o-mini", messages=MSG, tools=tools, n=2, stream=True)]  # type: ignore[arg-type]
+            assert {choice.index for ch in chunks for choice in ch.choices} == {0, 1}
+        else:
+            done = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=tools, n=2)  # type: ignore[arg-type]
+            assert [ch.message.content for ch in done.choices] == ["I'll check.", "fine"]
+        with pytest.raises(openai.APIError, match="output_nonconforming|does not match|ended too early"):
+            if stream:
+                async for _ in await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=tools,  # type: ignore[arg-type]
+                                                               n=2, stream=True):
+                    pass
+            else:
+                await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, tools=tools, n=2)  # type: ignore[arg-type]

@@ -61,7 +61,8 @@ CUT_TOOLS = Answer("c1", "gpt-4o", "", (ToolCall("call_a", "get", '{"q"'),))
 SPLIT_ANSWER = Answer(
     "c1", "gpt-4o", "", (ToolCall("call_x", "look_up", '{"a":2}'),), ("tool_calls",), Usage(10, 5)
 )
-TWO_ANSWER = Answer("c1", "gpt-4o", "ab", (), ("stop", "length"), Usage(10, 5), other_texts=("xyz",))
+TWO_ANSWER = Answer("c1", "gpt-4o", "ab", (), ("stop", "length"), Usage(10, 5), other_texts=("xyz",),
+                    choice_calls=((), ()))
 NULL_ANSWER = Answer("c1", "gpt-4o", "ok", (), ("stop",), Usage(10, 5))
 TOOLS_ANSWER = Answer(
     "c1", "gpt-4o", "", (ToolCall("call_a", "get", '{"q":1}'), ToolCall("call_b", "f", "{}")), ("tool_calls",)
