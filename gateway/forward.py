@@ -37,10 +37,10 @@ from gateway.pipeline import (
     error_response,
     parse_json,
     provider_secret,
-    read_body,
 )
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
+from gateway.request_body import read_body
 from gateway.runtime import Gateway
 from gateway.store.base import RunState
 from gateway.unguarded import forbidden

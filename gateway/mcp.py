@@ -31,8 +31,9 @@ from gateway.jsonrpc import (
 )
 from gateway.mcp_calls import call_tool
 from gateway.mcp_transport import McpRequest, Transform, refusal, relay, state_of
-from gateway.pipeline import echo_headers, read_body
+from gateway.pipeline import echo_headers
 from gateway.proxy import GATEWAY
+from gateway.request_body import read_body
 
 
 async def mcp_handler(request: web.Request) -> web.StreamResponse:

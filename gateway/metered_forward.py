@@ -42,13 +42,13 @@ from gateway.pipeline import (
     output_limit,
     parse_json,
     provider_secret,
-    read_body,
     settle,
     shape,
     upstream_request,
 )
 from gateway.proxy import GATEWAY, answer_refused, conclude, respond
 from gateway.relay import relay_stream
+from gateway.request_body import read_body
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.upstream import Scrubber, UpstreamResponse, answer_headers, scrub, secret_bytes

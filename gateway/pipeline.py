@@ -9,7 +9,6 @@ applies their claims and effects atomically.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import time
@@ -20,7 +19,6 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.body_codings import refuse_unread_codings
 from gateway.call import Answer
 from gateway.config import Limits, Provider
 from gateway.duplicate_keys import repeated_key
@@ -29,12 +27,9 @@ from gateway.errors import (
     BudgetHeld,
     GatewayError,
     InvalidRequest,
-    RequestTimeout,
-    RequestTooLarge,
     StateUnavailable,
     Stopped,
     TokenBudgetHeld,
-    UndecodableBody,
     UpstreamUnavailable,
 )
 from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity, requested_run_id
@@ -63,44 +58,6 @@ _DROP_TRACE = (TRACE_HEADERS, TRACE_HEADERS | CREDENTIALS)  # [passthrough auth 
 
 
 # -- parse -------------------------------------------------------------------------------------------
-
-
-async def read_body(request: web.Request, limits: Limits) -> bytes:
-    """Read the body, refusing more than `max_body_bytes` without buffering past the limit.
-
-    The limit applies to the decoded body (after any `Content-Encoding`), read chunk by chunk: a
-    compression bomb stops at the limit. A body that cannot be decoded (bad chunked framing, a
-    `Content-Encoding` it does not have) is a 400 in the caller's format; a body that stops arriving
-    for `body_idle_s` is a 408 `request_timeout`. After either, the connection closes once answered."""
-    refuse_unread_codings(request.headers)
-    limit = limits.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
-    parts: list[bytes] = []
-    size = 0
-    content = request.content
-    while True:
-        try:
-            if content.is_eof():  # all of it is buffered (the common case): reading cannot wait
-                chunk = await content.readany()
-            else:
-                async with asyncio.timeout(limits.body_idle_s):
-                    chunk = await content.readany()
-        except TimeoutError:
-            content.feed_eof()  # read no more: aiohttp would otherwise linger on it after the answer
-            raise RequestTimeout(f"no byte of the request body for {limits.body_idle_s:g} s") from None
-        except web.RequestPayloadError as exc:
-            content.feed_eof()  # aiohttp would read the broken body again after the answer, and log it
-            cause = exc.__cause__ or exc
-            detail = getattr(cause, "message", None) or type(cause).__name__
-            raise UndecodableBody(f"request body cannot be decoded: {detail}") from None
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:

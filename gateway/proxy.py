@@ -39,7 +39,6 @@ from gateway.pipeline import (
     malformed_upstream,
     parse_json,
     provider_secret,
-    read_body,
     settle,
     shape,
     stop_response,
@@ -51,6 +50,7 @@ from gateway.providers.base import Adapter
 from gateway.providers.responses_tools import offered_tools, offers_preview_search
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
+from gateway.request_body import read_body
 from gateway.routing import Route
 from gateway.runtime import Gateway
 from gateway.step import Step

@@ -28,7 +28,7 @@ from gateway.runner import GatewayRunner
 
 
 def handler_args(limits: Limits) -> dict[str, Any]:
-    """HTTP parser limits for `GatewayRunner(..., **handler_args(limits))` (or `TestServer.start_server`).
+    """HTTP parser settings for `GatewayRunner(..., **handler_args(limits))` (or `TestServer.start_server`).
 
     aiohttp's parser refuses a request line or a header field (name + value) over `max_header_bytes`
     and more than `max_headers` fields before any routing: a 400 whose JSON both wire formats read
@@ -36,6 +36,8 @@ def handler_args(limits: Limits) -> dict[str, Any]:
     meets the same limits again, as a total, in `gateway.identity.check_headers`, which answers 400 in
     the caller's format."""
     return {
+        # tollgate decodes a body's Content-Encoding itself (`gateway.body_codings` says why)
+        "auto_decompress": False,
         "max_line_size": limits.max_header_bytes,
         "max_field_size": limits.max_header_bytes,
         "max_headers": limits.max_headers,
