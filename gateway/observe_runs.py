@@ -50,6 +50,7 @@ def end_run(gw: Gateway, state: RunState, *, final: bool = True) -> None:
         stop_reason=state.stop_reason,
         path_fingerprint=path_fingerprint(decisions),
         provider_name=provider,
+        usage_estimated=any(s.get("usage_estimated") for s in state.steps),
     )
     telemetry.end_run(state.run_id, state.agent, started_at=state.started_at or time.time(), totals=totals,
                       epoch=state.epoch, final=final)

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Final
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
@@ -53,7 +54,8 @@ from otel.propagation import context_from_headers, inject_headers
 
 # fmt: off
 __all__ = [
-    "GATEWAY_PROVIDER", "INVOKE_AGENT", "RunIdGenerator", "RunParents", "RunRoots", "RunTotals", "context_from_headers",
+    "GATEWAY_PROVIDER", "INVOKE_AGENT", "TOLLGATE_CHARGED_INPUT_TOKENS", "TOLLGATE_CHARGED_OUTPUT_TOKENS",
+    "RunIdGenerator", "RunParents", "RunRoots", "RunTotals", "context_from_headers",
     "inject_headers", "path_fingerprint", "run_ids", "run_root_attributes"
 ]
 # fmt: on
@@ -61,6 +63,12 @@ __all__ = [
 INVOKE_AGENT = GenAI.GenAiOperationNameValues.INVOKE_AGENT.value
 GATEWAY_PROVIDER = "tollgate"
 """`gen_ai.provider.name` of a run root whose steps used several providers (custom value)."""
+TOLLGATE_CHARGED_INPUT_TOKENS: Final = "tollgate.charged.input_tokens"
+"""Run root, in place of `gen_ai.usage.input_tokens` when a step's usage was not reported (a cut stream, a
+timeout: the step is charged its reservation): the tokens charged, which overstate those the provider
+counted, so they are no usage (semconv: not obtained, not reported). int."""
+TOLLGATE_CHARGED_OUTPUT_TOKENS: Final = "tollgate.charged.output_tokens"
+"""As `TOLLGATE_CHARGED_INPUT_TOKENS`, for output tokens."""
 
 
 @fast_init
@@ -76,6 +84,7 @@ class RunTotals:
     stop_reason: str | None = None
     path_fingerprint: str | None = None
     provider_name: str | None = None
+    usage_estimated: bool = False  # a step was charged without provider-reported usage (its reservation)
 
 
 def path_fingerprint(decisions: Sequence[str]) -> str:
@@ -165,8 +174,10 @@ def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int |
             (TOLLGATE_RUN_ID, run_id),
             (TOLLGATE_RUN_EPOCH, epoch if epoch != 0 else None),
             (TOLLGATE_RUN_SEGMENT, segment or None),
-            (GenAI.GEN_AI_USAGE_INPUT_TOKENS, totals.input_tokens),
-            (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, totals.output_tokens),
+            (TOLLGATE_CHARGED_INPUT_TOKENS if totals.usage_estimated else GenAI.GEN_AI_USAGE_INPUT_TOKENS,
+             totals.input_tokens),
+            (TOLLGATE_CHARGED_OUTPUT_TOKENS if totals.usage_estimated else GenAI.GEN_AI_USAGE_OUTPUT_TOKENS,
+             totals.output_tokens),
             (TOLLGATE_COST_USD, float(totals.cost_usd)),
             (TOLLGATE_LLM_CALLS, totals.llm_calls),
             (TOLLGATE_TOOL_CALLS, totals.tool_calls),

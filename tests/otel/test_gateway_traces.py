@@ -41,7 +41,7 @@ from otel.attributes import (
     TOLLGATE_RUN_ID,
     TOLLGATE_STOP_REASON,
 )
-from otel.runs import GATEWAY_PROVIDER, run_ids
+from otel.runs import GATEWAY_PROVIDER, TOLLGATE_CHARGED_INPUT_TOKENS, TOLLGATE_CHARGED_OUTPUT_TOKENS, run_ids
 from otel.setup import SCHEMA_URL
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
@@ -895,3 +895,30 @@ async def test_budget_reserved_gauge_follows_steps_in_flight(traced: GatewayFact
     [after] = families["tollgate_budget_reserved_usd"].samples
     assert during.value >= 1000 * 2.0 / 1e6  # at least the output tokens it may use
     assert after.value == 0
+
+
+async def test_a_run_root_whose_usage_was_partly_unreported_says_charged_not_used(
+    traced: GatewayFactory, sink: OtlpSink
+) -> None:
+    """A stream cut before its usage is charged its reservation (up to the provider's 32,768 output
+    tokens); the root reported that as `gen_ai.usage.*`, a completion no provider counted. Such a root
+    names it `tollgate.charged.*`; a run whose every usage was reported keeps `gen_ai.usage.*`."""
+    h = await traced()
+    h.fake.queue(Reply(body=openai_completion()), Reply(chunks=openai_stream(["a"], usage=None, done=False)),
+                 Reply(body=openai_completion()))
+    assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="r-cut"))[0] == 200
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True, "max_tokens": 200}, run="r-cut")
+    assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="r-whole"))[0] == 200
+    for run in ("r-cut", "r-whole"):
+        async with h.session.post(f"{h.admin_url}/admin/runs/{run}/reset") as resp:
+            assert resp.status == 200
+    spans = await flushed(h, sink)
+    [cut] = of_run(spans, "r-cut", "invoke_agent default")
+    assert GenAI.GEN_AI_USAGE_OUTPUT_TOKENS not in cut.attributes
+    assert GenAI.GEN_AI_USAGE_INPUT_TOKENS not in cut.attributes
+    assert cut.attributes[TOLLGATE_CHARGED_OUTPUT_TOKENS] == (I, 5 + 200)  # the answer's 5, the cut's reservation
+    assert cut.attributes[TOLLGATE_CHARGED_INPUT_TOKENS][1] > 10
+    [whole] = of_run(spans, "r-whole", "invoke_agent default")
+    assert (whole.attributes[GenAI.GEN_AI_USAGE_INPUT_TOKENS], whole.attributes[GenAI.GEN_AI_USAGE_OUTPUT_TOKENS]) == (
+        (I, 10), (I, 5))
+    assert TOLLGATE_CHARGED_OUTPUT_TOKENS not in whole.attributes
