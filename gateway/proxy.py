@@ -273,7 +273,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         if step.call.stream and upstream.status < 300 and incremental:
             return await relay_stream(gw, step, request, upstream)
         if step.call.stream and upstream.status < 300:
-            data, answer = await collect_stream(step, upstream, gw.config.limits.max_answer_bytes)
+            data, answer = await collect_stream(gw, step, upstream, gw.config.limits.max_answer_bytes)
         else:
             try:
                 data = await upstream.read()

@@ -63,6 +63,8 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         async for chunk in upstream.chunks():
+            if step.first_chunk_at is None:
+                first_chunk(gw, step)
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
@@ -93,11 +95,6 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     held.append(data)
                     kept += len(data)
                     continue
-                if step.first_chunk_at is None:
-                    step.first_chunk_at = time.monotonic()
-                    span = step_span(gw, step)
-                    if span is not None:
-                        span.first_chunk()
                 await out.write(data)
             if failure is not None:
                 break
@@ -206,7 +203,16 @@ def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
     return OutputNonconforming(f"the streamed answer breaks its constraint: {reason}")
 
 
-async def collect_stream(step: Step, upstream: UpstreamResponse, limit: int) -> tuple[bytes, Answer]:
+def first_chunk(gw: Gateway, step: Step) -> None:
+    """The attempt's first chunk came from the upstream: its time to first chunk (semconv measures it as
+    the client receives it, so a stream tollgate holds or buffers has one too)."""
+    step.first_chunk_at = time.monotonic()
+    span = step_span(gw, step)
+    if span is not None:
+        span.first_chunk()
+
+
+async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, limit: int) -> tuple[bytes, Answer]:
     """`stream_check: buffer`: read the whole stream without relaying it, so it can be validated and
     re-asked like a non-streamed answer. Returns the events to send and the answer. A stream of more
     than `limit` bytes (`limits.max_answer_bytes`) is an `UpstreamUnavailable`."""
@@ -216,8 +222,12 @@ async def collect_stream(step: Step, upstream: UpstreamResponse, limit: int) -> 
     ended = False
     secret = secret_bytes(provider_secret(step.route.provider))
     room = limit
+    first = True  # each attempt (a re-ask is one) has its own span
     try:
         async for chunk in upstream.chunks():
+            if first:
+                first_chunk(gw, step)
+                first = False
             room -= len(chunk)
             if room < 0:
                 raise _too_long(limit)

@@ -922,3 +922,20 @@ async def test_a_run_root_whose_usage_was_partly_unreported_says_charged_not_use
     assert (whole.attributes[GenAI.GEN_AI_USAGE_INPUT_TOKENS], whole.attributes[GenAI.GEN_AI_USAGE_OUTPUT_TOKENS]) == (
         (I, 10), (I, 5))
     assert TOLLGATE_CHARGED_OUTPUT_TOKENS not in whole.attributes
+
+
+async def test_a_buffered_stream_has_a_time_to_first_chunk_for_each_attempt(
+    traced: GatewayFactory, sink: OtlpSink
+) -> None:
+    """semconv times the first chunk as the client receives it: a stream tollgate buffers
+    (`stream_check: buffer`, or several choices under a constraint) had none, on the span or the metric."""
+    h = await traced(agents={"default": {"output": {"grammar": "regex:[a-z]+", "stream_check": "buffer",
+                                                    "retries": 1}}})
+    h.fake.queue(Reply(chunks=openai_stream(["NO"])), Reply(chunks=openai_stream(["yes"])))
+    status, data = await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True}, run="r-buffered")
+    assert status == 200 and b"yes" in data
+    attempts = of_run(await flushed(h, sink), "r-buffered")
+    assert len(attempts) == 2  # the re-ask is an attempt of its own
+    for span in attempts:
+        kind, ttfc = span.attributes[GenAI.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK]
+        assert kind == D and 0 < ttfc < 5
