@@ -120,21 +120,26 @@ def _tool_call(message: Message, tool: str) -> Call:
     return Call(protocol="mcp", operation="execute_tool", model="", tool_call=ToolCall(str(message.id), tool, text))
 
 
-def _answer(outcome: Mapping[str, Any] | None, message: Message) -> tuple[Answer | None, str | None]:
-    """The server's response as an `Answer`, or its JSON-RPC error code."""
+_RPC_MESSAGE_CHARS = 256  # of a JSON-RPC error's message kept as the span's status description
+
+
+def _answer(outcome: Mapping[str, Any] | None, message: Message) -> tuple[Answer | None, str | None, str | None]:
+    """The server's response as an `Answer`, or its JSON-RPC error code and message (semconv: the
+    span's status description)."""
     if outcome is None:
-        return None, None
+        return None, None, None
     error = outcome.get("error")
     if isinstance(error, Mapping):
-        code = error.get("code")
-        return None, str(code) if isinstance(code, int) else "_OTHER"
+        code, text = error.get("code"), error.get("message")
+        return (None, str(code) if isinstance(code, int) else "_OTHER",
+                text[:_RPC_MESSAGE_CHARS] if isinstance(text, str) and text else None)
     result = outcome.get("result")
     if not isinstance(result, Mapping):
-        return None, None
+        return None, None, None
     is_error = result.get("isError") is True
     content = result.get("content")
     text = exact_json.dumps(content).decode() if content is not None else ""
-    return Answer(is_error=is_error, tool_result=ToolResult(str(message.id), text, is_error)), None
+    return Answer(is_error=is_error, tool_result=ToolResult(str(message.id), text, is_error)), None, None
 
 
 async def end_tool_span(
@@ -200,9 +205,9 @@ async def end_tool_span(
         span.error(failure, None, upstream=False)  # the server's answer, if any, still measures as it was
     elif status >= 400 and not stop and refused is None and outcome is None and not replayed:
         span.error(str(status), None, upstream=True, jsonrpc=False)  # the server's HTTP error, relayed as it came
-    answer, rpc_code = _answer(outcome, message)
+    answer, rpc_code, rpc_message = _answer(outcome, message)
     if rpc_code is not None:
-        span.error(rpc_code, None, upstream=True)
+        span.error(rpc_code, rpc_message, upstream=True)
     if stopped_now and (run is None or not run.stopped):
         metrics.run_stopped(stop or "stopped")
     decision = _tool_decision(outcome, refused, stop, failure, replayed=replayed)

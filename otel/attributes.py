@@ -29,7 +29,7 @@ from gateway.call import Answer, Call
 
 # fmt: off
 __all__ = [
-    "ANTHROPIC", "CHAT_COMPLETIONS", "EXECUTE_TOOL", "OPENAI", "TOLLGATE_AGENT", "TOLLGATE_ATTEMPT",
+    "ANTHROPIC", "CHAT_COMPLETIONS", "EMBEDDINGS", "EXECUTE_TOOL", "OPENAI", "TOLLGATE_AGENT", "TOLLGATE_ATTEMPT",
     "TOLLGATE_COST_USD", "TOLLGATE_GUARD_DECISION", "TOLLGATE_GUARD_DETAIL", "TOLLGATE_GUARD_EVENT",
     "TOLLGATE_GUARD_NAME", "TOLLGATE_GUARD_REASON", "TOLLGATE_LLM_CALLS", "TOLLGATE_MAX_TOKENS_CLAMPED",
     "TOLLGATE_PATH_FINGERPRINT", "TOLLGATE_PROVIDER_KEY", "TOLLGATE_RESERVED_USD", "TOLLGATE_RUN_EPOCH",
@@ -88,6 +88,7 @@ _API_TYPES: Final[Mapping[str, str]] = {"openai": CHAT_COMPLETIONS, "openai_resp
 _CHAT: Final = GenAI.GenAiOperationNameValues.CHAT.value
 TOOLS_CALL: Final = Mcp.McpMethodNameValues.TOOLS_CALL.value
 EXECUTE_TOOL: Final = GenAI.GenAiOperationNameValues.EXECUTE_TOOL.value
+EMBEDDINGS: Final = GenAI.GenAiOperationNameValues.EMBEDDINGS.value
 TOOL_ERROR: Final = "tool_error"  # error.type for `CallToolResult.isError` (mcp.md, v1.41)
 OPENAI: Final = GenAI.GenAiProviderNameValues.OPENAI.value
 ANTHROPIC: Final = GenAI.GenAiProviderNameValues.ANTHROPIC.value
@@ -225,20 +226,20 @@ def inference_start_attributes(
     return attrs
 
 
-def inference_end_attributes(answer: Answer, *, provider_name: str) -> Attributes:
+def inference_end_attributes(answer: Answer, *, provider_name: str, operation: str = "") -> Attributes:
     """Attributes an answer provides: response id, model, finish reasons (as the provider sent them,
     one per choice) and usage.
 
     `answer.usage.input_tokens` already includes cached tokens (the Anthropic adapter sums
     `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`), so it is reported as is.
     Cache and reasoning counts are subsets and reported only when non-zero. `provider_name` selects
-    provider-specific response attributes; none are derivable from `Answer` today (`openai.response.
-    service_tier` / `system_fingerprint` would need fields on `Answer`).
+    provider-specific ones: OpenAI's `openai.response.service_tier`, the tier the answer names. An
+    `embeddings` operation produces no output tokens, so none are reported (none were obtained).
     """
-    del provider_name  # reserved: see docstring
     usage = answer.usage
     return present(
         (
+            (OpenAI.OPENAI_RESPONSE_SERVICE_TIER, answer.service_tier if provider_name == OPENAI else None),
             (GenAI.GEN_AI_RESPONSE_ID, answer.response_id or None),
             (GenAI.GEN_AI_RESPONSE_MODEL, answer.model or None),
             (
@@ -246,7 +247,7 @@ def inference_end_attributes(answer: Answer, *, provider_name: str) -> Attribute
                 tuple(answer.finish_reasons) if answer.finish_reasons else None,
             ),
             (GenAI.GEN_AI_USAGE_INPUT_TOKENS, usage.input_tokens if usage else None),
-            (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, usage.output_tokens if usage else None),
+            (GenAI.GEN_AI_USAGE_OUTPUT_TOKENS, usage.output_tokens if usage and operation != EMBEDDINGS else None),
             (
                 GenAI.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
                 usage.cache_read_tokens if usage and usage.cache_read_tokens else None,

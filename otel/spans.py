@@ -45,6 +45,7 @@ from otel import content
 from otel._labels import StepLabels, is_rpc_code
 from otel._safe import ErrorCounter, guarded
 from otel.attributes import (
+    EMBEDDINGS,
     TOLLGATE_COST_USD,
     TOLLGATE_GUARD_EVENT,
     TOLLGATE_STOP_REASON,
@@ -220,7 +221,8 @@ class StepSpan:
                 self._span.set_attribute(Error.ERROR_TYPE, self._upstream_error)
                 self._span.set_status(Status(StatusCode.ERROR, "tool returned an error"))
             return
-        self._span.set_attributes(inference_end_attributes(answer, provider_name=self._labels.provider))
+        self._span.set_attributes(inference_end_attributes(answer, provider_name=self._labels.provider,
+                                                           operation=self._labels.operation))
 
     @guarded("span.fail")
     def fail(self, error_type: str, message: str | None = None) -> None:
@@ -298,7 +300,7 @@ class StepSpan:
             error_type=self._upstream_error,
             duration_s=duration,
             input_tokens=usage.input_tokens if usage else None,
-            output_tokens=usage.output_tokens if usage else None,
+            output_tokens=usage.output_tokens if usage and labels.operation != EMBEDDINGS else None,
         )
         if self._ttfc is not None:
             metrics.observe_first_chunk(

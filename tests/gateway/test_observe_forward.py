@@ -56,8 +56,13 @@ async def test_embeddings_are_an_inference_span_whose_context_goes_upstream(gate
     assert attrs["tollgate.run_id"] == "emb" and "error.type" not in attrs
     assert span.parent is not None and f"{span.parent.trace_id:032x}" == "ab" * 16  # the agent's trace
     assert h.fake.seen[-1].headers["traceparent"] == traceparent(span)  # the span's, not the agent's
+    # embeddings produce no output tokens: a 0 was reported, and added to the output-token histogram
+    assert attrs["gen_ai.usage.input_tokens"] == 2 and "gen_ai.usage.output_tokens" not in attrs
     metrics = telemetry.metrics.render()[0].decode()
     assert 'gen_ai_operation_name="embeddings"' in metrics
+    tokens = [line for line in metrics.splitlines() if line.startswith("gen_ai_client_token_usage_count")]
+    assert any('gen_ai_token_type="input"' in t for t in tokens)
+    assert not any('gen_ai_token_type="output"' in t for t in tokens), tokens
     telemetry.shutdown()
 
 

@@ -148,6 +148,19 @@ def test_openai_end_attributes_exact() -> None:
     }
 
 
+def test_openai_response_service_tier_is_the_tier_the_answer_names() -> None:
+    """Conditionally required when the response carries one; Anthropic's `speed` is no OpenAI tier."""
+    tiered = replace(OPENAI_ANSWER, service_tier="default")
+    assert inference_end_attributes(tiered, provider_name="openai")["openai.response.service_tier"] == "default"
+    assert "openai.response.service_tier" not in inference_end_attributes(tiered, provider_name="anthropic")
+
+
+def test_embeddings_report_no_output_tokens() -> None:
+    """They produce none: a 0 was a count never obtained (semconv: not reported) and skewed the metric."""
+    attrs = inference_end_attributes(OPENAI_ANSWER, provider_name="openai", operation="embeddings")
+    assert "gen_ai.usage.output_tokens" not in attrs and attrs["gen_ai.usage.input_tokens"] == 120
+
+
 def test_anthropic_input_tokens_not_double_counted() -> None:
     attrs = inference_end_attributes(ANTHROPIC_ANSWER, provider_name="anthropic")
     assert attrs["gen_ai.usage.input_tokens"] == 150  # already input + cache read + cache creation
