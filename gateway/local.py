@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from gateway.config import Provider, Timeouts
-from gateway.errors import ConfigError, InvalidGrammar, InvalidRequest, UpstreamTimeout
+from gateway.errors import ConfigError, GatewayError, InvalidGrammar, InvalidRequest, UpstreamTimeout
 from gateway.http1_wire import Sending
 from gateway.local_wire import Job, LocalResponse, Result, answer_body, outcome, parse_request
 from grammars import engine
@@ -50,6 +50,7 @@ class OutlinesTransport:
             import outlines
             import torch
             import transformers
+            from jinja2 import TemplateError
             from outlines.backends.llguidance import LLGuidanceBackend, LLGuidanceLogitsProcessor
         except ImportError as exc:
             hint = f"type outlines needs the local extra: pip install 'tollgate[local]' (no module {exc.name})"
@@ -69,12 +70,12 @@ class OutlinesTransport:
         except (RuntimeError, AssertionError) as exc:  # torch: unknown device, or built without it
             raise ConfigError([(f"providers.{name}.device", str(exc))]) from None
         modules = {"torch": torch, "transformers": transformers, "LLGuidanceBackend": LLGuidanceBackend,
-                   "LLGuidanceLogitsProcessor": LLGuidanceLogitsProcessor}
+                   "LLGuidanceLogitsProcessor": LLGuidanceLogitsProcessor, "TemplateError": TemplateError}
         transport = cls(provider, modules, outlines.from_transformers(hf_model, tokenizer), tokenizer)
         with warnings.catch_warnings():  # torch deprecations while llguidance's mask kernel compiles
             warnings.simplefilter("ignore", DeprecationWarning)
             job = Job("", [{"role": "user", "content": "hi"}], ConstraintSpec("regex", "[0-9]"), max_new=1)
-            transport._run(job, threading.Event(), lambda error: None, lambda text: None)
+            transport._run(job, _Gate(threading.Event()), lambda error: None, lambda text: None)
         return transport
 
     async def open(
@@ -87,13 +88,19 @@ class OutlinesTransport:
         sending: Sending | None = None,
     ) -> LocalResponse:
         """Answer a chat-completions body. Raises InvalidRequest (400) for what the local model cannot
-        honour; UpstreamTimeout when the answer (or, streaming, its start) takes over `first_byte`."""
+        honour; UpstreamTimeout when the answer (or, streaming, its start) takes over `first_byte`;
+        UpstreamUnavailable (502) when the worker thread failed. `sending.started` (and an error's
+        `request_sent`) stays False until the model begins to read the prompt: a call that waited for
+        the lock, or was refused, and ended there generated nothing and is charged nothing."""
         job = parse_request(body)
+        if sending is not None:
+            sending.started = False
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[InvalidRequest | None] = loop.create_future()
+        ready: asyncio.Future[GatewayError | None] = loop.create_future()
         out = LocalResponse(job, idle=timeouts.idle)
+        gate = _Gate(out.cancel)
 
-        def on_ready(error: InvalidRequest | None) -> None:
+        def on_ready(error: GatewayError | None) -> None:
             loop.call_soon_threadsafe(_settle, ready, error)
 
         def on_text(delta: str) -> None:
@@ -101,26 +108,33 @@ class OutlinesTransport:
 
         def on_done(_: object) -> None:  # after every callback the thread scheduled
             self._lock.release()
-            _settle(ready, None)  # when the thread failed early: `outcome` reports it
+            _settle(ready, None)  # when the thread failed early or was abandoned: `outcome` reports it
             out.queue.put_nowait(None)
 
         try:
             async with asyncio.timeout(timeouts.first_byte):
                 await self._lock.acquire()
-                task = asyncio.ensure_future(asyncio.to_thread(self._run, job, out.cancel, on_ready, on_text))
+                task = asyncio.ensure_future(asyncio.to_thread(self._run, job, gate, on_ready, on_text))
                 task.add_done_callback(on_done)
                 error = await asyncio.shield(ready)
                 if error is not None:
                     raise error
-                if job.stream and not task.done():
+                if not gate.begun:  # the thread raised while preparing (a tokenizer's bug): nothing ran
+                    await asyncio.wait([task])
+                    outcome(task, sent=False)  # raises: a prepared job begins or is refused
+                if sending is not None:
+                    sending.started = gate.begun
+                if job.stream:  # even when already done: the deltas and the end are on the queue
                     out.task = task
                     return out
-                await asyncio.shield(task)
+                await asyncio.wait([task])  # `outcome` maps what the thread raised
         except (TimeoutError, asyncio.CancelledError) as exc:
-            out.cancel.set()
+            begun = gate.abandon()
+            if sending is not None:
+                sending.started = begun
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise UpstreamTimeout(f"local model did not answer within {timeouts.first_byte:g}s") from None
+            raise UpstreamTimeout(f"local model did not answer within {timeouts.first_byte:g}s", sent=begun) from None
         out.body = answer_body(job, outcome(task))
         return out
 
@@ -136,25 +150,24 @@ class OutlinesTransport:
             raise InvalidGrammar(cached.message)
         return cached
 
-    def _run(self, job: Job, cancel: threading.Event, on_ready: Callable[[InvalidRequest | None], None],
+    def _run(self, job: Job, gate: _Gate, on_ready: Callable[[GatewayError | None], None],
              on_text: Callable[[str], None]) -> Result | None:
-        """Worker thread, under the lock: prepare (then `on_ready`), generate, stream text to `on_text`."""
-        torch, tf, tok = self._m["torch"], self._m["transformers"], self._tokenizer
+        """Worker thread, under the lock: prepare (then `on_ready`), generate, stream text to `on_text`.
+        None when refused (`on_ready` had the error) or abandoned before the model began."""
         try:
-            grammar = self._grammar(job.spec) if job.spec is not None else None
-            templated = bool(getattr(tok, "chat_template", None))
-            prompt = (tok.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True) if templated
-                      else "".join(f"{m['role']}: {m['content']}\n" for m in job.messages) + "assistant:")
-            ids = tok(prompt, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
-            n_prompt = int(ids.shape[1])
-            room = self._context - n_prompt if self._context else None
-            if room is not None and room < 1:
-                raise InvalidRequest(f"the prompt is {n_prompt} tokens; the model's context is {self._context}",
-                                     param="messages")
-        except InvalidRequest as exc:
+            grammar, ids, room = self._prepare(job)
+        except GatewayError as exc:
             on_ready(exc)
             return None
+        except self._m["TemplateError"] as exc:  # the template's `raise_exception`: a refusal of the messages
+            on_ready(InvalidRequest(f"messages: the model's chat template refuses them: {exc}", param="messages",
+                                    summary="messages: the model's chat template refuses them"))
+            return None
+        if not gate.begin():
+            return None  # the caller left, or timed out, while it waited
         on_ready(None)
+        torch, tf, tok = self._m["torch"], self._m["transformers"], self._tokenizer
+        n_prompt = int(ids.shape[1])
         max_new = min(job.max_new or self._provider.max_new_tokens, room or 1 << 30)
         eos = tok.eos_token_id
         # a fresh config: the model's defaults (min_length, penalties, ...) could fight the mask
@@ -171,13 +184,30 @@ class OutlinesTransport:
                 torch.manual_seed(job.seed)
             out = self._model.model.generate(
                 input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), generation_config=config,
-                logits_processor=processors, stopping_criteria=tf.StoppingCriteriaList([_Cancelled(cancel, torch)]),
+                logits_processor=processors,
+                stopping_criteria=tf.StoppingCriteriaList([_Cancelled(gate.cancel, torch)]),
                 streamer=streamer, **({"tokenizer": tok} if job.stop else {}),
             )
         generated = out[0, n_prompt:].tolist()
         text, stopped = streamer.text(final=True)
         done = stopped or len(generated) < max_new or (bool(generated) and generated[-1] == eos)
         return Result(text, n_prompt, len(generated), "stop" if done else "length")
+
+    def _prepare(self, job: Job) -> tuple[str | None, Any, int | None]:
+        """(grammar, prompt ids, room left in the context) of a job. Raises InvalidRequest for what
+        cannot run (a constraint llguidance cannot enforce, a prompt the context cannot hold)."""
+        tok = self._tokenizer
+        grammar = self._grammar(job.spec) if job.spec is not None else None
+        templated = bool(getattr(tok, "chat_template", None))
+        prompt = (tok.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True) if templated
+                  else "".join(f"{m['role']}: {m['content']}\n" for m in job.messages) + "assistant:")
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
+        n_prompt = int(ids.shape[1])
+        room = self._context - n_prompt if self._context else None
+        if room is not None and room < 1:
+            raise InvalidRequest(f"the prompt is {n_prompt} tokens; the model's context is {self._context}",
+                                 param="messages")
+        return grammar, ids, room
 
 
 class _Streamer:
@@ -251,6 +281,28 @@ def _compile(spec: ConstraintSpec, llg_tokenizer: Any) -> str | InvalidGrammar:
     return grammar
 
 
-def _settle(future: asyncio.Future[InvalidRequest | None], value: InvalidRequest | None) -> None:
+class _Gate:
+    """Whether a generation began, settled once between the worker thread (`begin`, right before the
+    model reads the prompt) and the event loop giving up on the call (`abandon`): a call abandoned
+    first never runs, so it generated nothing; one abandoned after stops at its next token (`cancel`)."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        self.cancel = cancel
+        self.begun = False
+        self._lock = threading.Lock()  # held for a flag's read and write: the loop never waits on it
+
+    def begin(self) -> bool:
+        with self._lock:
+            self.begun = not self.cancel.is_set()
+            return self.begun
+
+    def abandon(self) -> bool:
+        """Stop the call; whether the model had begun it."""
+        with self._lock:
+            self.cancel.set()
+            return self.begun
+
+
+def _settle(future: asyncio.Future[GatewayError | None], value: GatewayError | None) -> None:
     if not future.done():
         future.set_result(value)

@@ -5,6 +5,7 @@ parsed into a `Job` (what the model cannot honour is a 400), and the answer as a
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -18,6 +19,9 @@ from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
 from gateway.frozen_init import fast_init
 from grammars.requests import request_constraints
 from grammars.spec import ConstraintSpec
+
+_log = logging.getLogger(__name__)
+SAMPLING_EPS = 1e-5  # the lowest temperature sampled at; a colder one decodes greedily
 
 
 @fast_init
@@ -99,12 +103,14 @@ def answer_body(job: Job, result: Result) -> bytes:
     return orjson.dumps({**_head(job.model, "chat.completion"), "choices": [choice], "usage": _usage(result)})
 
 
-def outcome(task: asyncio.Future[Result | None]) -> Result:
-    """The finished generation's result; UpstreamUnavailable (502) when the worker thread failed."""
+def outcome(task: asyncio.Future[Result | None], *, sent: bool = True) -> Result:
+    """The finished generation's result; UpstreamUnavailable (502) when the worker thread failed
+    (`sent`: after the model began to read the prompt, so the call is charged)."""
     try:
         result = task.result()
     except Exception as exc:  # whatever broke in torch: to the client, the upstream failed
-        raise UpstreamUnavailable(f"local model failed: {type(exc).__name__}: {exc}") from exc
+        _log.error("the local model's worker thread failed", exc_info=exc)  # an operator's problem
+        raise UpstreamUnavailable(f"local model failed: {type(exc).__name__}: {exc}", sent=sent) from exc
     if result is None:  # pragma: no cover - a refused request never gets here
         raise UpstreamUnavailable("local model produced no answer")
     return result
@@ -132,11 +138,14 @@ def parse_request(body: bytes | None) -> Job:
     _refuse(not isinstance(top_p, int | float) or not 0 < top_p <= 1, "top_p", "must be in (0, 1]")
     _refuse(seed is not None and not isinstance(seed, int), "seed", "must be an integer")
     sampling: dict[str, Any] = {"do_sample": False}  # temperature 0: greedy
-    if temperature > 0:
+    # below SAMPLING_EPS, logits / temperature overflow to inf and torch's sampler fails; sampling that
+    # cold is greedy decoding anyway (vLLM draws the same line)
+    if temperature >= SAMPLING_EPS:
         sampling = {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
     stop = data.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    _refuse(not all(isinstance(s, str) and s for s in stops), "stop", "must be a string or a list of strings")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+    _refuse(stop is not None and not isinstance(stop, str | list) or not all(isinstance(s, str) and s for s in stops),
+            "stop", "must be a string or a list of strings")
     options = data.get("stream_options")
     return Job(str(data.get("model", "")), [_message(m) for m in messages], _constraint(data), max_new, sampling,
                seed, stops, data.get("stream") is True,

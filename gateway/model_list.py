@@ -1,4 +1,5 @@
-"""`GET /v1/models`: the merged model lists of every provider reached over HTTP.
+"""`GET /v1/models`: the merged model lists of every provider reached over HTTP, after the in-process
+models (`local_models`).
 
 Each provider's list is read to its end (Anthropic's is paged: `has_more`, `after_id`), with the
 credentials its model calls carry (the agent's own for a `passthrough_auth` provider). The merged list
@@ -18,6 +19,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.config import Config
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -65,10 +67,10 @@ async def list_models(request: web.Request) -> web.Response:
             return error_response(adapter, exc, echo_headers(request.headers))
         refused_forward(gw, identity, exc, request.headers, method="GET", operation=None, epoch=epoch)
         return error_response(adapter, exc, base_headers(identity))
-    merged: list[dict[str, Any]] = []
+    merged = local_models(gw.config)
     reached = 0
     for name, provider in gw.config.providers.items():
-        if provider.engine != "http":  # an in-process model has no list to ask for
+        if provider.engine != "http":  # an in-process model has no list to ask for: `local_models`
             continue
         items = await _models_of(gw, Route(name, provider, "", False), request.headers, identity, epoch)
         if items is None:
@@ -81,6 +83,14 @@ async def list_models(request: web.Request) -> web.Response:
                               base_headers(identity))
     body = orjson.dumps(page(merged, *paging))
     return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
+
+
+def local_models(config: Config) -> list[dict[str, Any]]:
+    """The entries of in-process models: each exact name `models:` routes to one (a glob names no model
+    to list)."""
+    return [{"id": model, "object": "model", "created": 0, "owned_by": name, "provider": name}
+            for model, name in config.models.items()
+            if not any(c in model for c in "*?[") and config.providers[name].engine != "http"]
 
 
 async def _models_of(gw: Gateway, route: Route, asked: Mapping[str, str], identity: Identity,

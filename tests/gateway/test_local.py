@@ -295,6 +295,9 @@ def test_outlines_config_defaults() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "guided_regex": 3}, "guided_regex"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": True}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": "b"}}, "stop"),
 ])
 def test_requests_the_local_model_cannot_honour_are_400(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
@@ -311,6 +314,13 @@ def test_structured_outputs_wins_over_response_format() -> None:
     assert job.spec is not None and (job.spec.kind, job.spec.source) == ("regex", "[0-9]+")
     assert (job.messages, job.sampling, job.stop, job.max_new) == (
         [{"role": "user", "content": "hi"}], {"do_sample": False}, ("x",), 9)
+
+
+@pytest.mark.parametrize(("temperature", "sampled"), [(0, False), (1e-300, False), (1e-6, False), (1e-5, True),
+                                                     (0.7, True)])
+def test_a_temperature_too_cold_to_sample_is_greedy(temperature: float, sampled: bool) -> None:
+    job = parse_request(json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": temperature}).encode())
+    assert job.sampling["do_sample"] is sampled
 
 
 class _CharTokenizer:
@@ -337,3 +347,12 @@ def test_streamer_holds_back_a_possible_stop_string_and_cuts_at_it() -> None:
         streamer.put(_Ids([ord(ch)]))
     streamer.end()
     assert "".join(sent) == "abEx" and streamer.text(final=True) == ("abEx", True)
+
+
+@needs_local
+async def test_models_list_names_the_local_model(gateway_factory: GatewayFactory, model_dir: Path) -> None:
+    h = await gateway_factory(providers={"local": {"type": "outlines", "model": str(model_dir)}},
+                              models={"local-tiny": "local", "local-*": "local"})
+    async with _client(h, "list") as c:
+        listed = [m.id async for m in c.models.list()]
+    assert listed == ["local-tiny"]

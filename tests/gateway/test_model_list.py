@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.model_list import page
+from gateway.config import parse_config
+from gateway.model_list import local_models, page
 
 MODELS = [{"id": f"m{i}"} for i in range(5)]
 
@@ -32,3 +33,13 @@ def test_pages(limit: int | None, after: str | None, before: str | None, expecte
     answer = page(MODELS, limit, after, before)
     assert ids(answer) == expected and answer["has_more"] is more and answer["object"] == "list"
     assert (answer["first_id"], answer["last_id"]) == ((expected[0], expected[-1]) if expected else (None, None))
+
+
+def test_in_process_models_are_listed_by_their_exact_names() -> None:
+    config = parse_config({
+        "providers": {"local": {"type": "outlines", "model": "m"},
+                      "openai": {"type": "openai", "base_url": "http://h/v1", "api_key": "k"}},
+        "models": {"local-tiny": "local", "local-*": "local", "gpt-4o": "openai"},
+    }, env={})
+    assert local_models(config) == [
+        {"id": "local-tiny", "object": "model", "created": 0, "owned_by": "local", "provider": "local"}]
