@@ -114,7 +114,9 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     if step.output_bound is not None:  # a metered forwarded call: its path fixes the output it may bill
         min_units, max_units = step.output_bound
     else:
-        max_units = min(call.max_tokens or output_limit(step), MAX_TOKEN_COUNT)  # no answer is longer
+        provider = step.route.provider  # an in-process model given no max_tokens generates `max_new_tokens`
+        unset = provider.max_new_tokens if provider.engine != "http" else output_limit(step)
+        max_units = min(call.max_tokens or unset, MAX_TOKEN_COUNT)  # no answer is longer
         if step.price is not None and step.price.max_output_tokens:
             max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
         min_units = min(MIN_OUTPUT_TOKENS, max_units)

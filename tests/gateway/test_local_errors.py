@@ -177,3 +177,14 @@ async def test_a_client_that_left_while_queued_is_charged_nothing(gateway_factor
         lock.release()
     assert run["steps"][0]["error"] == "client_disconnected"
     assert _charged(run) == (0, 0, 0)
+
+
+async def test_a_call_without_max_tokens_under_a_budget_holds_max_new_tokens(gateway_factory: GatewayFactory,
+                                                                            model_dir: Path) -> None:
+    """The model generates `max_new_tokens` when a request sets no max_tokens; under a budget the call
+    was granted (and held) the 32,768 of an unknown model's output limit instead."""
+    h = await _local(gateway_factory, model_dir, max_new_tokens=16)
+    async with _client(h, "unset") as c:
+        raw = await c.chat.completions.with_raw_response.create(model="local-tiny", messages=USER)
+    assert raw.headers["x-tollgate-max-tokens"] == "16"
+    assert (raw.parse().usage.completion_tokens or 0) <= 16
