@@ -160,8 +160,7 @@ class OutlinesTransport:
             on_ready(exc)
             return None
         except self._m["TemplateError"] as exc:  # the template's `raise_exception`: a refusal of the messages
-            on_ready(InvalidRequest(f"messages: the model's chat template refuses them: {exc}", param="messages",
-                                    summary="messages: the model's chat template refuses them"))
+            on_ready(_refused_by_template(exc))
             return None
         if not gate.begin():
             return None  # the caller left, or timed out, while it waited
@@ -193,15 +192,28 @@ class OutlinesTransport:
         done = stopped or len(generated) < max_new or (bool(generated) and generated[-1] == eos)
         return Result(text, n_prompt, len(generated), "stop" if done else "length")
 
-    def _prepare(self, job: Job) -> tuple[str | None, Any, int | None]:
-        """(grammar, prompt ids, room left in the context) of a job. Raises InvalidRequest for what
-        cannot run (a constraint llguidance cannot enforce, a prompt the context cannot hold)."""
+    def prompt_tokens(self, body: bytes) -> int:
+        """How many tokens the model reads for this chat-completions body, its chat template applied:
+        the input a budget must hold (a template may add more than the body's size bounds). Worker
+        thread. Raises InvalidRequest for a body `open` would refuse, a template's refusal included."""
+        job = parse_request(body)
+        try:
+            return int(self._prompt_ids(job).shape[1])
+        except self._m["TemplateError"] as exc:
+            raise _refused_by_template(exc) from None
+
+    def _prompt_ids(self, job: Job) -> Any:
         tok = self._tokenizer
-        grammar = self._grammar(job.spec) if job.spec is not None else None
         templated = bool(getattr(tok, "chat_template", None))
         prompt = (tok.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True) if templated
                   else "".join(f"{m['role']}: {m['content']}\n" for m in job.messages) + "assistant:")
-        ids = tok(prompt, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
+        return tok(prompt, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
+
+    def _prepare(self, job: Job) -> tuple[str | None, Any, int | None]:
+        """(grammar, prompt ids, room left in the context) of a job. Raises InvalidRequest for what
+        cannot run (a constraint llguidance cannot enforce, a prompt the context cannot hold)."""
+        grammar = self._grammar(job.spec) if job.spec is not None else None
+        ids = self._prompt_ids(job)
         n_prompt = int(ids.shape[1])
         room = self._context - n_prompt if self._context else None
         if room is not None and room < 1:
@@ -279,6 +291,11 @@ def _compile(spec: ConstraintSpec, llg_tokenizer: Any) -> str | InvalidGrammar:
         reason = next((line.strip() for line in matcher.get_error().splitlines() if line.strip()), "rejected")
         return InvalidGrammar(f"{spec.kind}: the local model cannot enforce this constraint: {reason}")
     return grammar
+
+
+def _refused_by_template(exc: Exception) -> InvalidRequest:
+    return InvalidRequest(f"messages: the model's chat template refuses them: {exc}", param="messages",
+                          summary="messages: the model's chat template refuses them")
 
 
 class _Gate:

@@ -91,6 +91,14 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
             )
         if route.provider.engine != "http" and protocol != "openai":
             raise InvalidRequest(f"model {call.model!r} runs in-process and serves Chat Completions only")
+        if route.provider.engine != "http":  # its chat template may add more than the body's size bounds
+            # imported here: only in-process models need it (it is torch-free, but not small)
+            from gateway.local import OutlinesTransport
+
+            transport = gw.transports[route.provider_name]
+            assert isinstance(transport, OutlinesTransport)
+            read = await asyncio.to_thread(transport.prompt_tokens, raw)
+            call = replace(call, input_overhead=call.input_overhead + max(0, read - call.input_bytes))
         tool_policy = gw.tool_policy(identity.agent, identity.policy)
         if call.tools:  # a schema tollgate cannot check is a 400 before anything is reserved or sent
             await check_tool_schemas(((t.name, t.parameters) for t in call.tools if tool_policy.allowed(t.name)),

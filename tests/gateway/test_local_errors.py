@@ -188,3 +188,23 @@ async def test_a_call_without_max_tokens_under_a_budget_holds_max_new_tokens(gat
         raw = await c.chat.completions.with_raw_response.create(model="local-tiny", messages=USER)
     assert raw.headers["x-tollgate-max-tokens"] == "16"
     assert (raw.parse().usage.completion_tokens or 0) <= 16
+
+
+async def test_a_chat_template_s_own_tokens_are_held_before_the_call(gateway_factory: GatewayFactory,
+                                                                      model_dir: Path, tmp_path: Path) -> None:
+    """The input bound was the body's size: a template that adds a long preamble made one call spend
+    2,835 tokens of a 1,000-token budget after reserving 85. The templated prompt is counted first."""
+    path = Path(shutil.copytree(model_dir, tmp_path / "verbose"))
+    config_file = path / "tokenizer_config.json"
+    preamble = "You are a helpful assistant. " * 200
+    template = ("{{ '" + preamble + "' }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": template}))
+    h = await gateway_factory(providers={"local": {"type": "outlines", "model": str(path)}},
+                              models={"local-*": "local"}, agents={"default": {"budget": {"tokens": 1000}}})
+    async with _client(h, "verbose") as c:
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await c.chat.completions.create(model="local-tiny", messages=USER, max_tokens=4)
+    assert info.value.code == "token_budget_exhausted"
+    run = await h.run("verbose")
+    assert _charged(run) == (0, 0, 0)  # refused before the model read anything
