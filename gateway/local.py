@@ -22,7 +22,14 @@ from typing import Any
 import orjson
 
 from gateway.config import Provider, Timeouts
-from gateway.errors import ConfigError, GatewayError, InvalidGrammar, InvalidRequest, UpstreamTimeout
+from gateway.errors import (
+    ConfigError,
+    GatewayError,
+    InvalidGrammar,
+    InvalidRequest,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.http1_wire import Sending
 from gateway.local_wire import Job, LocalResponse, Result, answer_body, outcome, parse_request
 from grammars import engine
@@ -201,6 +208,8 @@ class OutlinesTransport:
             return int(self._prompt_ids(job).shape[1])
         except self._m["TemplateError"] as exc:
             raise _refused_by_template(exc) from None
+        except Exception as exc:  # a tokenizer's bug: to the client the upstream failed, before it began
+            raise UpstreamUnavailable(f"local model failed: {type(exc).__name__}: {exc}", sent=False) from exc
 
     def _prompt_ids(self, job: Job) -> Any:
         tok = self._tokenizer

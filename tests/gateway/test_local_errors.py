@@ -93,10 +93,12 @@ async def test_a_template_refusal_is_a_400_charged_nothing(gateway_factory: Gate
             await c.chat.completions.create(model="local-tiny", max_tokens=200, stream=stream, messages=[
                 {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert info.value.code == "invalid_request" and "System role not supported" in info.value.message
-    run = await h.settled("tmpl", 2)
+    run = await h.settled("tmpl", 1)
     assert ok.usage is not None
     assert _charged(run) == (ok.usage.prompt_tokens, ok.usage.completion_tokens, 0)
-    assert [s["error"] for s in run["steps"]] == [None, "invalid_request"]
+    # refused while its prompt is counted, before its step: nothing reserved, no step (the span and the
+    # ledger row say it was refused)
+    assert [s["error"] for s in run["steps"]] == [None] and run["llm_calls"] == 1
 
 
 async def test_a_temperature_too_cold_to_sample_decodes_greedily(gateway_factory: GatewayFactory,
@@ -140,7 +142,8 @@ async def test_a_prompt_that_cannot_be_prepared_is_a_502_charged_nothing(gateway
         with pytest.raises(openai.APIStatusError) as info:
             await c.chat.completions.create(model="local-tiny", messages=USER, max_tokens=50)
     assert (info.value.status_code, info.value.code) == (502, "upstream_unavailable")
-    assert _charged(await h.settled("prep")) == (0, 0, 0)
+    async with h.session.get(f"{h.admin_url}/admin/runs/prep") as resp:
+        assert resp.status == 404  # it failed while its prompt was counted: nothing was reserved or charged
 
 
 async def test_a_call_that_timed_out_waiting_for_the_model_is_charged_nothing(gateway_factory: GatewayFactory,
