@@ -432,7 +432,7 @@ class OpenAIStreamReader:
         for (index, _), slot in sorted(self._calls.items()):
             names.setdefault(index, []).append(slot[1])
         # every choice asked for, one of calls alone too; one that refused without content has no text to judge
-        others = [i for i in range(1, self._choices) if i not in self._refusing or self._others.get(i)]
+        others = [i for i in range(1, self._choices) if i not in self._refusing or "".join(self._others.get(i, ()))]
         return Answer(
             response_id=self._id,
             model=self._model,

@@ -158,3 +158,15 @@ def test_a_streamed_custom_tool_call_is_read_by_its_name_and_input() -> None:
     reader.feed(sse(chunk([{"index": 0, "delta": {"tool_calls": [rest]}, "finish_reason": "tool_calls"}])))
     [call] = reader.answer().tool_calls
     assert (call.id, call.name, call.arguments) == ("c1", "code_exec", "print(1)")
+
+
+def test_a_choice_that_refused_after_openai_s_empty_first_content_has_no_text_to_judge() -> None:
+    """OpenAI starts every choice with `"content": ""`: a choice that then refused was judged as the
+    text "" (a spurious re-ask), while the same answer not streamed skips it."""
+    reader = ADAPTER.stream_reader(hide_usage=False, choices=2)
+    for data in (chunk([delta(0, role="assistant", content=""), delta(1, role="assistant", content="")]),
+                 chunk([delta(0, content="abc"), delta(1, refusal="I can't help with that.")]),
+                 chunk([delta(0, "stop"), delta(1, "stop")])):
+        reader.feed(sse(data))
+    answer = reader.answer()
+    assert (answer.text, answer.other_texts, answer.choice_calls) == ("abc", (), ())
