@@ -5,6 +5,7 @@
   x GatewayError               - answered to the caller in the wire format of the API it called
     + InvalidRequest           - 400 invalid_request
       - InvalidGrammar         - 400 invalid_request (a constraint that does not compile)
+        - GrammarTooComplex    - 400 (a check hit llguidance's parser limits)
       - UndecodableBody        - 400 invalid_request (broken body encoding or framing; closes the connection)
     + InvalidApiKey            - 401 invalid_api_key
     + ModelNotFound            - 404 model_not_found
@@ -93,6 +94,11 @@ class UndecodableBody(InvalidRequest):
 
 class InvalidGrammar(InvalidRequest):
     """A grammar, schema, regex or choice list that does not compile, or an unknown grammar name."""
+
+
+class GrammarTooComplex(InvalidGrammar):
+    """llguidance's parser limits were hit checking an answer (`grammars.engine`). A lexer out of states
+    stays so in every copy of the compiled matcher: the compile is spent (`grammars.compile`)."""
 
 
 class InvalidApiKey(GatewayError):

@@ -16,7 +16,7 @@ from typing import Final
 
 import llguidance as llg
 
-from gateway.errors import InvalidGrammar
+from gateway.errors import GrammarTooComplex
 from grammars import engine
 from grammars.spec import Violation
 
@@ -63,13 +63,14 @@ class IncrementalChecker:
         final: Callable[[str], Violation | None] | None,
         fallback: llg.LLMatcher | None = None,
         bounded: bool = False,
-        on_limit: Callable[[], None] | None = None,
+        on_limit: Callable[[], llg.LLMatcher | None] | None = None,
     ) -> None:
         """`matcher` is this stream's own matcher. `fallback` (JSON schema grammars only) is a
         pristine any-JSON matcher to switch to when the upstream spells a literal with escapes. `bounded`
         (a context-free grammar): its matcher time is bounded (`engine.Fuel`). `on_limit` is called
-        when the matcher gives up (a parser limit or its time; the pristine matcher may be spent),
-        before `feed` raises InvalidGrammar, or switches to `fallback` when there is one."""
+        when the matcher hits a parser limit (the pristine matcher may be spent): a fresh matcher it
+        returns checks the output so far again; without one `feed` switches to `fallback`, or raises
+        GrammarTooComplex."""
         self.violation: Violation | None = None
         self._matcher = matcher
         self._fuel = engine.Fuel() if bounded else None  # a context-free grammar's: its matcher time
@@ -87,7 +88,7 @@ class IncrementalChecker:
         """Consume the next chunk of output; False once the output can no longer become valid."""
         if self.violation is not None:
             return False
-        if self._final is not None:
+        if self._final is not None or self._on_limit is not None:  # kept to replay on a fresh matcher
             self._parts.append(chunk)
         base = self._chars
         self._chars += len(chunk)
@@ -109,9 +110,13 @@ class IncrementalChecker:
             data = self._json_equivalent(data)
         try:
             accepted = engine.advance(self._matcher, list(data), self._fuel)
-        except InvalidGrammar:
-            if self._on_limit is not None:
-                self._on_limit()
+        except GrammarTooComplex:
+            fresh = self._on_limit() if self._on_limit is not None else None
+            if fresh is not None and not self._json:
+                # another answer may have spent the lexer this matcher shares: the output again, fresh
+                self._matcher = fresh
+                self._fuel = engine.Fuel() if self._fuel is not None else None
+                return self._consume("".join(self._parts), 0)
             if self._fallback is None:
                 raise
             # the schema grammar gave up (a `pattern` whose automaton is exponential ran its lexer out of

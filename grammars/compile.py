@@ -13,12 +13,12 @@ import asyncio
 import functools
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import llguidance as llg
 
-from gateway.errors import InvalidGrammar
+from gateway.errors import GrammarTooComplex, InvalidGrammar
 from gateway.frozen_init import fast_init
 from grammars import engine
 from grammars.checker import IncrementalChecker
@@ -58,6 +58,8 @@ class _Core:
     syntax: llg.LLMatcher | None  # JSON kinds: any JSON of the schema's top-level type
     schema: SchemaCheck | None  # JSON kinds: the final verdict
     warnings: tuple[str, ...]
+    # set once a check ran a copy of `exact` out of lexer states: every copy shares them (`Constraint.spoiled`)
+    spent: threading.Event = field(default_factory=threading.Event)
 
 
 @fast_init
@@ -78,24 +80,32 @@ class Constraint:
         core = self._core
         if core.schema is not None:
             return core.schema.check(text)
+        try:
+            return self._check(text)
+        except GrammarTooComplex:
+            # another answer may have spent the lexer this check shares: once more, on a fresh compile
+            return compile_constraint(self.spec)._check(text)
+
+    def _check(self, text: str) -> Violation | None:
+        core = self._core
         assert core.exact is not None  # non-JSON kinds always have their grammar
         try:
             return engine.check_complete(core.exact, text, bounded=core.kind in _CONTEXT_FREE)
-        except InvalidGrammar:
+        except GrammarTooComplex:
             self.spoiled()
             raise
 
     def spoiled(self) -> None:
-        """A check gave up (its time, or a parser limit). A lexer that ran out of states stays out of them in every copy of
-        the pristine matcher, which would refuse every later answer: the next compile of this spec
-        builds a fresh one."""
+        """A check hit a parser limit. A lexer that ran out of states stays out of them in every copy of
+        the pristine matcher, which would refuse every later answer: the compile is marked spent, and the
+        next compile of this spec builds a fresh one."""
+        self._core.spent.set()
         _CACHE.discard(self.spec.key, self._core)
 
     @property
     def current(self) -> bool:
-        """Whether the cache still holds this compile: False once a check spoiled it (or the cache
-        evicted it), so a holder of compiled constraints compiles again."""
-        return _CACHE.holds(self.spec.key, self._core)
+        """False once a check spoiled this compile: a holder of compiled constraints compiles again."""
+        return not self._core.spent.is_set()
 
     def checker(self, *, native: bool) -> IncrementalChecker:
         """A streaming checker. `native=True` means the upstream was constrained natively with the same
@@ -106,12 +116,33 @@ class Constraint:
         if core.schema is None:
             assert core.exact is not None
             return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None,
-                                      bounded=core.kind in _CONTEXT_FREE, on_limit=self.spoiled)
+                                      bounded=core.kind in _CONTEXT_FREE, on_limit=_Renewal(self))
         assert core.syntax is not None
         if native and core.exact is not None and core.exact is not core.syntax:
             return IncrementalChecker(core.exact.deep_copy(), json_document=True, final=core.schema.check,
                                       fallback=core.syntax, on_limit=self.spoiled)
         return IncrementalChecker(core.syntax.deep_copy(), json_document=True, final=core.schema.check)
+
+
+class _Renewal:
+    """A stream's way out of a spent lexer (`IncrementalChecker`'s `on_limit`): the first call spoils the
+    constraint's compile and answers a fresh matcher to replay the output on (another answer may have
+    spent the lexer); the next spoils that fresh compile too, and answers None: this answer spends it."""
+
+    __slots__ = ("_constraint", "_renewed")
+
+    def __init__(self, constraint: Constraint) -> None:
+        self._constraint = constraint
+        self._renewed = False
+
+    def __call__(self) -> llg.LLMatcher | None:
+        self._constraint.spoiled()
+        if self._renewed:
+            return None
+        self._renewed = True
+        self._constraint = compile_constraint(self._constraint.spec)
+        fresh = self._constraint._core.exact
+        return fresh.deep_copy() if fresh is not None else None
 
 
 class LRU(Generic[V]):
@@ -136,9 +167,6 @@ class LRU(Generic[V]):
             self._items.move_to_end(key)
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
-
-    def holds(self, key: str, item: V) -> bool:
-        return self._items.get(key) is item  # one dict read: atomic, no lock needed
 
     def discard(self, key: str, item: V) -> None:
         """Forget `key` if it still holds `item` (a newer compile may have replaced it)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Final
 
 import llguidance as llg
 
-from gateway.errors import InvalidGrammar
+from gateway.errors import GrammarTooComplex, InvalidGrammar
 from grammars.spec import Violation
 
 if TYPE_CHECKING:
@@ -252,13 +252,13 @@ def advance(matcher: llg.LLMatcher, tokens: list[int], fuel: Fuel | None = None)
 
 
 def _check_limits(matcher: llg.LLMatcher) -> None:
-    """Raise InvalidGrammar when consuming put the matcher in its error state: llguidance's parser
-    limits (`LLParserLimits`: items per Earley row, lexer fuel) were hit, a grammar too complex to check
+    """Raise GrammarTooComplex (an InvalidGrammar) when consuming put the matcher in its error state:
+    llguidance's parser limits (`LLParserLimits`: items per Earley row, lexer fuel) were hit, a grammar too complex to check
     the answer with, not a verdict on it. Only the first line of llguidance's message is kept: the rest
     quotes the answer."""
     if matcher.is_error():
         reason = matcher.get_error().strip().splitlines()[:1]
-        raise InvalidGrammar("the grammar is too complex to check the answer with"
+        raise GrammarTooComplex("the grammar is too complex to check the answer with"
                              + (f" ({reason[0][:200]})" if reason else ""))
 
 

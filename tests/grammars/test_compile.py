@@ -395,3 +395,33 @@ def test_a_constraint_whose_lexer_ran_out_of_states_is_rebuilt_for_the_next_answ
     assert fresh._core is not spent._core
     assert fresh.validate(exponential_answer(100)) is None
     assert compile_constraint(spec)._core is fresh._core  # a healthy one stays cached
+
+
+def test_a_stream_under_way_survives_another_answer_spending_the_shared_lexer() -> None:
+    """Copies of a compile share its lexer: another request's long answer spent it, and a stream already
+    under way (or a step planned before) then refused its own short, valid answer. Such a check now
+    replays on a fresh compile."""
+    compile_mod.clear_cache()
+    spec = ConstraintSpec("regex", EXPONENTIAL)
+    planned = compile_constraint(spec)
+    stream = planned.checker(native=False)
+    ok = exponential_answer(50)
+    assert stream.feed(ok[:10])
+    with pytest.raises(InvalidGrammar, match="too complex"):
+        compile_constraint(spec).validate(exponential_answer(30_000))
+    assert not planned.current
+    assert stream.feed(ok[10:]) and stream.finish() is None
+    assert planned.validate(ok) is None  # the non-streamed step planned before
+    with pytest.raises(InvalidGrammar, match="too complex"):  # an answer that spends a fresh compile too
+        planned.validate(exponential_answer(30_000))
+    assert compile_constraint(spec).validate(ok) is None
+
+
+def test_a_compile_the_cache_evicted_is_still_current() -> None:
+    """Only a spoiled compile is replanned: an agent grammar whose plan is hit every step was recompiled
+    once 256 other constraints had gone through the cache."""
+    compile_mod.clear_cache()
+    held = compile_constraint(ConstraintSpec("regex", "[a-z]+"))
+    for i in range(compile_mod.CACHE_SIZE + 1):
+        compile_constraint(ConstraintSpec("regex", f"x{i}"))
+    assert held.current and held.validate("abc") is None
