@@ -27,6 +27,8 @@ from typing import Any, Literal, get_args
 import orjson
 from aiohttp import web
 
+from gateway.errors import GatewayError
+from gateway.request_body import read_body
 from gateway.runtime import Gateway
 
 Status = Literal["pending", "approved", "denied", "timed_out"]
@@ -187,7 +189,9 @@ def routes(gateway_of: Callable[[web.Request], Gateway | None]) -> list[web.Rout
             return _error(503, "not_ready", "gateway not ready")
         queue = queue_of(gw)
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await read_body(request, gw.config.limits))  # decoded and bounded
+        except GatewayError as exc:
+            return _error(exc.status, exc.code, exc.message)
         except orjson.JSONDecodeError:
             return _error(400, "invalid_request", "body must be JSON")
         if not isinstance(body, dict):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.approvals import ApprovalQueue, deny_after_grace
+from tests.conftest import GatewayFactory
 
 
 async def test_a_cancelled_request_denies_only_what_it_parked() -> None:
@@ -50,3 +53,17 @@ async def test_a_shutdown_without_any_approval_creates_no_queue() -> None:
     gw: Any = SimpleNamespace(services={})
     await deny_after_grace(gw, 0)
     assert gw.services == {}
+
+
+async def test_a_decision_sent_compressed_is_read_as_sent(gateway_factory: GatewayFactory) -> None:
+    """The server no longer decodes bodies for handlers (tollgate does, `gateway.request_body`): a
+    gzip decision read as raw bytes was "body must be JSON"."""
+    h = await gateway_factory()
+    decision = orjson.dumps({"decision": "approve", "by": "ops"})
+    for data, headers in ((decision, {}), (gzip.compress(decision), {"Content-Encoding": "gzip"})):
+        async with h.session.post(f"{h.admin_url}/admin/approvals/nope", data=data,
+                                  headers={"Content-Type": "application/json", **headers}) as resp:
+            assert resp.status == 404, await resp.text()  # read, then: no such approval
+    async with h.session.post(f"{h.admin_url}/admin/approvals/nope", data=b"\x1f\x8b junk",
+                              headers={"Content-Encoding": "gzip"}) as resp:
+        assert resp.status == 400 and "cannot be decoded" in await resp.text()
