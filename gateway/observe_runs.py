@@ -12,6 +12,7 @@ from gateway.observe import telemetry_of
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import RunState
+from guards.budget import UNREPORTED_USAGE
 from otel.attributes import provider_name_for
 from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry
@@ -50,7 +51,7 @@ def end_run(gw: Gateway, state: RunState, *, final: bool = True) -> None:
         stop_reason=state.stop_reason,
         path_fingerprint=path_fingerprint(decisions),
         provider_name=provider,
-        usage_estimated=any(s.get("usage_estimated") for s in state.steps),
+        usage_estimated=state.used.get(UNREPORTED_USAGE, 0.0) > 0,  # counted by the store: steps are trimmed
     )
     telemetry.end_run(state.run_id, state.agent, started_at=state.started_at or time.time(), totals=totals,
                       epoch=state.epoch, final=final)

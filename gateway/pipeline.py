@@ -37,12 +37,12 @@ from gateway.output_limits import known_limit
 from gateway.providers.base import Adapter
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
 from gateway.runtime import Gateway
-from gateway.step import USAGE_ESTIMATED, Step
+from gateway.step import Step
 from gateway.store.base import Claim, Denial, Reservation, ReserveRequest
 from gateway.upstream import forwardable
 from guards.base import REASK, Add, Decision, StepContext
 from guards.bounds import MIN_OUTPUT_TOKENS, search_limit
-from guards.budget import USAGE_COUNTERS, settlement
+from guards.budget import UNREPORTED_USAGE, USAGE_COUNTERS, settlement
 from guards.chain import GuardChain, Verdict
 from guards.reasoning import resolve as resolve_reasoning
 
@@ -344,7 +344,7 @@ async def settle(gw: Gateway, step: Step, answer: Answer | None, *, charged: boo
         actual = dict(settlement(usage, step.price, reservation, step.relayed_chars // 4, choices, tier,
                                  price_of=lambda model: gw.pricer.lookup(model, provider)))
         if usage is None and ("input_tokens" in actual or "output_tokens" in actual):
-            step.extra[USAGE_ESTIMATED] = True
+            actual[UNREPORTED_USAGE] = 1.0  # the run's tokens are then no provider's count (its root says so)
     else:
         actual = {k: v for k, v in reservation.amounts.items()  # the step counts
                   if k not in USAGE_COUNTERS and (counted or k != "llm_calls")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from gateway.call import Answer, Call
 from gateway.identity import Identity
@@ -16,8 +16,6 @@ from gateway.store.base import Reservation
 from gateway.tools import ToolPolicy
 from guards.base import Decision
 from guards.chain import GuardChain
-
-USAGE_ESTIMATED: Final = "usage_estimated"  # extra: an attempt was charged without provider-reported usage
 
 
 @dataclass(slots=True)
@@ -92,6 +90,4 @@ class Step:
         }
         if "epoch" in self.extra:
             summary["epoch"] = self.extra["epoch"]
-        if self.extra.get(USAGE_ESTIMATED):
-            summary["usage_estimated"] = True  # charged its reservation: no provider said what it used
         return summary

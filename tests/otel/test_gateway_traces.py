@@ -30,6 +30,7 @@ from opentelemetry.semconv.attributes import server_attributes as Server
 from opentelemetry.semconv.attributes import service_attributes as Service
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.store.logic import MAX_STEPS
 from otel.attributes import (
     TOLLGATE_ATTEMPT,
     TOLLGATE_COST_USD,
@@ -939,3 +940,21 @@ async def test_a_buffered_stream_has_a_time_to_first_chunk_for_each_attempt(
     for span in attempts:
         kind, ttfc = span.attributes[GenAI.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK]
         assert kind == D and 0 < ttfc < 5
+
+
+async def test_a_run_root_says_charged_however_long_ago_its_usage_went_unreported(
+    traced: GatewayFactory, sink: OtlpSink
+) -> None:
+    """The mark came from the run's kept step summaries, the last 50: a cut stream followed by 50 steps
+    reported its 20,000 charged tokens as usage again. The store counts such settlements instead."""
+    h = await traced()
+    h.fake.queue(Reply(chunks=openai_stream(["a"], usage=None, done=False)))
+    await post(h, {"model": "gpt-4o-mini", "messages": MSG, "stream": True, "max_tokens": 2000}, run="r-long")
+    h.fake.default = Reply(body=openai_completion())
+    for _ in range(MAX_STEPS):
+        assert (await post(h, {"model": "gpt-4o-mini", "messages": MSG}, run="r-long"))[0] == 200
+    async with h.session.post(f"{h.admin_url}/admin/runs/r-long/reset") as resp:
+        assert resp.status == 200
+    [root] = of_run(await flushed(h, sink), "r-long", "invoke_agent default")
+    assert GenAI.GEN_AI_USAGE_OUTPUT_TOKENS not in root.attributes
+    assert root.attributes[TOLLGATE_CHARGED_OUTPUT_TOKENS] == (I, 2000 + 5 * MAX_STEPS)
