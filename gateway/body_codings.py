@@ -91,6 +91,8 @@ class BodyDecoder:
                 data = self._stream.unused_data
                 if data and not self._gzip:
                     raise UndecodableBody("request body cannot be decoded: data after the end of its deflate stream")
+                if data and not data.strip(b"\0"):
+                    break  # zero padding after the last member, which gzip(1) ignores too
                 if data:  # another gzip member (RFC 1952 allows several, each its own stream)
                     self._stream = zlib.decompressobj(_GZIP_WBITS)
         except zlib.error as exc:

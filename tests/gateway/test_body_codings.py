@@ -77,6 +77,7 @@ PLAIN = b'{"model": "m", "messages": []}' * 50
 DECODES = {
     "gzip": gzip.compress(PLAIN),
     "gzip, two members": gzip.compress(PLAIN[:700]) + gzip.compress(PLAIN[700:]),
+    "gzip, zero padding": gzip.compress(PLAIN) + b"\0" * 9,  # as gzip(1) and Python's gzip accept
     "zlib deflate": zlib.compress(PLAIN),
     "raw deflate": raw_deflate(PLAIN),
 }
