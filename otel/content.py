@@ -93,21 +93,31 @@ def tool_definitions(call: Call, *, detailed: bool = False) -> str | None:
 
 
 def output_messages(answer: Answer) -> str:
-    """`gen_ai.output.messages`: one assistant message (the first choice's text and every proposed
-    tool call; `Answer` keeps no other choice's text)."""
-    parts: list[Part] = [{"type": "text", "content": answer.text}] if answer.text else []
-    parts.extend(
-        without_none(
-            type="tool_call", id=call.id or None, name=call.name, arguments=json_or_text(call.arguments)
+    """`gen_ai.output.messages`: one assistant message per choice (OpenAI's `n`), its text and its
+    tool calls. The calls are every choice's in choice order; `choice_calls` says how many are each
+    choice's (when it does not account for all of them, the first message carries them all)."""
+    texts = (answer.text, *answer.other_texts)
+    counts = [len(names) for names in answer.choice_calls]
+    if len(counts) != len(texts) or sum(counts) != len(answer.tool_calls):
+        counts = [len(answer.tool_calls)] + [0] * (len(texts) - 1)
+    reasons = answer.finish_reasons if len(answer.finish_reasons) == len(texts) else answer.finish_reasons[:1]
+    messages, start = [], 0
+    for index, (text, count) in enumerate(zip(texts, counts, strict=True)):
+        calls = answer.tool_calls[start : start + count]
+        start += count
+        parts: list[Part] = [{"type": "text", "content": text}] if text else []
+        parts.extend(
+            without_none(
+                type="tool_call", id=call.id or None, name=call.name, arguments=json_or_text(call.arguments)
+            )
+            for call in calls
         )
-        for call in answer.tool_calls
-    )
-    if answer.finish_reasons:
-        finish = answer.finish_reasons[0]
-        finish = _FINISH_REASONS.get(finish, finish)
-    else:
-        finish = "tool_call" if answer.tool_calls else "stop"
-    return compact([{"role": "assistant", "parts": parts, "finish_reason": finish}])
+        if index < len(reasons):
+            finish = _FINISH_REASONS.get(reasons[index], reasons[index])
+        else:
+            finish = "tool_call" if calls else "stop"
+        messages.append({"role": "assistant", "parts": parts, "finish_reason": finish})
+    return compact(messages)
 
 
 def tool_call_arguments(call: Call) -> str | None:

@@ -247,3 +247,16 @@ def test_mcp_content() -> None:
     assert content.tool_call_arguments(replace(call, tool_call=None)) is None
     assert content.tool_call_result(MCP_OK) == "Welcome!"
     assert content.tool_call_result(Answer()) is None
+
+
+def test_output_messages_are_one_per_choice() -> None:
+    """semconv: one message per choice; with `n: 2` the second choice's text was missing."""
+    answer = Answer(text="", tool_calls=(ToolCall("c1", "lookup", '{"q": 1}'),), finish_reasons=("tool_calls", "stop"),
+                    other_texts=('{"a":1}',), choice_calls=(("lookup",), ()))
+    assert loads(content.output_messages(answer)) == [
+        {"role": "assistant", "finish_reason": "tool_call",
+         "parts": [{"type": "tool_call", "id": "c1", "name": "lookup", "arguments": {"q": 1}}]},
+        {"role": "assistant", "finish_reason": "stop", "parts": [{"type": "text", "content": '{"a":1}'}]},
+    ]
+    unaccounted = replace(answer, choice_calls=())  # the calls go with the first message
+    assert [len(m["parts"]) for m in loads(content.output_messages(unaccounted))] == [1, 1]
