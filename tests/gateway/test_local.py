@@ -355,4 +355,6 @@ async def test_models_list_names_the_local_model(gateway_factory: GatewayFactory
                               models={"local-tiny": "local", "local-*": "local"})
     async with _client(h, "list") as c:
         listed = [m.id async for m in c.models.list()]
+        retrieved = await c.models.retrieve("local-tiny")  # it was a 400: answered here, not forwarded
     assert listed == ["local-tiny"]
+    assert (retrieved.id, retrieved.owned_by) == ("local-tiny", "local")
