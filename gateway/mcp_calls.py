@@ -131,7 +131,7 @@ async def _call_tool(mcp: McpRequest, message: Message, size: int, flight: Fligh
                 raise
             unguarded = True  # the call goes on without the run's guards, as the agent's model calls do
         refuse_if_stopped(run)
-        check_arguments(mcp, tool, arguments)
+        await check_arguments(mcp, tool, arguments, size)
         args_json = canonical_json(arguments).decode()
         call = Call(protocol="mcp", operation="execute_tool", model=mcp.server_name, input_bytes=size,
                     tool_call=ToolCall(str(message.id), tool, args_json),

@@ -12,6 +12,7 @@ whether or not the tool ran; usage counters are charged only when the server may
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from typing import Any
 from gateway.errors import HELD, BudgetHeld, InvalidGrammar, StateUnavailable, Stopped
 from gateway.jsonrpc import BadArguments
 from gateway.mcp_transport import McpRequest, state_of
+from gateway.outputs import CHECK_ON_LOOP_CHARS
 from gateway.runtime import Gateway
 from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunState
 from grammars.tool_args import validate_tool_arguments
@@ -35,11 +37,13 @@ def refuse_if_stopped(run: RunState | None) -> None:
         raise Stopped(reason, f"the run is stopped ({reason}): {run.stop_detail or ''}".rstrip(": "))
 
 
-def check_arguments(mcp: McpRequest, tool: str, arguments: dict[str, Any]) -> None:
-    """Raise BadArguments when `arguments` break the `inputSchema` the server listed for `tool`."""
+async def check_arguments(mcp: McpRequest, tool: str, arguments: dict[str, Any], size: int) -> None:
+    """Raise BadArguments when `arguments` break the `inputSchema` the server listed for `tool`. Those of
+    a message over `CHECK_ON_LOOP_CHARS` (`size` bytes) are checked in a worker thread, as answers are."""
     schema = state_of(mcp.gw).schemas.get(mcp.server_name, {}).get(tool)
     try:
-        violation = validate_tool_arguments(schema, arguments)
+        violation = (validate_tool_arguments(schema, arguments) if size <= CHECK_ON_LOOP_CHARS
+                     else await asyncio.to_thread(validate_tool_arguments, schema, arguments))
     except InvalidGrammar:
         return  # the server declared a schema that does not compile: the server validates for itself
     if violation is not None:

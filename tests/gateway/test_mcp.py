@@ -9,6 +9,7 @@ The server logs every message it receives, so each test states what reached it.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +20,9 @@ import pytest
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
+from gateway import mcp_guards
 from gateway.call import ToolCall
+from gateway.outputs import CHECK_ON_LOOP_CHARS
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes import mcp_server
 
@@ -240,6 +243,28 @@ async def test_arguments_are_checked_against_the_listed_input_schema(
             assert error["code"] == -32602 and error["data"] == {"code": "invalid_arguments"}
         assert text(await client.call_tool("read_file", {"path": "ok"})) == "contents of ok"
     assert files.seen.calls() == [("read_file", {"path": "ok"})]
+
+
+async def test_long_arguments_are_checked_in_a_worker_thread(
+    gateway_factory: GatewayFactory, files: mcp_server.RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check within its keyword budget may take seconds for a megabyte: as for an answer, the loop
+    does not wait for it."""
+    threads: list[int] = []
+    validate = mcp_guards.validate_tool_arguments
+
+    def recorded(schema: Any, arguments: Any) -> Any:
+        threads.append(threading.get_ident())
+        return validate(schema, arguments)
+
+    monkeypatch.setattr(mcp_guards, "validate_tool_arguments", recorded)
+    h = await gateway(gateway_factory, files)
+    async with mcp_client(h, mode="auto") as client:
+        await client.list_tools()
+        assert text(await client.call_tool("read_file", {"path": "ok"})) == "contents of ok"
+        long = "p" * (CHECK_ON_LOOP_CHARS + 1)
+        assert text(await client.call_tool("read_file", {"path": long})) == f"contents of {long}"
+    assert threads[0] == threading.get_ident() != threads[1]
 
 
 async def test_duplicate_keys_cannot_smuggle_a_different_tool(
