@@ -189,7 +189,8 @@ def routes(gateway_of: Callable[[web.Request], Gateway | None]) -> list[web.Rout
             return _error(503, "not_ready", "gateway not ready")
         queue = queue_of(gw)
         try:
-            body = orjson.loads(await read_body(request, gw.config.limits))  # decoded and bounded
+            limits = gw.config.limits.model_copy(update={"max_body_bytes": request.client_max_size})
+            body = orjson.loads(await read_body(request, limits))  # decoded, and bounded as the admin API is
         except GatewayError as exc:
             return _error(exc.status, exc.code, exc.message)
         except orjson.JSONDecodeError:
