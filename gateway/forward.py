@@ -119,9 +119,9 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             raise ModelNotFound("no provider is configured for this path")
         provider = route.provider
         if provider.engine != "http":
-            named = model_in_path(tail)
-            if named is not None and request.method in ("GET", "HEAD"):  # an in-process model describes itself
-                entry = {"id": named, "object": "model", "created": 0, "owned_by": route.provider_name}
+            asked = model_in_path(request.rel_url.raw_path.removeprefix("/v1"))  # the name as asked for
+            if asked is not None and request.method in ("GET", "HEAD"):  # an in-process model describes itself
+                entry = {"id": asked, "object": "model", "created": 0, "owned_by": route.provider_name}
                 return web.Response(body=orjson.dumps(entry), content_type=JSON, headers=base_headers(identity))
             raise InvalidRequest(f"model {route.model!r} runs in-process and serves Chat Completions only")
         base = provider.base_url.rstrip("/")

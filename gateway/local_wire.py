@@ -131,8 +131,11 @@ def parse_request(body: bytes | None) -> Job:
     _refuse(data.get("n") not in (None, 1), "n", "the local model answers one choice")
     _refuse(data.get("tool_choice") not in (None, "none", "auto"), "tool_choice", "the local model does not call tools")
     _refuse(bool(data.get("logprobs")), "logprobs", "the local model does not return logprobs")
-    max_new = data.get("max_completion_tokens", data.get("max_tokens"))
-    _refuse(max_new is not None and (not isinstance(max_new, int) or max_new < 1), "max_tokens", "must be >= 1")
+    # the larger of the limits sent (an explicit null is none): what the budget reserved for (`openai_chat`)
+    limits_sent: list[Any] = [data[key] for key in ("max_completion_tokens", "max_tokens") if data.get(key) is not None]
+    _refuse(not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in limits_sent), "max_tokens",
+            "must be >= 1")
+    max_new: int | None = max(limits_sent, default=None)
     temperature, top_p, seed = data.get("temperature", 1.0), data.get("top_p", 1.0), data.get("seed")
     _refuse(not isinstance(temperature, int | float) or temperature < 0, "temperature", "must be >= 0")
     _refuse(not isinstance(top_p, int | float) or not 0 < top_p <= 1, "top_p", "must be in (0, 1]")

@@ -211,3 +211,16 @@ async def test_a_chat_template_s_own_tokens_are_held_before_the_call(gateway_fac
     assert info.value.code == "token_budget_exhausted"
     run = await h.run("verbose")
     assert _charged(run) == (0, 0, 0)  # refused before the model read anything
+
+
+async def test_an_explicit_null_limit_does_not_hide_the_other(gateway_factory: GatewayFactory, model_dir: Path) -> None:
+    """`max_completion_tokens: null` hid `max_tokens: 5`: the budget held 5 tokens and the model generated
+    `max_new_tokens`. The model reads the limits as the reservation does."""
+    h = await _local(gateway_factory, model_dir, max_new_tokens=64)
+    body = {"model": "local-tiny", "messages": USER, "max_tokens": 5, "max_completion_tokens": None, "seed": 1}
+    async with h.session.post(f"{h.url}/v1/chat/completions", json=body,
+                              headers={"x-tollgate-run-id": "nullmax"}) as resp:
+        data = await resp.json()
+    assert resp.status == 200 and data["usage"]["completion_tokens"] <= 5, data
+    async with h.session.get(f"{h.url}/v1/models/local/whatever") as resp:  # the id as asked for
+        assert resp.status == 200 and (await resp.json())["id"] == "local/whatever"
