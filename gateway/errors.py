@@ -98,7 +98,10 @@ class InvalidGrammar(InvalidRequest):
 
 class GrammarTooComplex(InvalidGrammar):
     """llguidance's parser limits were hit checking an answer (`grammars.engine`). A lexer out of states
-    stays so in every copy of the compiled matcher: the compile is spent (`grammars.compile`)."""
+    stays so in every copy of the compiled matcher: the compile is spent (`grammars.compile`), by this
+    check or, `spent_by_another`, by one before it."""
+
+    spent_by_another = False
 
 
 class InvalidApiKey(GatewayError):

@@ -80,18 +80,24 @@ class Constraint:
         core = self._core
         if core.schema is not None:
             return core.schema.check(text)
-        try:
-            return self._check(text)
-        except GrammarTooComplex:
-            # another answer may have spent the lexer this check shares: once more, on a fresh compile
-            return compile_constraint(self.spec)._check(text)
+        constraint, renewals = self, 0
+        while True:
+            try:
+                return constraint._check(text)
+            except GrammarTooComplex as exc:
+                # other answers may have spent (or nearly spent) the lexer this check shares: again, on a
+                # fresh compile; more than once only while another check spent that fresh one
+                if not _renew(renewals, exc.spent_by_another):
+                    raise
+                constraint, renewals = compile_constraint(self.spec), renewals + 1
 
     def _check(self, text: str) -> Violation | None:
         core = self._core
         assert core.exact is not None  # non-JSON kinds always have their grammar
         try:
             return engine.check_complete(core.exact, text, bounded=core.kind in _CONTEXT_FREE)
-        except GrammarTooComplex:
+        except GrammarTooComplex as exc:
+            exc.spent_by_another = core.spent.is_set()
             self.spoiled()
             raise
 
@@ -124,22 +130,33 @@ class Constraint:
         return IncrementalChecker(core.syntax.deep_copy(), json_document=True, final=core.schema.check)
 
 
+_RENEWALS: Final[int] = 3  # fresh compiles one check may take while other checks keep spending them
+
+
+def _renew(renewals: int, by_another: bool) -> bool:
+    """Whether a check that hit a lexer limit goes on with a fresh compile: the first time always (the
+    lexer may have been nearly spent by other answers), later only when another check spent it."""
+    return renewals == 0 or (by_another and renewals < _RENEWALS)
+
+
 class _Renewal:
     """A stream's way out of a spent lexer (`IncrementalChecker`'s `on_limit`): the first call spoils the
-    constraint's compile and answers a fresh matcher to replay the output on (another answer may have
-    spent the lexer); the next spoils that fresh compile too, and answers None: this answer spends it."""
+    constraint's compile and answers a fresh matcher to replay the output on (other answers may have
+    spent the lexer); later calls do so only while another check spent the fresh one (`_renew`), else
+    answer None: this answer spends a fresh lexer by itself."""
 
-    __slots__ = ("_constraint", "_renewed")
+    __slots__ = ("_constraint", "_renewals")
 
     def __init__(self, constraint: Constraint) -> None:
         self._constraint = constraint
-        self._renewed = False
+        self._renewals = 0
 
     def __call__(self) -> llg.LLMatcher | None:
+        by_another = self._constraint._core.spent.is_set()
         self._constraint.spoiled()
-        if self._renewed:
+        if not _renew(self._renewals, by_another):
             return None
-        self._renewed = True
+        self._renewals += 1
         self._constraint = compile_constraint(self._constraint.spec)
         fresh = self._constraint._core.exact
         return fresh.deep_copy() if fresh is not None else None

@@ -417,6 +417,21 @@ def test_a_stream_under_way_survives_another_answer_spending_the_shared_lexer() 
     assert compile_constraint(spec).validate(ok) is None
 
 
+def test_a_stream_survives_other_answers_spending_each_fresh_compile_under_it() -> None:
+    """The replay gave up at the second spend, taking it for its own: another answer's may spend the
+    fresh compile too."""
+    compile_mod.clear_cache()
+    spec = ConstraintSpec("regex", EXPONENTIAL)
+    stream = compile_constraint(spec).checker(native=False)
+    ok = exponential_answer(50)
+    assert stream.feed(ok[:10])
+    for upto in (20, 30):  # two other answers spend the current compile, one after the other
+        with pytest.raises(InvalidGrammar):
+            compile_constraint(spec).validate(exponential_answer(30_000))
+        assert stream.feed(ok[upto - 10:upto])
+    assert stream.feed(ok[30:]) and stream.finish() is None
+
+
 def test_a_compile_the_cache_evicted_is_still_current() -> None:
     """Only a spoiled compile is replanned: an agent grammar whose plan is hit every step was recompiled
     once 256 other constraints had gone through the cache."""
