@@ -11,8 +11,7 @@ from typing import Final
 from gateway.observe import telemetry_of
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.store.base import RunState
-from guards.budget import UNREPORTED_USAGE
+from gateway.store.base import UNREPORTED_USAGE, RunState
 from otel.attributes import provider_name_for
 from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry

@@ -38,11 +38,11 @@ from gateway.providers.base import Adapter
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.store.base import Claim, Denial, Reservation, ReserveRequest
+from gateway.store.base import UNREPORTED_USAGE, Claim, Denial, Reservation, ReserveRequest
 from gateway.upstream import forwardable
 from guards.base import REASK, Add, Decision, StepContext
 from guards.bounds import MIN_OUTPUT_TOKENS, search_limit
-from guards.budget import UNREPORTED_USAGE, USAGE_COUNTERS, settlement
+from guards.budget import USAGE_COUNTERS, settlement
 from guards.chain import GuardChain, Verdict
 from guards.reasoning import resolve as resolve_reasoning
 

@@ -35,7 +35,7 @@ from guards.reasoning import KEEP as REASONING_KEEP
 from guards.reasoning import KEY as REASONING_KEY
 from guards.reasoning import entry as reasoning_entry
 
-__all__ = ["IMAGE_TOKENS", "UNREPORTED_USAGE", "USAGE_COUNTERS", "BudgetGuard", "PriceOf", "answer_usage", "settlement", "usage_cost"]
+__all__ = ["IMAGE_TOKENS", "USAGE_COUNTERS", "BudgetGuard", "PriceOf", "answer_usage", "settlement", "usage_cost"]
 
 PriceOf = Callable[[str], ModelPrice | None]
 """The price of a model by its name (the gateway's `Pricer.lookup` for the step's provider), or None."""
@@ -142,9 +142,6 @@ class BudgetGuard(BaseGuard):
 
 USAGE_COUNTERS = frozenset({"usd", "tokens"})
 """Claimed counters whose settlement follows the provider's usage; any other claim is a count per step."""
-UNREPORTED_USAGE = "unreported_usage"
-"""A run's used counter: the settlements that charged tokens without provider-reported usage (a cut
-stream, a timeout: their reservation). The run's token totals are then no provider's count."""
 
 
 def _has_budget(budget: Budget) -> bool:

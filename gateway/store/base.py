@@ -16,9 +16,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from gateway.frozen_init import fast_init
+
+UNREPORTED_USAGE: Final = "unreported_usage"
+"""A run's used counter: the settlements that charged tokens without provider-reported usage (a cut
+stream, a timeout, a reservation whose process is gone: what it held). The run's token totals are then
+no provider's count."""
 
 
 @fast_init

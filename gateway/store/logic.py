@@ -10,7 +10,16 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunState
+from gateway.store.base import (
+    UNREPORTED_USAGE,
+    Add,
+    Claim,
+    Denial,
+    Push,
+    Reservation,
+    ReserveRequest,
+    RunState,
+)
 
 EPS = 1e-9
 MAX_STEPS = 50
@@ -122,6 +131,7 @@ def charged(record: Mapping[str, Any]) -> dict[str, float]:
         output = min(float(record.get("output", record.get("units", 0))), held["tokens"])
         held["output_tokens"] = output
         held["input_tokens"] = held["tokens"] - output
+        held[UNREPORTED_USAGE] = 1.0  # no provider said what it used
     return held
 
 

@@ -42,6 +42,7 @@ if before ~= nil then  -- logic.expire: a reservation older than its lease is ch
           local output = math.min(tonumber(held['output'] or held['units'] or 0), charged['tokens'])
           charged['output_tokens'] = output
           charged['input_tokens'] = charged['tokens'] - output
+          charged['unreported_usage'] = 1  -- base.UNREPORTED_USAGE: no provider said what it used
         end
         for counter, amount in pairs(charged) do
           redis.call('HSET', K, 'u:' .. counter, num((getnum('u:' .. counter) or 0.0) + amount))

@@ -283,7 +283,7 @@ def test_expire_charges_only_reservations_older_than_the_lease() -> None:
     new = granted(reserve(state, req(Claim("tokens", 100, 1.0, 10_000.0), max_units=200), now=NOW + 50))
     assert logic.expire(state, NOW + 10, NOW + 60) == 1
     # charged what it held, its tokens split as a settlement without usage splits them
-    assert state.used == {"tokens": 500.0, "output_tokens": 400.0, "input_tokens": 100.0}
+    assert state.used == {"tokens": 500.0, "output_tokens": 400.0, "input_tokens": 100.0, "unreported_usage": 1.0}
     assert list(state.open) == [new.id] and state.reserved == {"tokens": 300.0}
     logic.settle(state, old, {"tokens": 1.0}, NOW + 61)  # the expired one settles into nothing
     assert state.used["tokens"] == 500.0
@@ -295,13 +295,15 @@ def test_an_expired_reservation_of_several_choices_charges_every_choices_output(
     state = fresh()
     granted(reserve(state, req(Claim("tokens", 100, 3.0, 10_000.0), max_units=200), now=NOW))
     assert logic.expire(state, NOW + 10, NOW + 10) == 1
-    assert state.used == {"tokens": 700.0, "output_tokens": 600.0, "input_tokens": 100.0}
+    # charged what it held: no provider's count, so the run's root says "charged" (`unreported_usage`)
+    assert state.used == {"tokens": 700.0, "output_tokens": 600.0, "input_tokens": 100.0, "unreported_usage": 1.0}
 
 
 def test_a_record_without_output_counts_its_units() -> None:
     """Open records written before `output` was kept (a store file of an older release)."""
     record = {"amounts": {"tokens": 500.0, "usd": 0.1}, "at": NOW, "units": 400}
-    assert logic.charged(record) == {"tokens": 500.0, "usd": 0.1, "output_tokens": 400.0, "input_tokens": 100.0}
+    assert logic.charged(record) == {"tokens": 500.0, "usd": 0.1, "output_tokens": 400.0, "input_tokens": 100.0,
+                                     "unreported_usage": 1.0}
 
 
 def test_settle_is_idempotent() -> None:

@@ -283,6 +283,7 @@ async def test_a_dead_processes_reservation_is_charged_once_its_lease_runs_out(
         state = await alive.get("run")
         assert state is not None and state.used["tokens"] == 750.0 and first.id not in state.open
         assert (state.used["output_tokens"], state.used["input_tokens"]) == (500.0, 100.0)  # as logic.charged
+        assert state.used["unreported_usage"] == 1.0  # no provider's count: the run's root says "charged"
         assert state.reserved["tokens"] == 250.0 and list(state.open) == [later.id]
         await dead.settle(first, {"tokens": 10.0}, NOW + 62)  # a late settle of the expired one: no-op
         assert (await alive.get("run")).used["tokens"] == 750.0  # type: ignore[union-attr]
