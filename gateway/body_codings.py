@@ -20,11 +20,9 @@ from collections.abc import Mapping
 from typing import Final
 
 from gateway.errors import UndecodableBody
+from gateway.http1_wire import Decoder
 
 DECODED: Final = frozenset({"gzip", "deflate", "identity"})
-_GZIP_WBITS: Final = 31
-_ZLIB_WBITS: Final = 15
-_RAW_WBITS: Final = -15
 
 
 def refuse_unread_codings(headers: Mapping[str, str]) -> None:
@@ -55,59 +53,28 @@ def decoder_for(headers: Mapping[str, str]) -> BodyDecoder | None:
 
 
 class BodyDecoder:
-    """Decodes one request body, chunk by chunk, never producing much more than the room left.
+    """Decodes one request body, chunk by chunk, never producing much more than the room left: the
+    response decoder (`http1_wire.Decoder`), its failures in the caller's terms.
 
     `feed(chunk, room)` returns the decoded bytes of `chunk`, at most `room + 1` of them (one more than
     fits tells the caller the limit is passed; what is left of the chunk is not decoded). `finish()`
-    raises UndecodableBody when the body ended inside a compressed stream. Not thread-safe."""
+    returns what is left and raises UndecodableBody when the body ended inside a compressed stream."""
 
-    __slots__ = ("_fed", "_gzip", "_head", "_stream")
+    __slots__ = ("_coding", "_decoder")
 
     def __init__(self, coding: str) -> None:
-        self._gzip = coding == "gzip"
-        self._stream = zlib.decompressobj(_GZIP_WBITS) if self._gzip else None
-        self._head = b""  # deflate: its first two bytes tell zlib from raw deflate
-        self._fed = False
+        self._coding = coding
+        self._decoder = Decoder(coding)
 
     def feed(self, chunk: bytes, room: int) -> bytes:
-        data = chunk
-        self._fed = self._fed or bool(chunk)
-        if self._stream is None:
-            data = self._head + chunk
-            if len(data) < 2:
-                self._head = data
-                return b""
-            self._stream = zlib.decompressobj(_ZLIB_WBITS if _zlib_header(data) else _RAW_WBITS)
-            self._head = b""
-        out: list[bytes] = []
         try:
-            while data and room >= 0:
-                piece = self._stream.decompress(data, room + 1)
-                out.append(piece)
-                room -= len(piece)
-                if not self._stream.eof:
-                    data = self._stream.unconsumed_tail
-                    continue
-                data = self._stream.unused_data
-                if data and not self._gzip:
-                    raise UndecodableBody("request body cannot be decoded: data after the end of its deflate stream")
-                if data and not data.strip(b"\0"):
-                    break  # zero padding after the last member, which gzip(1) ignores too
-                if data:  # another gzip member (RFC 1952 allows several, each its own stream)
-                    self._stream = zlib.decompressobj(_GZIP_WBITS)
+            return self._decoder.decode(chunk, room + 1)
         except zlib.error as exc:
-            raise UndecodableBody(f"request body cannot be decoded: it is not valid "
-                                  f"{'gzip' if self._gzip else 'deflate'} ({exc})") from None
-        return b"".join(out)
+            raise UndecodableBody(f"request body cannot be decoded: it is not valid {self._coding} ({exc})") from None
 
-    def finish(self) -> None:
-        if not self._fed:
-            return  # an empty body holds no stream to finish
-        if self._stream is None or not self._stream.eof:
-            raise UndecodableBody(f"request body cannot be decoded: its {'gzip' if self._gzip else 'deflate'} "
-                                  "stream ends before its end (a truncated body)")
-
-
-def _zlib_header(data: bytes) -> bool:
-    """Whether `data` starts with a zlib header (RFC 1950: method 8, check bits), not raw deflate."""
-    return len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+    def finish(self) -> bytes:
+        try:
+            return self._decoder.finish()
+        except zlib.error:
+            raise UndecodableBody(f"request body cannot be decoded: its {self._coding} stream ends before its end "
+                                  "(a truncated body)") from None

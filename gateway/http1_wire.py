@@ -89,7 +89,9 @@ _GZIP = 16 + zlib.MAX_WBITS
 
 
 class Decoder:
-    """gzip (every member), or deflate: zlib-wrapped, or raw as some servers send it."""
+    """gzip (every member; zero padding after the last is ignored), or deflate: zlib-wrapped, or raw as
+    some servers send it (data after its end is refused). Response bodies (`gateway.http1`) and request
+    bodies (`gateway.body_codings`) alike; raises zlib.error."""
 
     def __init__(self, encoding: str) -> None:
         self._gzip = encoding != "deflate"
@@ -119,8 +121,10 @@ class Decoder:
         if decoder.unconsumed_tail and not decoder.eof:  # what an earlier bounded call left undecoded
             data = decoder.unconsumed_tail + data  # (at a member's end it is `unused_data` as well)
         out = decoder.decompress(data, limit)
-        while self._gzip and decoder.eof and decoder.unused_data:  # the next gzip member
-            left = limit - len(out) if limit else 0
+        while decoder.eof and decoder.unused_data and not _padding(decoder.unused_data):
+            if not self._gzip:
+                raise zlib.error("data after the end of the deflate stream")
+            left = limit - len(out) if limit else 0  # the next gzip member
             if limit and left <= 0:
                 break  # the bound is reached: what is left would only be refused
             rest = decoder.unused_data
@@ -135,7 +139,7 @@ class Decoder:
         if decoder is None:
             return False
         if decoder.eof:  # what follows the end is the next gzip member, or for deflate nothing to decode
-            return self._gzip and bool(decoder.unused_data)
+            return self._gzip and bool(decoder.unused_data) and not _padding(decoder.unused_data)
         return bool(decoder.unconsumed_tail)
 
     def finish(self) -> bytes:
@@ -148,6 +152,11 @@ class Decoder:
         if self._fed and not decoder.eof:
             raise zlib.error("the compressed body is truncated")
         return out
+
+
+def _padding(data: bytes) -> bool:
+    """Zero bytes after the last gzip member, which gzip(1) ignores too."""
+    return not data.strip(b"\0")
 
 
 def decoder_for(encoding: str) -> Decoder | None:

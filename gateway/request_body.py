@@ -58,6 +58,8 @@ async def read_body(request: web.Request, limits: Limits) -> bytes:
         if size > limit:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
         parts.append(chunk)
-    if decoder is not None:
-        decoder.finish()
+    if decoder is not None and (tail := decoder.finish()):
+        if size + len(tail) > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(tail)
     return b"".join(parts)
