@@ -76,7 +76,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 if reader.output_chars + kept > limit:
                     raise _too_long(limit)
                 if checkers and broken is None and (delta := reader.delta) and not (
-                        all(c.feed(delta) for c in checkers) if len(delta) <= CHECK_ON_LOOP_CHARS
+                        _feed_all(checkers, delta) if len(delta) <= CHECK_ON_LOOP_CHARS
                         else await asyncio.to_thread(_feed_all, checkers, delta)):  # a long delta off the loop
                     broken = _nonconforming(checkers)
                     if not (step.call.provider_tools or step.call.tools):
