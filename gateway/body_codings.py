@@ -64,7 +64,7 @@ class BodyDecoder:
 
     def __init__(self, coding: str) -> None:
         self._coding = coding
-        self._decoder = Decoder(coding)
+        self._decoder = Decoder(coding, strict=True)
 
     def feed(self, chunk: bytes, room: int) -> bytes:
         try:

@@ -90,11 +90,14 @@ _GZIP = 16 + zlib.MAX_WBITS
 
 class Decoder:
     """gzip (every member; zero padding after the last is ignored), or deflate: zlib-wrapped, or raw as
-    some servers send it (data after its end is refused). Response bodies (`gateway.http1`) and request
-    bodies (`gateway.body_codings`) alike; raises zlib.error."""
+    some servers send it. Response bodies (`gateway.http1`) and request bodies (`gateway.body_codings`)
+    alike; raises zlib.error."""
 
-    def __init__(self, encoding: str) -> None:
+    def __init__(self, encoding: str, *, strict: bool = False) -> None:
+        """`strict`: data after a deflate stream is refused (a request body: tollgate forwards what it
+        decodes); an answer's is ignored, as browsers and aiohttp's client do."""
         self._gzip = encoding != "deflate"
+        self._strict = strict
         self._zlib = zlib.decompressobj(_GZIP) if self._gzip else None
         self._head = b""  # deflate: the first two bytes tell a zlib header from raw data
         self._fed = False
@@ -123,7 +126,9 @@ class Decoder:
         out = decoder.decompress(data, limit)
         while decoder.eof and decoder.unused_data and not _padding(decoder.unused_data):
             if not self._gzip:
-                raise zlib.error("data after the end of the deflate stream")
+                if self._strict:
+                    raise zlib.error("data after the end of the deflate stream")
+                break
             left = limit - len(out) if limit else 0  # the next gzip member
             if limit and left <= 0:
                 break  # the bound is reached: what is left would only be refused
