@@ -71,7 +71,7 @@ def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
     # a body with no more brackets than the limit cannot nest deeper: skip the walk (the common case)
     if raw.count(b"{") + raw.count(b"[") > depth and not json_depth_ok(body, depth):
         raise InvalidRequest(f"request JSON nests deeper than {depth} levels")
-    if (repeated := repeated_key(raw)) is not None:  # forwarded as sent, a provider may read the other one
+    if (repeated := repeated_key(raw, body)) is not None:  # forwarded as sent, a provider may read the other one
         raise InvalidRequest(f"request JSON repeats the key {repeated!r} in one object", param=repeated)
     return body
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.duplicate_keys import WATCHED, repeated_key
+from gateway.duplicate_keys import COMMON, WATCHED, repeated_key
 from tests.conftest import GatewayFactory
 from tests.fakes.upstream import Reply, anthropic_message, openai_completion
 
@@ -39,6 +39,13 @@ from tests.fakes.upstream import Reply, anthropic_message, openai_completion
     (b'{"model":"a","fallbacks":"default","fallbacks":[]}', "fallbacks"),
     (b'{"model":"a","context_management":{"edits":[{"type":"compact"}],"edits":[]}}', "edits"),
     (b'{"model":"a","speed":"fast","speed":"standard"}', "speed"),
+    # a tool's name: the allow-list judged the last, an upstream keeping the first would show the model
+    # another tool; many names in different objects are the common case and need no parse
+    (b'{"tools":[{"type":"function","function":{"name":"shell","name":"read_file"}}]}', "name"),
+    (b'{"tools":[{"name":"shell","input_schema":{},"name":"read_file"}]}', "name"),
+    (b'{"tools":[{"type":"function","function":{"name":"a"}},{"type":"function","function":{"name":"b"}}]}', None),
+    (b'{"messages":[{"role":"user","name":"x","content":"\\"name\\""},{"role":"user","name":"y"}]}', None),
+    (b'{"metadata":{"a":{"name":1},"a":{"name":2}}}', None),  # a name lost in an unwatched repeat
 ])
 def test_repeated_key_table(raw: bytes, expected: str | None) -> None:
     orjson.loads(raw)  # every case is a body orjson accepts
@@ -51,14 +58,14 @@ def reference(raw: bytes) -> set[str]:
 
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         names = [name for name, _ in pairs]
-        found.update(n for n in names if names.count(n) > 1 and n in WATCHED)
+        found.update(n for n in names if names.count(n) > 1 and (n in WATCHED or n == COMMON))
         return dict(pairs)
 
     json.loads(raw, object_pairs_hook=hook)
     return found
 
 
-NAMES = st.sampled_from(["model", "max_tokens", "n", "tools", "role", "content", "a", "max_uses"])
+NAMES = st.sampled_from(["model", "max_tokens", "n", "tools", "role", "content", "a", "max_uses", "name"])
 LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), NAMES, st.text(max_size=3))
 
 
@@ -79,7 +86,7 @@ def values(depth: int) -> st.SearchStrategy[str]:
 def test_repeated_key_agrees_with_the_standard_parser(text: str) -> None:
     raw = text.encode()
     found = reference(raw)
-    got = repeated_key(raw)
+    got = repeated_key(raw, orjson.loads(raw))
     assert (got is None) == (not found) and (got is None or got in found)
 
 
@@ -110,3 +117,20 @@ async def test_a_running_gateway_refuses_a_repeated_key_in_the_callers_format(
         assert resp.status == 200, await resp.text()
     view = await h.settled("dup")
     assert view["reserved_usd"] == 0 and len(h.fake.seen) == 1
+
+
+async def test_a_tool_named_twice_is_refused_not_shown_to_the_model(gateway_factory: GatewayFactory) -> None:
+    """The allow-list judges the last `name` orjson keeps; forwarded as sent, an upstream keeping the first
+    would offer the model `shell`. Two tools each named once go through untouched."""
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["read_file"]}}})
+    h.fake.queue(Reply(body=openai_completion("x")))
+    tool = b'{"type":"function","function":{"name":"shell","parameters":{},"name":"read_file"}}'
+    body = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"tools":[' + tool + b"]}"
+    hdrs = {"x-tollgate-run-id": "dup-tool", "content-type": "application/json"}
+    async with h.session.post(h.url + "/v1/chat/completions", data=body, headers=hdrs) as resp:
+        status, answer = resp.status, await resp.json()
+    assert status == 400 and answer["error"]["param"] == "name" and h.fake.seen == []
+    fine = body.replace(b'"name":"shell",', b"")
+    async with h.session.post(h.url + "/v1/chat/completions", data=fine, headers=hdrs) as resp:
+        assert resp.status == 200, await resp.text()
+    assert h.fake.seen[0].body == fine  # forwarded as sent
