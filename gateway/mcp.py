@@ -6,23 +6,26 @@ Every POST must be one well-formed JSON-RPC message; the server receives tollgat
 of it, so what the server parses is exactly what tollgate judged (duplicate keys, escapes and the
 like cannot make the two disagree). `tools/list` answers are filtered to the agent's allowed tools
 (each page; the client follows `nextCursor` itself); `tools/call` goes through `gateway.mcp_calls`.
-Everything else is relayed as is, streaming. `Mcp-Session-Id`, `MCP-Protocol-Version` and the other
+Everything else is relayed as is, streaming, each message under an MCP CLIENT span of its method
+(`gateway.observe_mcp`). `Mcp-Session-Id`, `MCP-Protocol-Version` and the other
 end-to-end headers travel both ways; the agent's tollgate key does not reach the server, the server's
 configured `headers` are added.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
-from gateway import exact_json
 from gateway.approvals import queue_of
 from gateway.errors import GatewayError, ShuttingDown, UpstreamUnavailable
 from gateway.identity import RUN_ID_HEADER
 from gateway.jsonrpc import (
     BadMessage,
+    Message,
     check_routing_headers,
     error_body,
     filter_tools,
@@ -31,6 +34,7 @@ from gateway.jsonrpc import (
 )
 from gateway.mcp_calls import call_tool
 from gateway.mcp_transport import McpRequest, Transform, refusal, relay, state_of
+from gateway.observe_mcp import end_relay_span, start_relay_span
 from gateway.pipeline import echo_headers
 from gateway.proxy import GATEWAY
 from gateway.request_body import read_body
@@ -81,12 +85,31 @@ async def _post(mcp: McpRequest) -> web.StreamResponse:
         if (message.method or "").startswith("tasks/"):  # no task is created through tollgate (`untasked`)
             raise BadMessage(f"{message.method} is not relayed: tollgate runs no MCP tasks (their results "
                              "would reach the agent unjudged)")
-        upstream = await mcp.open("POST", exact_json.dumps(message.body))
-        if message.method == "tools/list" and message.is_request:
-            return await relay(mcp, upstream, message.id, _list_filter(mcp))
-        return await relay(mcp, upstream, message.id if message.is_request else None, None)
+        return await _relayed(mcp, message)
     except GatewayError as exc:
         return refusal(exc, message.id, mcp.headers)
+
+
+async def _relayed(mcp: McpRequest, message: Message) -> web.StreamResponse:
+    """Forward a message that is no `tools/call` and relay the server's answer, under its MCP span
+    (`tools/list` filtered by the allow-list). Raises GatewayError before the answer has started."""
+    span, body = await start_relay_span(mcp, message)
+    seen: list[Mapping[str, Any]] = []
+    status: int | None = None
+    try:
+        upstream = await mcp.open("POST", body)
+        status = upstream.status
+        listing = message.method == "tools/list" and message.is_request
+        answer = await relay(mcp, upstream, message.id if message.is_request else None,
+                             _list_filter(mcp) if listing else None, seen.append)
+    except GatewayError as exc:
+        end_relay_span(span, status=status, response=None, failure=exc)
+        raise
+    except asyncio.CancelledError:  # the client went away before the answer was relayed
+        end_relay_span(span, status=status, response=None, gone=True)
+        raise
+    end_relay_span(span, status=status, response=seen[0] if seen else None, failure=mcp.lost)
+    return answer
 
 
 async def _no_responses(message: dict[str, Any]) -> dict[str, Any]:

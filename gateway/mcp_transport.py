@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,8 @@ MAX_RESUMES = 3  # attempts in a row to resume a request's stream that bring no 
 MIN_RESUME_DELAY_MS = 100
 MAX_SCHEMAS = 4096
 Transform = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+Observe = Callable[[Mapping[str, Any]], None]  # given the server's JSON-RPC response, as it came
+OBSERVED_BYTES = 64 * 1024  # of an unjudged JSON answer kept to read its response for the span
 
 
 @dataclass(slots=True)
@@ -135,13 +137,15 @@ def _json_kind(kind: str) -> bool:
 
 async def relay(
     mcp: McpRequest, upstream: UpstreamResponse, rpc_id: RequestId | None, transform: Transform | None,
+    observe: Observe | None = None,
 ) -> web.StreamResponse:
     """Relay the server's answer. With `transform`, the JSON-RPC response to `rpc_id` (every response
     when None) is replaced by what `transform` returns before the client sees it; other events stream
     through at once; an SSE answer ends for the client right after that response. Judged answers fail
     closed: a 2xx JSON answer without that response, an SSE event that is not JSON, or another content
     type is an error, never relayed unjudged. If the client goes away, an SSE answer is still read to
-    its response, so `transform` sees it."""
+    its response, so `transform` sees it. `observe` is given the response to `rpc_id` when it was read
+    (an unjudged JSON answer only when it is at most `OBSERVED_BYTES`)."""
     kind = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
     judged = transform is not None and upstream.status < 300
     out: web.StreamResponse | None = None
@@ -156,6 +160,8 @@ async def relay(
             if transform is None or not _is_response(message, rpc_id):
                 raise UpstreamUnavailable("the MCP server answered without a JSON-RPC response to the request")
             _check_depth(message, mcp.gw.config.limits.max_json_depth)
+            if observe is not None:
+                observe(message)
             changed = await transform(message)
             data = data if changed is message else exact_json.dumps(changed)
             headers = answer_headers(upstream.headers, mcp.headers)
@@ -168,12 +174,17 @@ async def relay(
         client = await _prepare(out, mcp.request)
         # a request's stream is followed to its response (and resumed) even when nothing in it is judged
         if kind == "text/event-stream" and upstream.status < 300 and (judged or rpc_id is not None):
-            answered = await _relay_events(mcp, upstream, out, rpc_id, transform, client)
+            answered = await _relay_events(mcp, upstream, out, rpc_id, transform, client, observe)
         elif client:
+            kept = _Kept() if observe is not None and rpc_id is not None and _json_kind(kind) else None
             async for chunk in upstream.chunks():
+                if kept is not None:
+                    kept.add(chunk)
                 if not await _write(out, chunk):
                     return out
             await _end(out)
+            if kept is not None:
+                kept.observe(rpc_id, observe)
         return out
     except GatewayError as exc:
         if out is None:
@@ -185,6 +196,29 @@ async def relay(
             upstream.release()
         if answered is not None:
             _drain_later(mcp, answered)
+
+
+@dataclass(slots=True)
+class _Kept:
+    """The first `OBSERVED_BYTES` of an answer relayed as it streams, read once it has ended."""
+
+    parts: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size <= OBSERVED_BYTES:
+            self.parts.append(chunk)
+
+    def observe(self, rpc_id: RequestId | None, observe: Observe | None) -> None:
+        if observe is None or self.size > OBSERVED_BYTES:
+            return
+        try:
+            message = exact_json.loads(b"".join(self.parts))
+        except orjson.JSONDecodeError:
+            return  # relayed as it came: the client judges what it is
+        if _is_response(message, rpc_id):
+            observe(message)
 
 
 @dataclass(slots=True)
@@ -206,7 +240,7 @@ class _Resumption:
 
 async def _relay_events(
     mcp: McpRequest, upstream: UpstreamResponse, out: web.StreamResponse, rpc_id: RequestId | None,
-    transform: Transform | None, client: bool,
+    transform: Transform | None, client: bool, observe: Observe | None = None,
 ) -> UpstreamResponse | None:
     """Relay events until the response to `rpc_id`. A server may end a request's stream before the
     response and let the client resume it (`Last-Event-ID`, MCP "Resumability and Redelivery"):
@@ -224,7 +258,7 @@ async def _relay_events(
                 for event in parser.feed(chunk):
                     if resumption is not None:
                         resumption.saw(event)
-                    part, answered = await _event(event.raw, event.data, rpc_id, transform, depth)
+                    part, answered = await _event(event.raw, event.data, rpc_id, transform, depth, observe)
                     if resumption is not None:
                         part = without_resumption(part)
                     client = client and await _write(out, part)  # a client gone: still read to the response
@@ -300,7 +334,8 @@ async def _resume(mcp: McpRequest, resumption: _Resumption) -> UpstreamResponse:
 
 
 async def _event(
-    raw: bytes, data: str, rpc_id: RequestId | None, transform: Transform | None, depth: int
+    raw: bytes, data: str, rpc_id: RequestId | None, transform: Transform | None, depth: int,
+    observe: Observe | None = None,
 ) -> tuple[bytes, bool]:
     """The event to relay, and whether it was the response to `rpc_id` (never for a GET stream). Without
     `transform` nothing is judged: the response is only recognised, so its stream can be resumed."""
@@ -317,6 +352,8 @@ async def _event(
             # SDK clients take any response on a request's stream as its answer (they rewrite its id)
             raise UpstreamUnavailable("the MCP server sent a response to another request on this request's stream")
         return raw, False
+    if observe is not None and rpc_id is not None:
+        observe(message)
     if transform is None:
         return raw, True
     _check_depth(message, depth)

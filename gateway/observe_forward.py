@@ -30,7 +30,7 @@ from otel.propagation import context_from_headers
 from otel.spans import StepLabels, StepSpan
 from otel.telemetry import Telemetry
 
-__all__ = ["body_model", "end_forward", "refused_call", "refused_forward", "start_forward"]
+__all__ = ["body_model", "current_epoch", "end_forward", "refused_call", "refused_forward", "start_forward"]
 
 
 def start_forward(gw: Gateway, identity: Identity, headers: Mapping[str, str], *, method: str, url: str,
@@ -106,7 +106,7 @@ def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, header
                                          detail=error.redacted))
 
 
-async def _epoch(gw: Gateway, identity: Identity) -> int:
+async def current_epoch(gw: Gateway, identity: Identity) -> int:
     """The run's current epoch (1 for a run the store does not hold yet, or cannot read now)."""
     try:
         state = await gw.store.get(identity.run_id, steps=False, reservations=False)
@@ -141,7 +141,7 @@ async def refused_call(gw: Gateway, identity: Identity, call: Call, error: Gatew
     if telemetry is not None:
         parent = context_from_headers(headers)
         if parent is None:
-            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=await _epoch(gw, identity),
+            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=await current_epoch(gw, identity),
                                           resume=False)
         span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0, parent=parent,
                                          run_id=identity.run_id, agent=identity.agent, start_time=started)

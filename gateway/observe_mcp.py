@@ -5,7 +5,8 @@ call.
 `params._meta`, else the HTTP `traceparent`, else the run root) and returns the body to forward with
 the span's context in `params._meta`; `end_tool_span` ends it (or opens and ends one for a call
 refused before forwarding), appends the ledger row, and exports the run's root span when the call
-stopped the run.
+stopped the run. Every other relayed message (`initialize`, `tools/list`, `prompts/get`, notifications,
+...) gets its span too: `start_relay_span` / `end_relay_span`, no step and no ledger row.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from opentelemetry.context import Context
 from gateway import exact_json
 from gateway.call import Answer, Call, ToolCall, ToolResult, canonical_json, digest
 from gateway.errors import GatewayError
-from gateway.jsonrpc import is_final_result
+from gateway.jsonrpc import NAME_BEARING, is_final_result
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, as_decided, telemetry_of
+from gateway.observe_forward import current_epoch
 from gateway.observe_runs import end_run
 from gateway.store.base import RunState
 from guards.base import Decision
 from otel.attributes import TOLLGATE_GUARDS, TOOLS_CALL
+from otel.mcp_attributes import McpOperation
 from otel.propagation import context_from_headers, extract_meta_context, inject_meta_context
 from otel.spans import StepSpan
 from otel.telemetry import Telemetry
@@ -62,14 +65,11 @@ async def record_tool_step(
         return  # the step list is a convenience view; the decision itself was already made and applied
 
 
-def _tool_parent(telemetry: Telemetry, mcp: McpRequest, message: Message, epoch: int) -> Context:
+def _trace_parent(mcp: McpRequest, message: Message) -> Context | None:
+    """The trace context the agent sent: in `params._meta` (mcp.md), else in the HTTP headers."""
     meta = message.params.get("_meta")
     ctx = extract_meta_context(meta if isinstance(meta, Mapping) else None)
-    if ctx is None:
-        ctx = context_from_headers(mcp.request.headers)
-    if ctx is None:
-        ctx = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch)
-    return ctx
+    return ctx if ctx is not None else context_from_headers(mcp.request.headers)
 
 
 def _protocol_version(mcp: McpRequest, message: Message) -> str | None:
@@ -81,17 +81,42 @@ def _protocol_version(mcp: McpRequest, message: Message) -> str | None:
     return version or None
 
 
+_METHOD_CHARS = 128  # of a method no MCP revision defines, kept in the span's name
+
+
+def _operation(mcp: McpRequest, message: Message, tool: str | None) -> McpOperation:
+    url = urlsplit(mcp.server.url)
+    method = (message.method or "")[:_METHOD_CHARS]
+    named = message.params.get(NAME_BEARING.get(method, ""))
+    return McpOperation(
+        method, tool_name=tool, prompt_name=named if method == "prompts/get" and isinstance(named, str) else None,
+        resource_uri=named if method == "resources/read" and isinstance(named, str) else None,
+        request_id=message.id, session_id=mcp.request.headers.get("Mcp-Session-Id"),
+        protocol_version=_protocol_version(mcp, message), server_address=url.hostname,
+        server_port=url.port or (443 if url.scheme == "https" else 80),
+    )
+
+
 def _open_tool(
     telemetry: Telemetry, mcp: McpRequest, message: Message, tool: str, epoch: int, start_time: float | None
 ) -> StepSpan:
-    url = urlsplit(mcp.server.url)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    return telemetry.start_mcp(
-        TOOLS_CALL, tool_name=tool, request_id=message.id, session_id=mcp.request.headers.get("Mcp-Session-Id"),
-        protocol_version=_protocol_version(mcp, message), server_address=url.hostname, server_port=port,
-        parent=_tool_parent(telemetry, mcp, message, epoch), run_id=mcp.identity.run_id,
-        agent=mcp.identity.agent, start_time=start_time,
-    )
+    parent = _trace_parent(mcp, message)
+    if parent is None:
+        parent = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch)
+    return telemetry.start_mcp(_operation(mcp, message, tool), parent=parent, run_id=mcp.identity.run_id,
+                               agent=mcp.identity.agent, start_time=start_time)
+
+
+def _traced_body(message: Message, span: StepSpan) -> bytes:
+    """The message to forward, with the span's trace context in `params._meta` (mcp.md)."""
+    meta = message.params.get("_meta", {})
+    if not isinstance(meta, dict):
+        return exact_json.dumps(message.body)  # not ours to repair: the server judges it
+    traced: dict[str, Any] = dict(meta)
+    inject_meta_context(traced, span.context)
+    if traced == meta:
+        return exact_json.dumps(message.body)
+    return exact_json.dumps({**message.body, "params": {**message.params, "_meta": traced}})
 
 
 def start_tool_span(mcp: McpRequest, message: Message, tool: str, epoch: int) -> tuple[StepSpan | None, bytes]:
@@ -103,15 +128,42 @@ def start_tool_span(mcp: McpRequest, message: Message, tool: str, epoch: int) ->
     span = _open_tool(telemetry, mcp, message, tool, epoch, None)
     if telemetry.capture_content:
         span.capture_input(_tool_call(message, tool), mcp.gw.services["redactor"])
-    meta = message.params.get("_meta", {})
-    if not isinstance(meta, dict):
-        return span, exact_json.dumps(message.body)  # not ours to repair: the server judges it
-    traced: dict[str, Any] = dict(meta)
-    inject_meta_context(traced, span.context)
-    if traced == meta:
-        return span, exact_json.dumps(message.body)
-    body = {**message.body, "params": {**message.params, "_meta": traced}}
-    return span, exact_json.dumps(body)
+    return span, _traced_body(message, span)
+
+
+async def start_relay_span(mcp: McpRequest, message: Message) -> tuple[StepSpan | None, bytes]:
+    """Open the MCP CLIENT span of a message relayed as is (every method but `tools/call`: `initialize`,
+    `tools/list`, `prompts/get {prompt}`, `resources/read`, notifications, ...). Returns it and the body
+    to forward, as `start_tool_span`. Such a message is no step of the run: without the agent's trace
+    context it goes under the run's last root, not a new one."""
+    telemetry = telemetry_of(mcp.gw)
+    if telemetry is None:
+        return None, exact_json.dumps(message.body)
+    parent = _trace_parent(mcp, message)
+    if parent is None:
+        epoch = await current_epoch(mcp.gw, mcp.identity)
+        parent = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch, resume=False)
+    span = telemetry.start_mcp(_operation(mcp, message, None), parent=parent, run_id=mcp.identity.run_id,
+                               agent=mcp.identity.agent)
+    return span, _traced_body(message, span)
+
+
+def end_relay_span(span: StepSpan | None, *, status: int | None, response: Mapping[str, Any] | None,
+                   failure: GatewayError | None = None, gone: bool = False) -> None:
+    """End a relayed message's span: the server's HTTP `status` and, when it was read, its JSON-RPC
+    `response` (an error's code is `error.type`); `failure` what broke the relay; `gone`: the client left."""
+    if span is None:
+        return
+    if failure is not None:
+        span.error(failure.code, failure.redacted, upstream=failure.code in UPSTREAM_ERRORS)
+    elif gone:
+        span.error("client_disconnected", None, upstream=False)
+    rpc_code, rpc_message = _rpc_error(response)
+    if rpc_code is not None:
+        span.error(rpc_code, rpc_message, upstream=True)
+    elif status is not None and status >= 400:
+        span.error(str(status), None, upstream=True, jsonrpc=False)
+    span.end()
 
 
 def _tool_call(message: Message, tool: str) -> Call:
@@ -123,16 +175,24 @@ def _tool_call(message: Message, tool: str) -> Call:
 _RPC_MESSAGE_CHARS = 256  # of a JSON-RPC error's message kept as the span's status description
 
 
+def _rpc_error(outcome: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """The JSON-RPC error code of a server's response (`_OTHER` when not an integer) and its message
+    (semconv: the span's status description), or None twice when it is no error."""
+    error = outcome.get("error") if outcome is not None else None
+    if not isinstance(error, Mapping):
+        return None, None
+    code, text = error.get("code"), error.get("message")
+    return (str(code) if isinstance(code, int) else "_OTHER",
+            text[:_RPC_MESSAGE_CHARS] if isinstance(text, str) and text else None)
+
+
 def _answer(outcome: Mapping[str, Any] | None, message: Message) -> tuple[Answer | None, str | None, str | None]:
-    """The server's response as an `Answer`, or its JSON-RPC error code and message (semconv: the
-    span's status description)."""
+    """The server's response as an `Answer`, or its JSON-RPC error code and message."""
     if outcome is None:
         return None, None, None
-    error = outcome.get("error")
-    if isinstance(error, Mapping):
-        code, text = error.get("code"), error.get("message")
-        return (None, str(code) if isinstance(code, int) else "_OTHER",
-                text[:_RPC_MESSAGE_CHARS] if isinstance(text, str) and text else None)
+    rpc_code, rpc_message = _rpc_error(outcome)
+    if rpc_code is not None:
+        return None, rpc_code, rpc_message
     result = outcome.get("result")
     if not isinstance(result, Mapping):
         return None, None, None

@@ -1,9 +1,10 @@
 """Pure mappings from neutral `Call` / `Answer` values to semantic-convention attributes.
 
 Pinned to OpenTelemetry semantic conventions v1.41 (the last core release with the GenAI and MCP
-conventions): `docs/gen-ai/gen-ai-spans.md`, `openai.md`, `anthropic.md` and `mcp.md`. Names come from
-`opentelemetry-semantic-conventions` constants; only tollgate's own `tollgate.*` names are defined
-here. Nothing in this module needs an SDK, touches I/O or keeps state: dicts in, dicts out.
+conventions): `docs/gen-ai/gen-ai-spans.md`, `openai.md` and `anthropic.md` (`mcp.md` is
+`otel.mcp_attributes`). Names come from `opentelemetry-semantic-conventions` constants; only tollgate's
+own `tollgate.*` names are defined here. Nothing in this module needs an SDK, touches I/O or keeps
+state: dicts in, dicts out.
 
 Idiom (util-genai): a tuple of `(CONSTANT, value)` pairs filtered for `None`, so an absent value never
 becomes an attribute.
@@ -16,12 +17,8 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GenAI
-from opentelemetry.semconv._incubating.attributes import jsonrpc_attributes as JsonRpc
 from opentelemetry.semconv._incubating.attributes import mcp_attributes as Mcp
 from opentelemetry.semconv._incubating.attributes import openai_attributes as OpenAI
-from opentelemetry.semconv._incubating.attributes import rpc_attributes as Rpc
-from opentelemetry.semconv.attributes import error_attributes as Error
-from opentelemetry.semconv.attributes import network_attributes as Network
 from opentelemetry.semconv.attributes import server_attributes as Server
 from opentelemetry.util.types import AttributeValue
 
@@ -35,7 +32,7 @@ __all__ = [
     "TOLLGATE_PATH_FINGERPRINT", "TOLLGATE_PROVIDER_KEY", "TOLLGATE_RESERVED_USD", "TOLLGATE_RUN_EPOCH",
     "TOLLGATE_RUN_ID", "TOLLGATE_RUN_SEGMENT", "TOLLGATE_STOP_REASON", "TOLLGATE_TOOL_CALLS", "TOOLS_CALL", "TOOL_ERROR",
     "Attributes", "guard_event_attributes", "inference_end_attributes", "inference_start_attributes",
-    "mcp_attributes", "mcp_span_name", "output_type", "present", "provider_name_for"
+    "output_type", "present", "provider_name_for"
 ]
 # fmt: on
 
@@ -260,50 +257,6 @@ def inference_end_attributes(answer: Answer, *, provider_name: str, operation: s
                 GenAI.GEN_AI_USAGE_REASONING_OUTPUT_TOKENS,
                 usage.reasoning_tokens if usage and usage.reasoning_tokens else None,
             ),
-        )
-    )
-
-
-def mcp_span_name(method: str, tool_name: str | None) -> str:
-    """`{mcp.method.name} {target}` with the tool as target when there is one (mcp.md)."""
-    return f"{method} {tool_name}" if tool_name else method
-
-
-def mcp_attributes(
-    method: str,
-    *,
-    tool_name: str | None,
-    request_id: str | int | None,
-    session_id: str | None,
-    protocol_version: str | None,
-    server_address: str | None,
-    server_port: int | None,
-    is_error: bool | None,
-    rpc_error_code: int | None,
-) -> Attributes:
-    """Attributes of an MCP client span (`span.mcp.client`, v1.41).
-
-    `gen_ai.operation.name = execute_tool` only for `tools/call`; `jsonrpc.request.id` as a string and
-    only for requests with an id; `error.type` is the JSON-RPC error code as a string (with
-    `rpc.response.status_code`) on a protocol error, else `tool_error` when `CallToolResult.isError`.
-    The streamable-HTTP transport is TCP + HTTP.
-    """
-    error_code = str(rpc_error_code) if rpc_error_code is not None else None
-    error_type = error_code if error_code is not None else (TOOL_ERROR if is_error else None)
-    return present(
-        (
-            (Mcp.MCP_METHOD_NAME, method),
-            (GenAI.GEN_AI_OPERATION_NAME, EXECUTE_TOOL if method == TOOLS_CALL else None),
-            (GenAI.GEN_AI_TOOL_NAME, tool_name or None),
-            (JsonRpc.JSONRPC_REQUEST_ID, str(request_id) if request_id is not None else None),
-            (Mcp.MCP_SESSION_ID, session_id or None),
-            (Mcp.MCP_PROTOCOL_VERSION, protocol_version or None),
-            (Server.SERVER_ADDRESS, server_address or None),
-            (Server.SERVER_PORT, server_port if server_address else None),
-            (Network.NETWORK_TRANSPORT, Network.NetworkTransportValues.TCP.value),
-            (Network.NETWORK_PROTOCOL_NAME, "http"),
-            (Rpc.RPC_RESPONSE_STATUS_CODE, error_code),
-            (Error.ERROR_TYPE, error_type),
         )
     )
 

@@ -37,11 +37,10 @@ from otel.attributes import (
     TOOLS_CALL,
     Attributes,
     inference_start_attributes,
-    mcp_attributes,
-    mcp_span_name,
 )
 from otel.export import CountingSpanProcessor, bounded, shutdown_within
 from otel.http import http_client_attributes
+from otel.mcp_attributes import McpOperation, mcp_attributes, mcp_span_name
 from otel.metrics import Metrics
 from otel.runs import (
     INVOKE_AGENT,
@@ -205,14 +204,8 @@ class Telemetry:
 
     def start_mcp(
         self,
-        method: str,
+        op: McpOperation,
         *,
-        tool_name: str | None = None,
-        request_id: str | int | None = None,
-        session_id: str | None = None,
-        protocol_version: str | None = None,
-        server_address: str | None = None,
-        server_port: int | None = None,
         parent: Context | None = None,
         run_id: str | None = None,
         agent: str | None = None,
@@ -222,34 +215,18 @@ class Telemetry:
         `parent` usually comes from `extract_meta_context(params._meta)` or `run_parent(...)`;
         `start_time` as for `start_inference`."""
         labels = StepLabels(
-            operation=EXECUTE_TOOL if method == TOOLS_CALL else "",
-            method=method,
-            tool_name=tool_name,
-            protocol_version=protocol_version,
-            server_address=server_address,
-            server_port=server_port,
+            operation=EXECUTE_TOOL if op.method == TOOLS_CALL else "",
+            method=op.method,
+            tool_name=op.tool_name,
+            protocol_version=op.protocol_version,
+            server_address=op.server_address,
+            server_port=op.server_port,
         )
 
         def start(tracer: FastTracer) -> Span:
-            attrs = mcp_attributes(
-                method,
-                tool_name=tool_name,
-                request_id=request_id,
-                session_id=session_id,
-                protocol_version=protocol_version,
-                server_address=server_address,
-                server_port=server_port,
-                is_error=None,
-                rpc_error_code=None,
-            )
-            name = mcp_span_name(method, tool_name)
-            return tracer.start_span(
-                name,
-                parent or Context(),
-                SpanKind.CLIENT,
-                self._tollgate(attrs, run_id, agent),
-                start_time=_nanos(start_time),
-            )
+            attrs = self._tollgate(mcp_attributes(op), run_id, agent)
+            return tracer.start_span(mcp_span_name(op), parent or Context(), SpanKind.CLIENT, attrs,
+                                     start_time=_nanos(start_time))
 
         return self._step(start, parent, "mcp", labels)
 

@@ -288,3 +288,22 @@ def test_a_refusal_is_a_json_rpc_error_carrying_its_stop_and_closing_after_a_bro
     broken = refusal(UndecodableBody("request body cannot be decoded"), None, {})
     assert broken.status == 400 and "x-tollgate-stop-reason" not in broken.headers
     assert broken.keep_alive is False  # the connection closes after it
+
+
+@pytest.mark.parametrize(("chunks", "rpc_id", "observed"), [
+    ([b'{"jsonrpc":"2.0","id":3,', b'"result":{}}'], 3, [{"jsonrpc": "2.0", "id": 3, "result": {}}]),
+    ([b'{"jsonrpc":"2.0","id":"3","error":{"code":-1}}'], 3, [{"jsonrpc": "2.0", "id": "3", "error": {"code": -1}}]),
+    ([b'{"jsonrpc":"2.0","id":4,"result":{}}'], 3, []),  # another request's
+    ([b"not json"], 3, []),
+    ([b'{"jsonrpc":"2.0","id":3,"result":"', b"x" * mcp_transport.OBSERVED_BYTES, b'"}'], 3, []),  # too long to keep
+])
+def test_an_unjudged_json_answer_is_observed_only_when_it_is_the_response_and_bounded(
+    chunks: list[bytes], rpc_id: int, observed: list[Any]
+) -> None:
+    kept = mcp_transport._Kept()
+    for chunk in chunks:
+        kept.add(chunk)
+    seen: list[Any] = []
+    kept.observe(rpc_id, seen.append)
+    assert seen == observed
+    assert sum(map(len, kept.parts)) <= mcp_transport.OBSERVED_BYTES

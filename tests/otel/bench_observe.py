@@ -80,14 +80,13 @@ async def template(stream: bool) -> tuple[Step, object]:
                 "stream": stream,
             }
         )
-        async with ClientSession() as session:
-            async with session.post(
-                str(server.make_url("/v1/chat/completions")),
-                data=body,
-                headers={"content-type": "application/json", "x-tollgate-run-id": "bench"},
-            ) as resp:
-                await resp.read()
-                assert resp.status == 200, resp.status
+        async with ClientSession() as session, session.post(
+            str(server.make_url("/v1/chat/completions")),
+            data=body,
+            headers={"content-type": "application/json", "x-tollgate-run-id": "bench"},
+        ) as resp:
+            await resp.read()
+            assert resp.status == 200, resp.status
         await server.close()
     finally:
         await fake_server.close()

@@ -12,8 +12,6 @@ from otel.attributes import (
     guard_event_attributes,
     inference_end_attributes,
     inference_start_attributes,
-    mcp_attributes,
-    mcp_span_name,
     output_type,
     provider_name_for,
 )
@@ -196,74 +194,6 @@ def test_end_attributes_without_usage_or_ids() -> None:
 )
 def test_provider_name_for(provider_type: str, base_url: str, custom: str | None, expected: str) -> None:
     assert provider_name_for(provider_type, base_url, custom=custom) == expected
-
-
-def test_mcp_tools_call_attributes_exact() -> None:
-    attrs = mcp_attributes(
-        "tools/call",
-        tool_name="read_file",
-        request_id=7,
-        session_id="sess-1",
-        protocol_version="2025-06-18",
-        server_address="127.0.0.1",
-        server_port=3001,
-        is_error=None,
-        rpc_error_code=None,
-    )
-    assert typed(attrs) == {
-        "mcp.method.name": (str, "tools/call"),
-        "gen_ai.operation.name": (str, "execute_tool"),
-        "gen_ai.tool.name": (str, "read_file"),
-        "jsonrpc.request.id": (str, "7"),
-        "mcp.session.id": (str, "sess-1"),
-        "mcp.protocol.version": (str, "2025-06-18"),
-        "server.address": (str, "127.0.0.1"),
-        "server.port": (int, 3001),
-        "network.transport": (str, "tcp"),
-        "network.protocol.name": (str, "http"),
-    }
-
-
-@pytest.mark.parametrize(
-    ("is_error", "code", "expected"),
-    [
-        (True, None, {"error.type": "tool_error"}),
-        (False, None, {}),
-        (None, -32602, {"error.type": "-32602", "rpc.response.status_code": "-32602"}),
-        (True, -32603, {"error.type": "-32603", "rpc.response.status_code": "-32603"}),
-    ],
-)
-def test_mcp_errors(is_error: bool | None, code: int | None, expected: dict[str, str]) -> None:
-    attrs = mcp_attributes(
-        "tools/call",
-        tool_name="t",
-        request_id=None,
-        session_id=None,
-        protocol_version=None,
-        server_address=None,
-        server_port=None,
-        is_error=is_error,
-        rpc_error_code=code,
-    )
-    assert {k: v for k, v in attrs.items() if k in ("error.type", "rpc.response.status_code")} == expected
-    assert "jsonrpc.request.id" not in attrs and "server.port" not in attrs
-
-
-def test_mcp_non_tool_method_has_no_operation_name() -> None:
-    attrs = mcp_attributes(
-        "tools/list",
-        tool_name=None,
-        request_id="a",
-        session_id=None,
-        protocol_version=None,
-        server_address="h",
-        server_port=1,
-        is_error=None,
-        rpc_error_code=None,
-    )
-    assert "gen_ai.operation.name" not in attrs and "gen_ai.tool.name" not in attrs
-    assert mcp_span_name("tools/list", None) == "tools/list"
-    assert mcp_span_name("tools/call", "read_file") == "tools/call read_file"
 
 
 def test_guard_event_attributes() -> None:

@@ -23,6 +23,7 @@ from opentelemetry.trace import (
 )
 
 from otel._encode import Unsupported, encode_request
+from otel.mcp_attributes import McpOperation
 from otel.runs import RunTotals
 from otel.telemetry import Telemetry
 from tests.otel.conftest import Spans
@@ -57,7 +58,9 @@ def test_gateway_steps_encode_identically(telemetry: Telemetry, spans: Spans) ->
         step.first_chunk()
         step.stop("budget_exhausted")
         step.finish(answer, cost_usd=0.25)
-    mcp = telemetry.start_mcp("tools/call", tool_name="get", request_id=7, server_address="h", server_port=1)
+    mcp = telemetry.start_mcp(McpOperation(
+        "tools/call", tool_name="get", request_id=7, server_address="h", server_port=1
+    ))
     mcp.fail("-32602")
     telemetry.end_run("run-1", "bot", started_at=1.5, totals=RunTotals(stop_reason="x"))
     finished = spans()

@@ -14,7 +14,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import NonRecordingSpan, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    set_span_in_context,
+)
 
 from otel._fastspan import FastTracer
 
@@ -73,9 +81,8 @@ def story(tracer: Tracer) -> None:
         with tracer.start_span("boom", set_span_in_context(parent), start_time=40) as span:
             span.set_status(Status(StatusCode.OK))
             raise ValueError("no")
-    with pytest.raises(KeyError):
-        with tracer.start_span("boom2", set_span_in_context(parent), start_time=50):
-            raise KeyError("k")
+    with pytest.raises(KeyError), tracer.start_span("boom2", set_span_in_context(parent), start_time=50):
+        raise KeyError("k")
     parent.end(end_time=0)
 
 

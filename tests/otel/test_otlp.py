@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gateway.call import Answer
+from otel.mcp_attributes import McpOperation
 from otel.redact import Redactor
 from otel.runs import RunTotals, context_from_headers, path_fingerprint, run_ids
 from otel.setup import setup_telemetry
@@ -62,16 +63,10 @@ def run_scenario(telemetry: Telemetry) -> None:
     chat.capture_output(Answer(text=f"noted {PROVIDER_KEY}", finish_reasons=("stop",)), redactor)
     chat.finish(OPENAI_ANSWER, cost_usd=0.02)
 
-    tool = telemetry.start_mcp(
-        "tools/call",
-        tool_name="search_kb",
-        request_id=3,
-        session_id="s-9",
-        protocol_version="2025-06-18",
-        server_address="127.0.0.1",
-        server_port=3001,
-        parent=parent,
-    )
+    tool = telemetry.start_mcp(McpOperation(
+        "tools/call", tool_name="search_kb", request_id=3, session_id="s-9", protocol_version="2025-06-18",
+        server_address="127.0.0.1", server_port=3001,
+    ), parent=parent)
     tool.capture_input(mcp_call("search_kb", '{"q": "refund"}'), redactor)
     tool.finish(MCP_OK)
 
@@ -108,7 +103,7 @@ def run_scenario(telemetry: Telemetry) -> None:
     stopped.stop("budget_exhausted", "budget of 2.00 USD exhausted")
     stopped.end()
 
-    broken = telemetry.start_mcp("tools/call", tool_name="delete_all", request_id="r-1", parent=parent)
+    broken = telemetry.start_mcp(McpOperation("tools/call", tool_name="delete_all", request_id="r-1"), parent=parent)
     broken.finish(MCP_TOOL_ERROR)
 
     telemetry.end_run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 
+from otel.mcp_attributes import McpOperation
 from otel.runs import RunRoots, RunTotals, context_from_headers, inject_headers, path_fingerprint, run_ids
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
@@ -43,9 +44,9 @@ def test_steps_of_a_run_share_one_trace_under_the_derived_root(telemetry: Teleme
         attempt=0,
     )
     llm.finish(OPENAI_ANSWER, cost_usd=0.01)
-    tool = telemetry.start_mcp(
-        "tools/call", tool_name="search_kb", parent=telemetry.run_parent("run-1", "support-bot")
-    )
+    tool = telemetry.start_mcp(McpOperation(
+        "tools/call", tool_name="search_kb"
+    ), parent=telemetry.run_parent("run-1", "support-bot"))
     tool.finish(MCP_OK)
     other = telemetry.start_inference(
         anthropic_call(),

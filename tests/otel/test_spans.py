@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.call import Answer
+from otel.mcp_attributes import McpOperation
 from otel.redact import Redactor
 from otel.runs import context_from_headers
 from otel.spans import StepSpan, extract_meta_context, inject_meta_context
@@ -184,16 +185,10 @@ def test_stop_wins_over_a_later_error(telemetry: Telemetry, spans: Spans) -> Non
 
 
 def test_mcp_tool_call(telemetry: Telemetry, spans: Spans) -> None:
-    step = telemetry.start_mcp(
-        "tools/call",
-        tool_name="read_file",
-        request_id=7,
-        session_id="s-1",
-        protocol_version="2025-06-18",
-        server_address="127.0.0.1",
-        server_port=3001,
-        parent=None,
-    )
+    step = telemetry.start_mcp(McpOperation(
+        "tools/call", tool_name="read_file", request_id=7, session_id="s-1", protocol_version="2025-06-18",
+        server_address="127.0.0.1", server_port=3001,
+    ), parent=None)
     step.finish(MCP_OK)
     (span,) = spans()
     assert (span.name, span.kind) == ("tools/call read_file", SpanKind.CLIENT)
@@ -207,8 +202,8 @@ def test_mcp_tool_call(telemetry: Telemetry, spans: Spans) -> None:
 
 
 def test_mcp_tool_error_and_rpc_error(telemetry: Telemetry, spans: Spans) -> None:
-    telemetry.start_mcp("tools/call", tool_name="read_file", parent=None).finish(MCP_TOOL_ERROR)
-    telemetry.start_mcp("tools/list", parent=None).fail("-32601", "Method not found")
+    telemetry.start_mcp(McpOperation("tools/call", tool_name="read_file"), parent=None).finish(MCP_TOOL_ERROR)
+    telemetry.start_mcp(McpOperation("tools/list"), parent=None).fail("-32601", "Method not found")
     tool_error, rpc_error = spans()
     assert dict(tool_error.attributes or {})["error.type"] == "tool_error"
     assert tool_error.status.status_code is StatusCode.ERROR
@@ -227,7 +222,7 @@ def test_mcp_tool_error_and_rpc_error(telemetry: Telemetry, spans: Spans) -> Non
 def test_an_mcp_servers_http_error_is_not_a_json_rpc_code(telemetry: Telemetry, spans: Spans) -> None:
     """A server's HTTP 500 with no JSON-RPC response: `error.type` is the status, but it is no
     `rpc.response.status_code` (which names a JSON-RPC error code), on the span or the metric."""
-    step = telemetry.start_mcp("tools/call", tool_name="boom", parent=None)
+    step = telemetry.start_mcp(McpOperation("tools/call", tool_name="boom"), parent=None)
     step.error("500", None, upstream=True, jsonrpc=False)
     step.end()
     [span] = spans()
@@ -277,7 +272,7 @@ def test_capture_on_is_redacted(
 def test_capture_mcp_arguments_and_result(
     captured: Telemetry, exporter: InMemorySpanExporter, redactor: Redactor
 ) -> None:
-    step = captured.start_mcp("tools/call", tool_name="read_file", parent=None)
+    step = captured.start_mcp(McpOperation("tools/call", tool_name="read_file"), parent=None)
     step.capture_input(mcp_call(arguments=f'{{"token": "{PROVIDER_KEY}"}}'), redactor)
     step.capture_output(MCP_OK, redactor)
     step.finish(MCP_OK)
