@@ -232,6 +232,7 @@ class Answer:
     choice_calls: tuple[tuple[str, ...], ...] = ()
     # the price tier the answer says it was billed at: OpenAI's service tier, Anthropic's `usage.speed`
     service_tier: str | None = None
+    system_fingerprint: str | None = None  # OpenAI Chat Completions: the backend configuration that answered
     # `text` follows a tool the provider ran (Anthropic's server tools): it is the answer without what came
     # before, the request's prefill included
     after_provider_tool: bool = False

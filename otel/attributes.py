@@ -184,6 +184,16 @@ def _openai_extras(call: Call) -> Attributes:
                     (OpenAI.OPENAI_REQUEST_SERVICE_TIER, tier if isinstance(tier, str) and tier != "auto" else None)))
 
 
+def _embeddings_extras(call: Call) -> Attributes:
+    """The embeddings' requested `dimensions` and `encoding_format`, when the request names them."""
+    dimensions, encoding = call.raw.get("dimensions"), call.raw.get("encoding_format")
+    return present((
+        (GenAI.GEN_AI_EMBEDDINGS_DIMENSION_COUNT,
+         dimensions if isinstance(dimensions, int) and not isinstance(dimensions, bool) and dimensions > 0 else None),
+        (GenAI.GEN_AI_REQUEST_ENCODING_FORMATS, (encoding,) if isinstance(encoding, str) and encoding else None),
+    ))
+
+
 def inference_start_attributes(
     call: Call, *, provider_name: str, server_address: str, server_port: int
 ) -> Attributes:
@@ -220,6 +230,8 @@ def inference_start_attributes(
     )
     if provider_name == OPENAI:
         attrs.update(_openai_extras(call))
+    if call.operation == EMBEDDINGS:
+        attrs.update(_embeddings_extras(call))
     return attrs
 
 
@@ -230,13 +242,15 @@ def inference_end_attributes(answer: Answer, *, provider_name: str, operation: s
     `answer.usage.input_tokens` already includes cached tokens (the Anthropic adapter sums
     `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`), so it is reported as is.
     Cache and reasoning counts are subsets and reported only when non-zero. `provider_name` selects
-    provider-specific ones: OpenAI's `openai.response.service_tier`, the tier the answer names. An
+    provider-specific ones: OpenAI's `openai.response.service_tier`, the tier the answer names, and its
+    `openai.response.system_fingerprint`. An
     `embeddings` operation produces no output tokens, so none are reported (none were obtained).
     """
     usage = answer.usage
     return present(
         (
             (OpenAI.OPENAI_RESPONSE_SERVICE_TIER, answer.service_tier if provider_name == OPENAI else None),
+            (OpenAI.OPENAI_RESPONSE_SYSTEM_FINGERPRINT, answer.system_fingerprint if provider_name == OPENAI else None),
             (GenAI.GEN_AI_RESPONSE_ID, answer.response_id or None),
             (GenAI.GEN_AI_RESPONSE_MODEL, answer.model or None),
             (

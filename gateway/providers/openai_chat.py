@@ -179,6 +179,7 @@ class OpenAIChat:
             other_texts=tuple(others),
             choice_calls=tuple(by_choice) if len(by_choice) > 1 else (),  # one choice: `tool_calls` says it
             service_tier=service_tier(body),
+            system_fingerprint=_fingerprint(body),
             refused=refused,
         )
 
@@ -286,6 +287,12 @@ def service_tier(body: Mapping[str, Any]) -> str | None:
     return tier if isinstance(tier, str) and tier else None
 
 
+def _fingerprint(body: Mapping[str, Any]) -> str | None:
+    """An answer's (or a chunk's) `system_fingerprint`, when it names one."""
+    fingerprint = body.get("system_fingerprint")
+    return fingerprint if isinstance(fingerprint, str) and fingerprint else None
+
+
 def _stored_audio(messages: list[Any], raw: bytes) -> tuple[str, ...]:
     """Assistant messages naming a spoken answer stored upstream (`audio: {"id": ...}`), as `Call.unbounded`
     (refused under a budget): OpenAI puts its audio back in the context, billed as input audio tokens the
@@ -342,6 +349,7 @@ class OpenAIStreamReader:
         self._unfinished: set[int] = set()  # choices seen without their finish_reason yet (`n` > 1)
         self._usage: Usage | None = None
         self._tier: str | None = None  # the tier the chunks report (each carries it; the last one counts)
+        self._fingerprint: str | None = None  # the first chunk's `system_fingerprint`
         self._refused = False  # the first choice streamed a `refusal`
         self._refusing: set[int] = set()  # other choices that did
         self._chars = 0
@@ -371,6 +379,7 @@ class OpenAIStreamReader:
         self._id = self._id or chunk.get("id")
         self._model = self._model or chunk.get("model")
         self._tier = service_tier(chunk) or self._tier
+        self._fingerprint = self._fingerprint or _fingerprint(chunk)
         choices = chunk.get("choices") or []
         for choice in choices:
             index = int(choice.get("index") or 0)
@@ -443,5 +452,6 @@ class OpenAIStreamReader:
             other_texts=tuple("".join(self._others.get(i, ())) for i in others),
             choice_calls=tuple(tuple(names.get(i, ())) for i in (0, *others)) if others else (),
             service_tier=self._tier,
+            system_fingerprint=self._fingerprint,
             refused=self._refused and not "".join(self._text),
         )

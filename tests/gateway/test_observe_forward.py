@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai
 import orjson
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
@@ -15,7 +16,7 @@ from gateway.observe_forward import body_model
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import Reply
+from tests.fakes.upstream import Reply, openai_completion
 
 MSG = [{"role": "user", "content": "hi"}]
 EMBEDDING = {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.1]}],
@@ -63,6 +64,21 @@ async def test_embeddings_are_an_inference_span_whose_context_goes_upstream(gate
     tokens = [line for line in metrics.splitlines() if line.startswith("gen_ai_client_token_usage_count")]
     assert any('gen_ai_token_type="input"' in t for t in tokens)
     assert not any('gen_ai_token_type="output"' in t for t in tokens), tokens
+    telemetry.shutdown()
+
+
+async def test_the_openai_sdk_s_embeddings_and_chat_attributes_reach_the_span(gateway_factory: GatewayFactory) -> None:
+    """semconv.md 1.2/1.3: `gen_ai.embeddings.dimension.count`, `gen_ai.request.encoding_formats` and
+    `openai.response.system_fingerprint` are recommended; the official SDK sends the first two."""
+    h, telemetry, exporter = await traced(gateway_factory)
+    h.fake.queue(Reply(body=EMBEDDING), Reply(body={**openai_completion(), "system_fingerprint": "fp_9"}))
+    async with openai.AsyncOpenAI(base_url=f"{h.url}/v1", api_key="k", max_retries=0) as client:
+        await client.embeddings.create(model="gpt-embed", input="x", dimensions=256, encoding_format="float")
+        await client.chat.completions.create(model="gpt-4o-mini", messages=MSG)  # type: ignore[arg-type]
+    spans = {s.name: dict(s.attributes or {}) for s in finished(telemetry, exporter)}
+    embed, chat = spans["embeddings gpt-embed"], spans["chat gpt-4o-mini"]
+    assert (embed["gen_ai.embeddings.dimension.count"], embed["gen_ai.request.encoding_formats"]) == (256, ("float",))
+    assert chat["openai.response.system_fingerprint"] == "fp_9"
     telemetry.shutdown()
 
 

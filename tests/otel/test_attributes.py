@@ -153,6 +153,32 @@ def test_openai_response_service_tier_is_the_tier_the_answer_names() -> None:
     assert "openai.response.service_tier" not in inference_end_attributes(tiered, provider_name="anthropic")
 
 
+def test_openai_response_system_fingerprint_is_reported_for_openai_only() -> None:
+    """semconv.md 1.2: `openai.response.system_fingerprint` is recommended on OpenAI spans."""
+    printed = replace(OPENAI_ANSWER, system_fingerprint="fp_44709d6fcb")
+    assert inference_end_attributes(printed, provider_name="openai")["openai.response.system_fingerprint"] == (
+        "fp_44709d6fcb")
+    assert "openai.response.system_fingerprint" not in inference_end_attributes(printed, provider_name="anthropic")
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"dimensions": 512, "encoding_format": "base64"},
+     {"gen_ai.embeddings.dimension.count": (int, 512), "gen_ai.request.encoding_formats": (tuple, ("base64",))}),
+    ({"encoding_format": "float"}, {"gen_ai.request.encoding_formats": (tuple, ("float",))}),
+    ({"dimensions": True, "encoding_format": ""}, {}),  # neither names one
+    ({"dimensions": 0, "encoding_format": ["float"]}, {}),
+    ({}, {}),
+])
+def test_embeddings_name_their_requested_dimensions_and_encoding(body: dict[str, Any],
+                                                                  expected: dict[str, Any]) -> None:
+    """semconv.md 1.3: `gen_ai.embeddings.dimension.count` and `gen_ai.request.encoding_formats` are
+    recommended on an embeddings span; only what the request names is reported."""
+    call = replace(openai_call(), operation="embeddings", raw={"model": "m", "input": "x", **body})
+    attrs = typed(inference_start_attributes(call, provider_name="openai", server_address="a", server_port=1))
+    keys = ("gen_ai.embeddings.dimension.count", "gen_ai.request.encoding_formats")
+    assert {k: v for k, v in attrs.items() if k in keys} == expected
+
+
 def test_embeddings_report_no_output_tokens() -> None:
     """They produce none: a 0 was a count never obtained (semconv: not reported) and skewed the metric."""
     attrs = inference_end_attributes(OPENAI_ANSWER, provider_name="openai", operation="embeddings")

@@ -381,6 +381,19 @@ def test_a_stream_reports_the_tier_its_chunks_carry() -> None:
     assert reader.answer().service_tier == "priority"
 
 
+@pytest.mark.parametrize(("sent", "fingerprint"), [({}, None), ({"system_fingerprint": "fp_1"}, "fp_1"),
+                                                  ({"system_fingerprint": ""}, None), ({"system_fingerprint": 7}, None)])
+def test_the_system_fingerprint_of_an_answer_and_of_a_stream(sent: dict[str, Any], fingerprint: str | None) -> None:
+    answer = {"id": "c", "model": "gpt-4o", "choices": [], "usage": USAGE, **sent}
+    assert ADAPTER.parse_answer(answer).system_fingerprint == fingerprint
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    for data in [{"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}], **sent},
+                 {"id": "c", "choices": [], "usage": USAGE, "system_fingerprint": None}]:
+        raw = orjson.dumps(data).decode()
+        reader.feed(SseEvent(f"data: {raw}\n\n".encode(), None, raw))
+    assert reader.answer().system_fingerprint == fingerprint
+
+
 @pytest.mark.parametrize(("messages", "unbounded"), [
     (MSG, False),
     ([*MSG, {"role": "assistant", "audio": {"id": "audio_1"}}, {"role": "user", "content": "again"}], True),
