@@ -29,6 +29,7 @@ from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, answers_something, judge_tools, without
 from gateway.upstream import UpstreamResponse, answer_headers, scrub, secret_bytes
 from grammars.checker import IncrementalChecker
+from otel.spans import StepSpan
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # what a stream offering tools holds of its text after it broke its grammar, waiting for a call to show
@@ -62,9 +63,9 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
     hold_broken = False
     try:
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
+        span = step_span(gw, step)
         async for chunk in upstream.chunks():
-            if step.first_chunk_at is None:
-                first_chunk(gw, step)
+            chunk_arrived(step, span)
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
@@ -203,13 +204,14 @@ def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
     return OutputNonconforming(f"the streamed answer breaks its constraint: {reason}")
 
 
-def first_chunk(gw: Gateway, step: Step) -> None:
-    """The attempt's first chunk came from the upstream: its time to first chunk (semconv measures it as
-    the client receives it, so a stream tollgate holds or buffers has one too)."""
-    step.first_chunk_at = time.monotonic()
-    span = step_span(gw, step)
+def chunk_arrived(step: Step, span: StepSpan | None) -> None:
+    """A chunk of the attempt's stream came from the upstream: the attempt's span takes the first as its
+    time to first chunk, each later one as a time per output chunk (semconv measures them as the client
+    receives them, so a stream tollgate holds or buffers has them too)."""
+    if step.first_chunk_at is None:
+        step.first_chunk_at = time.monotonic()
     if span is not None:
-        span.first_chunk()
+        span.chunk()
 
 
 async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, limit: int) -> tuple[bytes, Answer]:
@@ -222,12 +224,10 @@ async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, li
     ended = False
     secret = secret_bytes(provider_secret(step.route.provider))
     room = limit
-    first = True  # each attempt (a re-ask is one) has its own span
+    span = step_span(gw, step)  # each attempt (a re-ask is one) has its own
     try:
         async for chunk in upstream.chunks():
-            if first:
-                first_chunk(gw, step)
-                first = False
+            chunk_arrived(step, span)
             room -= len(chunk)
             if room < 0:
                 raise _too_long(limit)

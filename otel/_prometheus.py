@@ -86,6 +86,13 @@ class HistogramChild:
         if not math.isnan(amount):
             self.counts[bisect_left(self._bounds, amount)] += 1
 
+    def merge(self, other: HistogramChild) -> None:
+        """Add what `other` (with the same bounds) observed."""
+        if other._bounds != self._bounds:
+            raise ValueError("histograms with different buckets cannot be merged")
+        self.sum += other.sum
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+
 
 C = TypeVar("C", CounterChild, HistogramChild)
 

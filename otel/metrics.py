@@ -8,7 +8,7 @@ Cardinality: a label fed by something an agent controls (model names, agent name
 `MCP-Protocol-Version` it sends) keeps at most `label_limit` distinct values per label, then reports
 `_OTHER`. Never a run id in a label.
 Every method swallows and counts its own errors (`tollgate_telemetry_errors_total{component}`).
-`StepSpan` calls `observe_inference` / `observe_first_chunk` / `observe_mcp` itself when it ends;
+`StepSpan` calls `observe_inference` / `observe_chunks` / `observe_mcp` itself when it ends;
 call them directly only for operations that have no `StepSpan`.
 """
 
@@ -82,30 +82,20 @@ class Metrics:
         self._tool = BoundedLabel(label_limit)
         self._protocol = BoundedLabel(label_limit)
         histogram, counter = self._histogram, self._counter
-        self._duration = histogram(
-            "gen_ai_client_operation_duration_seconds",
+        self._duration = histogram("gen_ai_client_operation_duration_seconds",
             "GenAI operation duration (semconv gen_ai.client.operation.duration).",
-            (*GENAI_LABELS, label(Error.ERROR_TYPE)),
-            DURATION_BUCKETS,
-        )
-        self._tokens = histogram(
-            "gen_ai_client_token_usage",
+            (*GENAI_LABELS, label(Error.ERROR_TYPE)), DURATION_BUCKETS)
+        self._tokens = histogram("gen_ai_client_token_usage",
             "Tokens used per operation (semconv gen_ai.client.token.usage).",
-            (*GENAI_LABELS, label(GenAI.GEN_AI_TOKEN_TYPE)),
-            TOKEN_BUCKETS,
-        )
-        self._ttfc = histogram(
-            "gen_ai_client_operation_time_to_first_chunk_seconds",
+            (*GENAI_LABELS, label(GenAI.GEN_AI_TOKEN_TYPE)), TOKEN_BUCKETS)
+        self._ttfc = histogram("gen_ai_client_operation_time_to_first_chunk_seconds",
             "Time to the first streamed chunk (semconv gen_ai.client.operation.time_to_first_chunk).",
-            GENAI_LABELS,
-            DURATION_BUCKETS,
-        )
-        self._mcp = histogram(
-            "mcp_client_operation_duration_seconds",
-            "MCP request duration (semconv mcp.client.operation.duration).",
-            MCP_LABELS,
-            MCP_BUCKETS,
-        )
+            GENAI_LABELS, DURATION_BUCKETS)
+        self._tpoc = histogram("gen_ai_client_operation_time_per_output_chunk_seconds",
+            "Time between streamed chunks (semconv gen_ai.client.operation.time_per_output_chunk).",
+            GENAI_LABELS, DURATION_BUCKETS)
+        self._mcp = histogram("mcp_client_operation_duration_seconds",
+            "MCP request duration (semconv mcp.client.operation.duration).", MCP_LABELS, MCP_BUCKETS)
         self._guard = counter("tollgate_guard_decisions", "Guard decisions.", ("guard", "decision", "reason"))
         self._inference_plans: dict[tuple[str | int | None, ...], _InferencePlan] = {}
         self._guard_plans: dict[tuple[tuple[str, str, str | None], ...], tuple[tuple[CounterChild, int], ...]] = {}
@@ -205,8 +195,8 @@ class Metrics:
                 plan.tokens_out = self._tokens.labels(*plan.common, OUTPUT)
             plan.tokens_out.observe(output_tokens)
 
-    @guarded("metrics.observe_first_chunk")
-    def observe_first_chunk(
+    @guarded("metrics.observe_chunks")
+    def observe_chunks(
         self,
         *,
         operation: str,
@@ -215,10 +205,20 @@ class Metrics:
         server_address: str | None,
         server_port: int | None,
         seconds: float,
+        gaps: HistogramChild | None = None,
     ) -> None:
-        self._ttfc.labels(
-            *self._genai(operation, provider, request_model, None, server_address, server_port)
-        ).observe(seconds)
+        """A stream's time to first chunk and, in `gaps` (a `chunk_gaps()` it filled), the time before
+        each later chunk."""
+        labels = self._genai(operation, provider, request_model, None, server_address, server_port)
+        self._ttfc.labels(*labels).observe(seconds)
+        if gaps is not None:
+            self._tpoc.labels(*labels).merge(gaps)
+
+    @staticmethod
+    def chunk_gaps() -> HistogramChild:
+        """An empty accumulator of one stream's chunk gaps, for `observe_chunks` (a step observes them
+        without label lookups while it streams)."""
+        return HistogramChild(DURATION_BUCKETS)
 
     @guarded("metrics.observe_mcp")
     def observe_mcp(

@@ -8,7 +8,7 @@ ever raises:
     try:
         step.guard_event("budget", "continue")
         headers.update(inject_headers(step.context))
-        ... forward ...; step.first_chunk() on the first streamed chunk
+        ... forward ...; step.chunk() on each streamed chunk
         step.capture_input(call, redactor)          # no-ops unless capture is on
         step.capture_output(answer, redactor)
         step.finish(answer, cost_usd=cost)          # records the answer and ends the span
@@ -25,7 +25,7 @@ successful upstream operation, the span the stopped step).
 ending the span (a partial answer can still be finished); a span keeps the first error code set.
 
 Ending the span also records the semconv histograms in `Metrics` (duration, token usage, time to
-first chunk; MCP duration), with `error.type` of an upstream failure only.
+first chunk and per output chunk; MCP duration), with `error.type` of an upstream failure only.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from opentelemetry.util.types import AttributeValue
 from gateway.call import Answer, Call
 from otel import content
 from otel._labels import StepLabels, is_rpc_code
+from otel._prometheus import HistogramChild
 from otel._safe import ErrorCounter, guarded
 from otel.attributes import (
     EMBEDDINGS,
@@ -73,8 +74,10 @@ class StepSpan:
         "_ended",
         "_error_set",
         "_errors",
+        "_gaps",
         "_kind",
         "_labels",
+        "_last_chunk",
         "_metrics",
         "_parent",
         "_recording",
@@ -118,6 +121,8 @@ class StepSpan:
         self._rpc_code: str | None = None
         self._answer: Answer | None = None
         self._ttfc: float | None = None
+        self._last_chunk = 0.0
+        self._gaps: HistogramChild | None = None
 
     @property
     def span(self) -> Span:
@@ -152,12 +157,19 @@ class StepSpan:
         if self._recording:
             self._span.add_event(TOLLGATE_GUARD_EVENT, guard_event_attributes(name, decision, reason, detail))
 
-    @guarded("span.first_chunk")
-    def first_chunk(self) -> None:
-        """The first streamed chunk arrived (later calls are ignored)."""
+    @guarded("span.chunk")
+    def chunk(self) -> None:
+        """A streamed chunk arrived (what the connection delivered at once): the first is the time to
+        first chunk, each later one a time-per-output-chunk sample, from the previous one."""
+        now = time.perf_counter()
+        last, self._last_chunk = self._last_chunk, now
         if self._ttfc is not None:
+            if self._gaps is None and self._metrics is not None:
+                self._gaps = self._metrics.chunk_gaps()
+            if self._gaps is not None:
+                self._gaps.observe(now - last)
             return
-        self._ttfc = time.perf_counter() - self._start
+        self._ttfc = now - self._start
         self._upstream = True
         if self._recording:
             self._span.set_attribute(GenAI.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, self._ttfc)
@@ -303,11 +315,6 @@ class StepSpan:
             output_tokens=usage.output_tokens if usage and labels.operation != EMBEDDINGS else None,
         )
         if self._ttfc is not None:
-            metrics.observe_first_chunk(
-                operation=labels.operation,
-                provider=labels.provider,
-                request_model=labels.request_model,
-                server_address=labels.server_address,
-                server_port=labels.server_port,
-                seconds=self._ttfc,
-            )
+            metrics.observe_chunks(operation=labels.operation, provider=labels.provider,
+                                   request_model=labels.request_model, server_address=labels.server_address,
+                                   server_port=labels.server_port, seconds=self._ttfc, gaps=self._gaps)

@@ -3,9 +3,12 @@ through a running gateway with the official `anthropic` SDK."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anthropic
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.relay import PREAMBLE_BYTES
 from tests.conftest import GatewayFactory, Harness
@@ -172,3 +175,37 @@ async def test_a_broken_text_held_for_a_call_that_never_comes_is_cut_past_a_prea
     async with h.session.post(f"{h.url}/v1/messages", json=body, headers={"x-tollgate-run-id": "long"}) as resp:
         text = (await resp.read()).decode()
     assert "output_nonconforming" in text and "lorem" not in text and len(text) < 4096
+
+
+async def metric_sums(h: Harness, family: str) -> list[tuple[dict[str, str], float, float]]:
+    """Each series of histogram `family` on `/metrics`: its labels, count and sum."""
+    async with h.session.get(f"{h.admin_url}/metrics") as resp:
+        text = await resp.text()
+    series: dict[tuple[tuple[str, str], ...], dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples if fam.name == family else ():
+            for suffix in ("_count", "_sum"):
+                if s.name == family + suffix:
+                    series.setdefault(tuple(sorted(s.labels.items())), {})[suffix] = s.value
+    return [(dict(k), v["_count"], v["_sum"]) for k, v in series.items()]
+
+
+async def test_each_streamed_chunk_after_the_first_is_a_time_per_output_chunk_sample(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """semconv gen_ai.client.operation.time_per_output_chunk: the time between the chunks the client
+    receives, next to the time to first chunk, with the same labels."""
+    h = await gateway_factory()
+    chunks = anthropic_stream(["one ", "two ", "three"])
+    h.fake.queue(Reply(chunks=chunks, chunk_delay=0.02))
+    assert (await stream(h, "gaps"))[0] == "one two three"
+    await h.settled("gaps")
+    family = "gen_ai_client_operation_time_per_output_chunk_seconds"
+    deadline = asyncio.get_running_loop().time() + 5
+    while not (gaps := await metric_sums(h, family)) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)  # the span ends after the last byte, which no client can await
+    [(labels, count, total)] = gaps
+    [(first_labels, first_count, _)] = await metric_sums(h, "gen_ai_client_operation_time_to_first_chunk_seconds")
+    assert labels == first_labels and labels["gen_ai_provider_name"] == "anthropic"
+    assert first_count == 1 and 1 <= count <= len(chunks) - 1
+    assert total >= 0.015 * count  # every gap holds the upstream's pause before its chunk

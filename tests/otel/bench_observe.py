@@ -109,7 +109,7 @@ def one(gw: object, step: Step, stream: bool) -> None:
     if stream:
         span = step.extra.get(observe.SPAN)
         if span is not None:
-            span.first_chunk()
+            span.chunk()
     observe.on_step(gw, step)  # type: ignore[arg-type]
 
 

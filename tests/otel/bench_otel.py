@@ -93,7 +93,7 @@ def step(telemetry: Telemetry, redactor: Redactor, i: int) -> None:
     metrics.guard_decision("caps", "continue")
     inject_headers(span.context)
     span.capture_input(call, redactor)
-    span.first_chunk()
+    span.chunk()
     span.capture_output(OPENAI_ANSWER, redactor)
     span.finish(OPENAI_ANSWER, cost_usd=0.0012)
     metrics.upstream_request("openai", 200)

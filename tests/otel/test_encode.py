@@ -55,7 +55,7 @@ def test_gateway_steps_encode_identically(telemetry: Telemetry, spans: Spans) ->
             run_id="run-1", agent="bot",
         )
         step.guard_event("budget", "stop", "budget_exhausted", "no money")
-        step.first_chunk()
+        step.chunk()
         step.stop("budget_exhausted")
         step.finish(answer, cost_usd=0.25)
     mcp = telemetry.start_mcp(McpOperation(

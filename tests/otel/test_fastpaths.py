@@ -61,7 +61,7 @@ def test_attributes_set_during_a_step_keep_the_sdk_order(telemetry: Telemetry, s
         openai_call(stream=True), provider_name="openai", server_address="h", server_port=1, parent=None
     )
     step.set("tollgate.guards", "budget:allow")
-    step.first_chunk()
+    step.chunk()
     step.set("tollgate.guards", "budget:allow,caps:allow")  # set again: moves to the end, as in the SDK
     step.stop("budget_exhausted")
     step.finish(OPENAI_ANSWER, cost_usd=0.5)

@@ -32,7 +32,9 @@ def exercised() -> Metrics:
         output_tokens=30,
     )
     metrics.observe_inference(**common, response_model=None, error_type="upstream_timeout", duration_s=120.0)
-    metrics.observe_first_chunk(**common, seconds=0.05)
+    gaps = metrics.chunk_gaps()
+    gaps.observe(0.01)
+    metrics.observe_chunks(**common, seconds=0.05, gaps=gaps)
     metrics.observe_mcp(
         method="tools/call",
         tool_name="read_file",
@@ -71,6 +73,7 @@ def test_exposition_names_and_labels() -> None:
         "gen_ai_client_operation_duration_seconds",
         "gen_ai_client_token_usage",
         "gen_ai_client_operation_time_to_first_chunk_seconds",
+        "gen_ai_client_operation_time_per_output_chunk_seconds",
         "mcp_client_operation_duration_seconds",
         "tollgate_guard_decisions",
         "tollgate_guard_errors",

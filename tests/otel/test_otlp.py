@@ -59,7 +59,7 @@ def run_scenario(telemetry: Telemetry) -> None:
     )
     chat.guard_event("budget", "continue", None, "reserved 0.02")
     chat.capture_input(openai_call(body), redactor)
-    chat.first_chunk()
+    chat.chunk()
     chat.capture_output(Answer(text=f"noted {PROVIDER_KEY}", finish_reasons=("stop",)), redactor)
     chat.finish(OPENAI_ANSWER, cost_usd=0.02)
 

@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from otel._prometheus import OTHER, BoundedLabel, CallbackCounter, CounterFamily, GaugeValue, HistogramFamily
+from otel._prometheus import (
+    OTHER,
+    BoundedLabel,
+    CallbackCounter,
+    CounterFamily,
+    GaugeValue,
+    HistogramChild,
+    HistogramFamily,
+)
 
 
 @pytest.mark.parametrize(
@@ -136,3 +144,15 @@ def test_callback_counter_reads_at_scrape_time(labelname: str | None, samples: l
     assert "# TYPE errors_total counter" in text.splitlines()
     assert [line for line in text.splitlines() if line.startswith("errors_total")] == expected
     assert len(calls) == 1
+
+
+def test_a_histogram_child_merges_what_another_observed() -> None:
+    family = HistogramFamily("h", "doc", ("a",), (0.1, 1.0))
+    into, other = family.labels("x"), HistogramChild((0.1, 1.0))
+    into.observe(0.05)
+    for value in (0.5, 2.0):
+        other.observe(value)
+    into.merge(other)
+    assert (into.counts, into.sum) == ([1.0, 1.0, 1.0], 2.55)
+    with pytest.raises(ValueError, match="different buckets"):
+        into.merge(HistogramChild((0.2,)))

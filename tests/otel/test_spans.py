@@ -85,14 +85,29 @@ def test_anthropic_step_usage_summed_once(telemetry: Telemetry, spans: Spans) ->
 
 def test_streaming_step_records_time_to_first_chunk(telemetry: Telemetry, spans: Spans) -> None:
     step = start_openai(telemetry, stream=True)
-    step.first_chunk()
-    step.first_chunk()  # only the first counts
+    step.chunk()
+    step.chunk()  # only the first counts
     step.finish(OPENAI_ANSWER)
     attrs = dict(spans()[0].attributes or {})
     assert attrs["gen_ai.request.stream"] is True
     ttfc = attrs["gen_ai.response.time_to_first_chunk"]
     assert isinstance(ttfc, float) and 0 <= ttfc < 5
     families = telemetry.metrics.render()[0].decode()
+    assert "gen_ai_client_operation_time_to_first_chunk_seconds_count{" in families
+
+
+def test_each_chunk_after_the_first_is_a_time_per_output_chunk_sample(telemetry: Telemetry, spans: Spans) -> None:
+    """semconv.md 3.2: `gen_ai.client.operation.time_per_output_chunk`, one record per chunk after the
+    first; a stream of one chunk records none (no series)."""
+    for chunks in (4, 1):
+        step = start_openai(telemetry, stream=True)
+        for _ in range(chunks):
+            step.chunk()
+        step.finish(OPENAI_ANSWER)
+    families = telemetry.metrics.render()[0].decode()
+    [count] = [line for line in families.splitlines()
+               if line.startswith("gen_ai_client_operation_time_per_output_chunk_seconds_count{")]
+    assert count.endswith(" 3.0"), count
     assert "gen_ai_client_operation_time_to_first_chunk_seconds_count{" in families
 
 
@@ -168,7 +183,7 @@ def test_error_after_the_answer_keeps_usage_and_measures_the_upstream_as_success
 
 def test_upstream_error_with_a_partial_answer(telemetry: Telemetry, spans: Spans) -> None:
     step = start_openai(telemetry, stream=True)
-    step.first_chunk()
+    step.chunk()
     step.error("upstream_unavailable", "stream ended early", upstream=True)
     step.finish(Answer(text="par"))
     (span,) = spans()
