@@ -26,7 +26,6 @@ from gateway.pricing import Pricer
 from gateway.providers import adapters
 from gateway.proxy import GATEWAY, chat_handler
 from gateway.routing import Router
-from gateway.runner import LANES
 from gateway.runtime import Gateway
 from gateway.store import open_store
 from gateway.upstream import Transport, Upstream
@@ -40,8 +39,6 @@ _log = logging.getLogger(__name__)
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 TELEMETRY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 """A `Telemetry` given to `create_app`: used instead of one built from `OTEL_*`, owned by the caller."""
-MODEL_CALLS = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic", "/v1/responses": "openai_responses"}
-"""The paths of model calls and the wire protocol each speaks (`gateway.providers.adapters`)."""
 GUARDS: web.AppKey[dict[str, list[tuple[StopCondition, str]]]] = web.AppKey("guards", dict)
 """Each configured agent's guards (with their on-error policy), built once by `create_app`."""
 
@@ -169,9 +166,9 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     app.cleanup_ctx.append(_gateway_ctx)
     app.cleanup_ctx.append(_idle_runs_ctx)
     app.on_shutdown.append(_on_shutdown)
-    for path, protocol in MODEL_CALLS.items():
-        app.router.add_post(path, chat_handler(protocol))
-    app[LANES] = tuple(MODEL_CALLS)  # the model calls skip aiohttp's per-request machinery (gateway.lane)
+    app.router.add_post("/v1/chat/completions", chat_handler("openai"))
+    app.router.add_post("/v1/messages", chat_handler("anthropic"))
+    app.router.add_post("/v1/responses", chat_handler("openai_responses"))
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
     app.router.add_route("*", "/mcp/{server}", _mcp_route(config))

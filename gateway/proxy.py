@@ -25,7 +25,6 @@ from gateway.errors import (
 )
 from gateway.http1_wire import Sending
 from gateway.identity import Identity
-from gateway.lane import deliver
 from gateway.observe import UPSTREAM_STATUS, begin_step, ledger_stop_now, start_span
 from gateway.observe_forward import refused_call
 from gateway.observe_runs import ENDS_RUN
@@ -229,7 +228,8 @@ async def answer_refused(gw: Gateway, identity: Identity, call: Call, error: Gat
     parent is read from the store, which must not delay the answer."""
     started = time.time()
     try:
-        await deliver(request, response)
+        await response.prepare(request)
+        await response.write_eof()
     except ConnectionResetError:
         pass  # nobody to answer; the refusal is recorded all the same
     finally:
@@ -240,7 +240,8 @@ async def send(response: web.StreamResponse, request: web.Request, step: Step) -
     """Hand the answer to the client now (aiohttp's own send after the handler returns is then a
     no-op). A client that went away is the step's outcome, not an error of the handler."""
     try:
-        await deliver(request, response)
+        await response.prepare(request)
+        await response.write_eof()
     except ConnectionResetError:
         step.error_type = step.error_type or "client_disconnected"
 

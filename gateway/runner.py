@@ -24,13 +24,10 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.errors import GatewayError, InvalidRequest, PathNotFound, both_formats
-from gateway.lane import LaneHandler, LaneRoute, lane_routes
 
-__all__ = ["LANES", "GatewayRunner", "refusal_body"]
+__all__ = ["GatewayRunner", "refusal_body"]
 
 Handler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
-LANES: web.AppKey[tuple[str, ...]] = web.AppKey("lanes", tuple)
-"""The app's paths whose `POST` requests take `gateway.lane`'s lane."""
 MAX_DETAIL = 200  # characters of the parser's message kept: it may quote the refused bytes
 
 
@@ -46,9 +43,8 @@ def refusal_body(status: int, detail: str | None) -> bytes:
     return both_formats(error, kind)
 
 
-class _JsonRefusals(LaneHandler):
-    """aiohttp's connection handler (with `gateway.lane`'s lane), answering its own refusals with
-    `refusal_body`."""
+class _JsonRefusals(RequestHandler):
+    """aiohttp's connection handler, answering its own refusals with `refusal_body`."""
 
     def handle_error(
         self,
@@ -73,12 +69,8 @@ class _JsonRefusals(LaneHandler):
 
 
 class _Server(web.Server):
-    def __init__(self, handler: Handler, *, lanes: dict[str, LaneRoute], **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self.lanes = lanes
-
     def __call__(self) -> RequestHandler:
-        return _JsonRefusals(self, loop=self._loop, lanes=self.lanes, **self._kwargs)
+        return _JsonRefusals(self, loop=self._loop, **self._kwargs)
 
 
 def _refusing_connect(handler: Handler) -> Handler:
@@ -93,8 +85,7 @@ def _refusing_connect(handler: Handler) -> Handler:
 
 
 class GatewayRunner(web.AppRunner):
-    """`web.AppRunner` whose server answers its own refusals in JSON (see the module docstring), and
-    serves the `POST`s of the app's `LANES` paths in `gateway.lane`'s lane.
+    """`web.AppRunner` whose server answers its own refusals in JSON (see the module docstring).
 
     aiohttp has no public hook for this: the server is rebuilt from the one `AppRunner` makes (its
     private `_make_server` and `Server._kwargs`); tests/gateway/test_runner.py fails if that changes."""
@@ -102,7 +93,6 @@ class GatewayRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup; its handler arguments are kept
         kwargs: dict[str, Any] = dict(plain._kwargs)
-        lanes = lane_routes(self.app, self.app.get(LANES, ()))
         return _Server(_refusing_connect(plain.request_handler), request_factory=plain.request_factory,
                        handler_cancellation=plain.handler_cancellation, loop=asyncio.get_running_loop(),
-                       lanes=lanes, **kwargs)
+                       **kwargs)
