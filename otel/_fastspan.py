@@ -156,14 +156,15 @@ class FastTracer(Tracer):
         """The span of `reserve`: `attributes` come after the sampler's own, as in the SDK."""
         if not reserved.recording:
             return NonRecordingSpan(reserved.context)
+        # sequences kept as tuples (`_stored`, inlined: no call per value); the sampler's attributes first
         sampled = reserved.sampler_attributes
-        if not sampled:  # the common case (a sampler that adds nothing): one pass, no call per value
-            attrs = {k: tuple(v) if type(v) is list else v for k, v in attributes.items()} if attributes else {}
-        else:
-            attrs = {k: _stored(v) for k, v in sampled.items()}
-            if attributes:
+        attrs = {k: tuple(v) if type(v) is list else v for k, v in sampled.items()} if sampled else {}
+        if attributes:
+            if attrs:
                 for key, value in attributes.items():
                     attrs.setdefault(key, _stored(value))
+            else:
+                attrs = {k: tuple(v) if type(v) is list else v for k, v in attributes.items()}
         span_start = time_ns() if start_time is None else start_time
         return FastSpan(self, name, reserved.context, reserved.parent, kind, attrs, span_start)
 
