@@ -82,15 +82,18 @@ def _protocol_version(mcp: McpRequest, message: Message) -> str | None:
 
 
 _METHOD_CHARS = 128  # of a method no MCP revision defines, kept in the span's name
+# the methods whose span names the resource (`mcp.resource.uri`: conditionally required for them)
+_ON_RESOURCE = frozenset({"resources/read", "resources/subscribe", "resources/unsubscribe"})
 
 
 def _operation(mcp: McpRequest, message: Message, tool: str | None) -> McpOperation:
     url = urlsplit(mcp.server.url)
     method = (message.method or "")[:_METHOD_CHARS]
     named = message.params.get(NAME_BEARING.get(method, ""))
+    uri = message.params.get("uri") if method in _ON_RESOURCE else None
     return McpOperation(
         method, tool_name=tool, prompt_name=named if method == "prompts/get" and isinstance(named, str) else None,
-        resource_uri=named if method == "resources/read" and isinstance(named, str) else None,
+        resource_uri=uri if isinstance(uri, str) else None,
         request_id=message.id, session_id=mcp.request.headers.get("Mcp-Session-Id"),
         protocol_version=_protocol_version(mcp, message), server_address=url.hostname,
         server_port=url.port or (443 if url.scheme == "https" else 80),
@@ -135,9 +138,15 @@ async def start_relay_span(mcp: McpRequest, message: Message) -> tuple[StepSpan 
     """Open the MCP CLIENT span of a message relayed as is (every method but `tools/call`: `initialize`,
     `tools/list`, `prompts/get {prompt}`, `resources/read`, notifications, ...). Returns it and the body
     to forward, as `start_tool_span`. Such a message is no step of the run: without the agent's trace
-    context it goes under the run's last root, not a new one."""
+    context it goes under the run's last root, not a new one (so a session's `initialize` and
+    `tools/list` share the trace of the steps that follow; of a run that never has a step, no root is
+    exported: the idle sweep finds runs in the store, which holds runs with steps).
+
+    A JSON-RPC response (the client's answer to a server's request: sampling, elicitation, roots, ping)
+    is no operation of the client: it gets no span and reaches the server as sent (a response has no
+    `params`, and strict servers refuse one that does)."""
     telemetry = telemetry_of(mcp.gw)
-    if telemetry is None:
+    if telemetry is None or message.method is None:
         return None, exact_json.dumps(message.body)
     parent = _trace_parent(mcp, message)
     if parent is None:

@@ -38,6 +38,7 @@ MCP_LABELS: Final = tuple(
     for a in (
         Mcp.MCP_METHOD_NAME,
         GenAI.GEN_AI_TOOL_NAME,
+        GenAI.GEN_AI_PROMPT_NAME,
         GenAI.GEN_AI_OPERATION_NAME,
         Mcp.MCP_PROTOCOL_VERSION,
         Server.SERVER_ADDRESS,
@@ -60,6 +61,7 @@ class StepLabels:
     server_port: int | None = None
     method: str = ""  # MCP only
     tool_name: str | None = None
+    prompt_name: str | None = None  # `prompts/get`
     protocol_version: str | None = None
 
 

@@ -80,6 +80,8 @@ class Metrics:
         self._response_model = BoundedLabel(label_limit)
         self._agent = BoundedLabel(label_limit)
         self._tool = BoundedLabel(label_limit)
+        self._prompt = BoundedLabel(label_limit)
+        self._method = BoundedLabel(label_limit)  # MCP methods: the client names them, any string
         self._protocol = BoundedLabel(label_limit)
         histogram, counter = self._histogram, self._counter
         self._duration = histogram("gen_ai_client_operation_duration_seconds",
@@ -226,6 +228,7 @@ class Metrics:
         *,
         method: str,
         tool_name: str | None,
+        prompt_name: str | None,
         operation: str | None,
         protocol_version: str | None,
         server_address: str | None,
@@ -236,8 +239,9 @@ class Metrics:
     ) -> None:
         port = str(server_port) if server_address and server_port is not None else ""
         self._mcp.labels(
-            method,
+            self._method(method),
             self._tool(tool_name),
+            self._prompt(prompt_name),
             operation or "",
             self._protocol(protocol_version),
             server_address or "",

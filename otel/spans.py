@@ -290,7 +290,7 @@ class StepSpan:
         if self._kind == "mcp":
             metrics.observe_mcp(
                 method=labels.method,
-                tool_name=labels.tool_name,
+                tool_name=labels.tool_name, prompt_name=labels.prompt_name,
                 operation=labels.operation or None,
                 protocol_version=labels.protocol_version,
                 server_address=labels.server_address,

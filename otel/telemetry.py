@@ -218,6 +218,7 @@ class Telemetry:
             operation=EXECUTE_TOOL if op.method == TOOLS_CALL else "",
             method=op.method,
             tool_name=op.tool_name,
+            prompt_name=op.prompt_name,
             protocol_version=op.protocol_version,
             server_address=op.server_address,
             server_port=op.server_port,

@@ -142,3 +142,40 @@ async def test_a_notification_and_a_server_failure_are_spans_too(
     assert attr(spans["notifications/roots/list_changed"], "jsonrpc.request.id") is None
     assert spans["notifications/roots/list_changed"].status_code != ERROR
     assert status >= 500 and attr(spans["ping"], "error.type") == answer["error"]["data"]["code"], answer
+
+
+HEADERS = {"x-tollgate-agent": "bot", "content-type": "application/json",
+           "accept": "application/json, text/event-stream"}
+
+
+async def test_a_client_response_reaches_the_server_as_sent_without_a_span(
+    gateway_factory: GatewayFactory, sink: OtlpSink, files: mcp_server.RunningServer
+) -> None:
+    """The client's answer to a server's request (sampling, elicitation, roots, ping) is no operation of
+    the client: no span, no sample, and no trace context added (JSON-RPC responses have no `params`;
+    strict servers, the TypeScript SDK's among them, refuse one that has)."""
+    h = await traced_gateway(gateway_factory, files)
+    sent = {"jsonrpc": "2.0", "id": "srv-1", "result": {"roots": []}}
+    async with h.session.post(f"{h.url}/mcp/files", data=orjson.dumps(sent),
+                              headers={**HEADERS, "x-tollgate-run-id": "answers"}) as resp:
+        await resp.read()
+    [received] = [m for _, m in files.seen.requests if m is not None and m.get("id") == "srv-1"]
+    assert received == sent
+    assert [s.name for s in await flushed(h, sink)] == []
+    assert samples(await families(h), "mcp_client_operation_duration_seconds", "_count") == []
+
+
+async def test_resource_methods_name_their_resource(
+    gateway_factory: GatewayFactory, sink: OtlpSink, files: mcp_server.RunningServer
+) -> None:
+    """semconv mcp.md: `mcp.resource.uri` is conditionally required on resources/read, /subscribe and
+    /unsubscribe."""
+    h = await traced_gateway(gateway_factory, files)
+    for i, method in enumerate(("resources/read", "resources/subscribe", "resources/unsubscribe")):
+        body = {"jsonrpc": "2.0", "id": i, "method": method, "params": {"uri": "file:///a.txt"}}
+        async with h.session.post(f"{h.url}/mcp/files", data=orjson.dumps(body),
+                                  headers={**HEADERS, "x-tollgate-run-id": "res"}) as resp:
+            await resp.read()
+    uris = {s.name: attr(s, "mcp.resource.uri") for s in await flushed(h, sink) if s.name.startswith("resources/")}
+    assert uris == dict.fromkeys(("resources/read", "resources/subscribe", "resources/unsubscribe"),
+                                 "file:///a.txt")

@@ -38,6 +38,7 @@ def exercised() -> Metrics:
     metrics.observe_mcp(
         method="tools/call",
         tool_name="read_file",
+        prompt_name=None,
         operation="execute_tool",
         protocol_version="2025-06-18",
         server_address="127.0.0.1",
@@ -184,7 +185,7 @@ def test_mcp_protocol_version_label_is_bounded() -> None:
     """The `MCP-Protocol-Version` header is the agent's to write: its label is bounded like model names."""
     metrics = Metrics(label_limit=2)
     for version in ("2025-06-18", "2026-07-28", "x-1", "x-2", "2025-06-18", None):
-        metrics.observe_mcp(method="tools/call", tool_name="read_file", operation="execute_tool",
+        metrics.observe_mcp(method="tools/call", tool_name="read_file", prompt_name=None, operation="execute_tool",
                             protocol_version=version, server_address="127.0.0.1", server_port=3001,
                             rpc_status_code=None, error_type=None, duration_s=0.01)
     family = samples(metrics)["mcp_client_operation_duration_seconds"]
@@ -226,3 +227,19 @@ def test_promtool_check_metrics() -> None:
     )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert result.stdout.decode().strip() == "" and result.stderr.decode().strip() == ""
+
+
+def test_mcp_method_and_prompt_labels_are_bounded() -> None:
+    """The method and the prompt name of an MCP request are the client's to write (any string): their
+    labels are bounded like tool names, and a prompt has its own series (semconv `gen_ai.prompt.name`)."""
+    metrics = Metrics(label_limit=2)
+    for method, prompt in (("prompts/get", "alpha"), ("prompts/get", "beta"), ("prompts/get", "gamma"),
+                           ("x/one", None), ("x/two", None)):
+        metrics.observe_mcp(method=method, tool_name=None, prompt_name=prompt, operation=None,
+                            protocol_version=None, server_address="127.0.0.1", server_port=3001,
+                            rpc_status_code=None, error_type=None, duration_s=0.01)
+    family = samples(metrics)["mcp_client_operation_duration_seconds"]
+    counts = {(s.labels["mcp_method_name"], s.labels["gen_ai_prompt_name"]): s.value
+              for s in family if s.name.endswith("_count")}
+    assert counts == {("prompts/get", "alpha"): 1.0, ("prompts/get", "beta"): 1.0, ("prompts/get", "_OTHER"): 1.0,
+                      ("x/one", ""): 1.0, ("_OTHER", ""): 1.0}
