@@ -65,10 +65,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         await out.prepare(request)  # in here: a client gone already must not keep the upstream connection
         span = step_span(gw, step)
         async for chunk in upstream.chunks():
-            chunk_arrived(step, span)
             for event in parser.feed(chunk):
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
+                chunk_arrived(step, span)
                 emitted = reader.feed(event)
                 ended = emitted.done
                 if checkers and reader.restart:  # what streamed so far was a preamble to a provider's tool
@@ -205,9 +205,10 @@ def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
 
 
 def chunk_arrived(step: Step, span: StepSpan | None) -> None:
-    """A chunk of the attempt's stream came from the upstream: the attempt's span takes the first as its
-    time to first chunk, each later one as a time per output chunk (semconv measures them as the client
-    receives them, so a stream tollgate holds or buffers has them too)."""
+    """An event of the attempt's stream came from the upstream (a chunk as the SDKs yield them, whatever
+    network reads carried it): the attempt's span takes the first as its time to first chunk, each later
+    one as a time per output chunk (semconv measures them as the client receives them, so a stream
+    tollgate holds or buffers has them too)."""
     if step.first_chunk_at is None:
         step.first_chunk_at = time.monotonic()
     if span is not None:
@@ -227,12 +228,12 @@ async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, li
     span = step_span(gw, step)  # each attempt (a re-ask is one) has its own
     try:
         async for chunk in upstream.chunks():
-            chunk_arrived(step, span)
             room -= len(chunk)
             if room < 0:
                 raise _too_long(limit)
             for event in parser.feed(chunk):
                 if not ended:  # nothing after the final event counts (see relay_stream)
+                    chunk_arrived(step, span)
                     emitted = reader.feed(event)
                     parts.append(scrub(emitted.out, secret))
                     ended = emitted.done

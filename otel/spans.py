@@ -159,8 +159,8 @@ class StepSpan:
 
     @guarded("span.chunk")
     def chunk(self) -> None:
-        """A streamed chunk arrived (what the connection delivered at once): the first is the time to
-        first chunk, each later one a time-per-output-chunk sample, from the previous one."""
+        """A streamed chunk (an event) arrived: the first is the time to first chunk, each later one a
+        time-per-output-chunk sample, from the previous one."""
         now = time.perf_counter()
         last, self._last_chunk = self._last_chunk, now
         if self._ttfc is not None:

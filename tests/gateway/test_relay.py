@@ -207,5 +207,27 @@ async def test_each_streamed_chunk_after_the_first_is_a_time_per_output_chunk_sa
     [(labels, count, total)] = gaps
     [(first_labels, first_count, _)] = await metric_sums(h, "gen_ai_client_operation_time_to_first_chunk_seconds")
     assert labels == first_labels and labels["gen_ai_provider_name"] == "anthropic"
-    assert first_count == 1 and 1 <= count <= len(chunks) - 1
+    assert first_count == 1 and count == len(chunks) - 1  # one event per chunk here
     assert total >= 0.015 * count  # every gap holds the upstream's pause before its chunk
+
+
+@pytest.mark.parametrize("writes", ["coalesced", "split"])
+async def test_time_per_output_chunk_counts_events_not_network_reads(gateway_factory: GatewayFactory,
+                                                                     writes: str) -> None:
+    """A chunk is an event as the SDKs yield it: 24 events flushed in one write are 23 gaps, and one event
+    written in 20-byte pieces is one chunk, not one per read (each read would be a ~10 ms gap)."""
+    h = await gateway_factory()
+    events = anthropic_stream([f"w{i} " for i in range(20)])
+    if writes == "coalesced":
+        h.fake.queue(Reply(chunks=[b"".join(events)]))
+    else:
+        pieces = [event[i:i + 20] for event in events for i in range(0, len(event), 20)]
+        h.fake.queue(Reply(chunks=pieces, chunk_delay=0.002))
+    assert (await stream(h, writes))[0] == "".join(f"w{i} " for i in range(20))
+    await h.settled(writes)
+    family = "gen_ai_client_operation_time_per_output_chunk_seconds"
+    deadline = asyncio.get_running_loop().time() + 5
+    while not (gaps := await metric_sums(h, family)) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    [(_, count, _)] = gaps
+    assert count == len(events) - 1
