@@ -15,7 +15,6 @@ from gateway.providers.base import StreamStep
 from gateway.providers.common import (
     content_text,
     input_parts,
-    may_contain,
     opt_int,
     opt_number,
     opt_strings,
@@ -139,7 +138,7 @@ class OpenAIChat:
             raw=body,
             service_tier=service_tier(body),
             audio_output=_speaks(body),
-            unbounded=_stored_audio(messages, raw),
+            unbounded=_stored_audio(messages),
         )
 
     def parse_answer(self, body: Mapping[str, Any]) -> Answer:
@@ -293,12 +292,11 @@ def _fingerprint(body: Mapping[str, Any]) -> str | None:
     return fingerprint if isinstance(fingerprint, str) and fingerprint else None
 
 
-def _stored_audio(messages: list[Any], raw: bytes) -> tuple[str, ...]:
+def _stored_audio(messages: list[Any]) -> tuple[str, ...]:
     """Assistant messages naming a spoken answer stored upstream (`audio: {"id": ...}`), as `Call.unbounded`
     (refused under a budget): OpenAI puts its audio back in the context, billed as input audio tokens the
-    body does not carry. One byte test spares most requests the walk."""
-    if not may_contain(raw, b"audio"):
-        return ()
+    body does not carry. Read from the messages themselves: a key lookup per message costs less than a
+    byte search of a large body (and any spelling of the key is read)."""
     named = [i for i, m in enumerate(messages)
              if isinstance(m, Mapping) and isinstance(m.get("audio"), Mapping) and m["audio"].get("id")]
     if not named:

@@ -66,7 +66,7 @@ def test_parsing_a_responses_request_does_not_walk_its_input_once_per_new_check(
     44dedea and at HEAD): ~0.5 ms on the event loop per request, more than all of tollgate's per-request
     budget the README's benchmark section counts in tens of microseconds.
     Expected: a cheap byte test (`common.may_contain(raw, b"reasoning", b"compaction_trigger")`,
-    `b'"tools"'` beyond the top-level list, as `openai_chat._stored_audio` does for `audio`) skips these
+    `b'"tools"'` beyond the top-level list) skips these
     walks for the requests that cannot need them, or they share one walk."""
     from gateway.config import Limits
     from gateway.providers.openai_responses import OpenAIResponses
