@@ -19,6 +19,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from bench.bodies import agent_body
+
 BODY = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"say ok"}],"max_tokens":16}'
 STREAM = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"say ok"}],"max_tokens":16,"stream":true}'
 
@@ -160,6 +162,23 @@ class Round:
         return min(by_rps, bare / tollgate) if tollgate and bare else by_rps
 
 
+async def agent_sized(urls: dict[str, str], pids: dict[str, int], requests: int) -> None:
+    """The proxies' capacity for an agent's request after some rounds of tool use (`bench.bodies`, ~64 KB),
+    where most of a gateway's work per request follows the body's size: no target, a measurement."""
+    body = agent_body()
+    cpu_ms: dict[str, float] = {}
+    for name, pid in pids.items():
+        await load(urls[name], body, 16, min(200, requests))  # warm-up
+        before = cpu_seconds(pid)
+        rps, _ = await load(urls[name], body, 16, requests)
+        cpu_ms[name] = (cpu_seconds(pid) - before) / requests * 1000
+        print(f"agent-sized requests ({len(body) // 1024} KB, c=16) {name:<11} {rps:7.0f} req/s  "
+              f"{cpu_ms[name]:.3f} ms CPU per request")
+    if cpu_ms.get("tollgate"):
+        print(f"throughput vs bare proxy with agent-sized requests (CPU per request): "
+              f"{cpu_ms['bare proxy'] / cpu_ms['tollgate'] * 100:.0f}% (no target)")
+
+
 def median_round(rounds: list[Round]) -> Round:
     """The round with the median ratio (the lower middle one for an even count: never flattering); its
     figures are the ones reported, so the table, the paced rate and the ratio describe one round."""
@@ -265,6 +284,7 @@ async def main(requests: int, state: str, tracing: bool, pinned: bool, rounds: i
         print(f"stream time to first byte added (c=1, p50): {added_ttfb['tollgate']:.2f} ms (target <= 1; "
               f"bare proxy {added_ttfb['bare proxy']:.2f})")
         print(f"tollgate peak RSS: {rss_mb(gate.pid):.0f} MB (target <= 80)")
+        await agent_sized(urls, pids, min(1000, requests))
     finally:
         # the gateway first: it exports its last spans to the upstream's sink while stopping
         for proc in reversed(procs):
