@@ -1,11 +1,12 @@
 """Instructions per request, counted by callgrind: repeatable whatever else the machine is doing, so a
 change on the hot path can be judged by a few hundred requests instead of many timed runs.
 
-`python -m bench.instructions [--requests N] [--target tollgate|bare] [--state sqlite|memory]` starts the
-fast fake upstream, then tollgate (the `make bench` configuration: every guard, an output grammar,
+`python -m bench.instructions [--requests N] [--target tollgate|bare] [--state sqlite|memory]
+[--body short|agent]` starts the fast fake upstream, then tollgate (the `make bench` configuration: every guard, an output grammar,
 tracing to the upstream's OTLP sink) or the bare aiohttp proxy under `valgrind --tool=callgrind`,
 warms it up, zeroes the counters, sends N requests at concurrency 16 and prints the instructions per
-request (the target process only; its export thread included). Needs valgrind (Debian's package).
+request (the target process only; its export thread included): of the benchmark's short request, or of
+an agent-sized one (`bench.bodies`, ~64 KB). Needs valgrind (Debian's package).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from bench.__main__ import BODY, load, port, wait_ready
+from bench.bodies import agent_body
 
 WARM_UP = 300
 
@@ -60,7 +63,10 @@ def total_instructions(out_dir: Path) -> int:
     return total
 
 
-async def measure(requests: int, target: str, state: str) -> int:
+BODIES: dict[str, Callable[[], bytes]] = {"short": lambda: BODY, "agent": agent_body}
+
+
+async def measure(requests: int, target: str, state: str, body_kind: str = "short") -> int:
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     up, proxy, admin = port(), port(), port()
@@ -74,13 +80,14 @@ async def measure(requests: int, target: str, state: str) -> int:
     grind = subprocess.Popen(["valgrind", "--tool=callgrind", "--dump-instr=no", "--separate-threads=no",
                               f"--callgrind-out-file={tmp}/callgrind.out.%p", *command],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    body = BODIES[body_kind]()
     try:
         url = f"http://127.0.0.1:{proxy}/v1/chat/completions"
         await wait_ready(f"http://127.0.0.1:{up}/v1/chat/completions", BODY)
         await wait_ready(url, BODY, 300)
-        await load(url, BODY, 16, WARM_UP)
+        await load(url, body, 16, WARM_UP)
         control(grind.pid, "--zero")
-        await load(url, BODY, 16, requests)
+        await load(url, body, 16, requests)
         subprocess.run(["callgrind_control", "--dump=bench", str(grind.pid)], check=True, capture_output=True,
                        timeout=300)
         return total_instructions(tmp) // requests
@@ -97,9 +104,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--target", choices=("tollgate", "bare"), default="tollgate")
     parser.add_argument("--state", choices=("sqlite", "memory"), default="sqlite")
+    parser.add_argument("--body", choices=tuple(BODIES), default="short",
+                        help="the benchmark's short request, or an agent-sized one (bench.bodies, ~64 KB)")
     args = parser.parse_args()
-    per_request = asyncio.run(measure(args.requests, args.target, args.state))
-    print(f"{args.target}: {per_request / 1000:,.0f} k instructions per request "
+    per_request = asyncio.run(measure(args.requests, args.target, args.state, args.body))
+    print(f"{args.target}: {per_request / 1000:,.0f} k instructions per {args.body} request "
           f"({args.requests} requests at concurrency 16, after {WARM_UP} to warm up)")
 
 
