@@ -116,6 +116,11 @@ _HOST_PROVIDERS: Final[tuple[tuple[str, str], ...]] = (
 _TYPE_PROVIDERS: Final[Mapping[str, str]] = {"anthropic": ANTHROPIC}
 
 
+# an OTLP int attribute is an int64: a larger one (a request may send any integer) is left out, not handed
+# to the SDK's encoder, which logs an error and drops it
+_INT64: Final = (1 << 63) - 1
+
+
 def present(pairs: Iterable[tuple[str, AttributeValue | None]]) -> Attributes:
     """The pairs whose value is not None, as an attribute dict."""
     return {key: value for key, value in pairs if value is not None}
@@ -189,7 +194,8 @@ def _embeddings_extras(call: Call) -> Attributes:
     dimensions, encoding = call.raw.get("dimensions"), call.raw.get("encoding_format")
     return present((
         (GenAI.GEN_AI_EMBEDDINGS_DIMENSION_COUNT,
-         dimensions if isinstance(dimensions, int) and not isinstance(dimensions, bool) and dimensions > 0 else None),
+         dimensions if isinstance(dimensions, int) and not isinstance(dimensions, bool) and 0 < dimensions <= _INT64
+         else None),
         (GenAI.GEN_AI_REQUEST_ENCODING_FORMATS, (encoding,) if isinstance(encoding, str) and encoding else None),
     ))
 
@@ -222,7 +228,8 @@ def inference_start_attributes(
                 GenAI.GEN_AI_REQUEST_STOP_SEQUENCES,
                 tuple(params.stop_sequences) if params.stop_sequences else None,
             ),
-            (GenAI.GEN_AI_REQUEST_SEED, params.seed),
+            (GenAI.GEN_AI_REQUEST_SEED, params.seed if params.seed is None or -_INT64 - 1 <= params.seed <= _INT64
+             else None),
             (GenAI.GEN_AI_REQUEST_CHOICE_COUNT, params.choice_count if params.choice_count != 1 else None),
             (GenAI.GEN_AI_REQUEST_STREAM, True if call.stream else None),
             (GenAI.GEN_AI_OUTPUT_TYPE, output_type(call)),

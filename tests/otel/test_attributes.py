@@ -70,6 +70,8 @@ def test_anthropic_start_attributes_exact() -> None:
         ({"stream": False}, "gen_ai.request.stream"),  # never `false`
         ({"params": RequestParams(choice_count=1)}, "gen_ai.request.choice.count"),  # only when != 1
         ({"params": RequestParams()}, "gen_ai.request.seed"),
+        ({"params": RequestParams(seed=2**64 - 1)}, "gen_ai.request.seed"),  # beyond an OTLP int64
+        ({"params": RequestParams(seed=-(2**63) - 1)}, "gen_ai.request.seed"),
         ({"max_tokens": None}, "gen_ai.request.max_tokens"),
         ({"params": RequestParams(stop_sequences=())}, "gen_ai.request.stop_sequences"),
     ],
@@ -167,6 +169,7 @@ def test_openai_response_system_fingerprint_is_reported_for_openai_only() -> Non
     ({"encoding_format": "float"}, {"gen_ai.request.encoding_formats": (tuple, ("float",))}),
     ({"dimensions": True, "encoding_format": ""}, {}),  # neither names one
     ({"dimensions": 0, "encoding_format": ["float"]}, {}),
+    ({"dimensions": 2**63}, {}),  # beyond an OTLP int64: left out
     ({}, {}),
 ])
 def test_embeddings_name_their_requested_dimensions_and_encoding(body: dict[str, Any],
