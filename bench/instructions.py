@@ -2,10 +2,10 @@
 change on the hot path can be judged by a few hundred requests instead of many timed runs.
 
 `python -m bench.instructions [--requests N] [--target tollgate|bare] [--state sqlite|memory]
-[--body short|agent]` starts the fast fake upstream, then tollgate (the `make bench` configuration: every guard, an output grammar,
-tracing to the upstream's OTLP sink) or the bare aiohttp proxy under `valgrind --tool=callgrind`,
-warms it up, zeroes the counters, sends N requests at concurrency 16 and prints the instructions per
-request (the target process only; its export thread included): of the benchmark's short request, or of
+[--body short|agent]` starts the fast fake upstream, then tollgate (the `make bench` configuration:
+every guard, an output grammar, tracing to the upstream's OTLP sink) or the bare aiohttp proxy under
+`valgrind --tool=callgrind`, warms it up, zeroes the counters, sends N requests at concurrency 16 and
+prints the instructions per request (the target process only; its export thread included): of the benchmark's short request, or of
 an agent-sized one (`bench.bodies`, ~64 KB). Needs valgrind (Debian's package).
 """
 

@@ -17,7 +17,7 @@ def json_depth_ok(value: Any, limit: int) -> bool:
     """True when nesting of lists/objects stays within `limit` (iterative, one level at a time; stops at
     the first level past it). For parsed JSON: only exact `dict` and `list` count as containers.
 
-    Level by level with the type tests inline: every request with more brackets than the limit (any agent
+    Level by level with the type tests inline: every request longer than twice the limit (any agent
     request) is walked, and this is ~4x faster than a stack of (node, depth) pairs filled by a generator
     per container (90 against 390 us for a 65 KB agent body)."""
     level = [value] if type(value) is dict or type(value) is list else []
@@ -58,6 +58,9 @@ def may_contain(raw: bytes, *words: bytes) -> bool:
     return any(word in raw for word in words) or _ASCII_ESCAPE.search(raw) is not None
 
 
+_CONTAINERS = (dict, list)  # a tuple built once: `dict | list` in a generator built a union per value
+
+
 def _objects(value: Any) -> Iterator[dict[str, Any]]:
     """Every JSON object inside `value`, itself included (iterative: no recursion limit)."""
     stack: list[Any] = [value]
@@ -65,9 +68,9 @@ def _objects(value: Any) -> Iterator[dict[str, Any]]:
         node = stack.pop()
         if isinstance(node, dict):
             yield node
-            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+            stack.extend(v for v in node.values() if isinstance(v, _CONTAINERS))
         elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, dict | list))
+            stack.extend(v for v in node if isinstance(v, _CONTAINERS))
 
 
 def _referenced_document(node: Mapping[str, Any]) -> bool:
