@@ -156,15 +156,12 @@ class FastTracer(Tracer):
         """The span of `reserve`: `attributes` come after the sampler's own, as in the SDK."""
         if not reserved.recording:
             return NonRecordingSpan(reserved.context)
-        # sequences kept as tuples (`_stored`, inlined: no call per value); the sampler's attributes first
+        # the sampler's attributes first, then the others; sequences kept as tuples (`_stored`, inlined in
+        # the common case, a sampler that adds none: no call per value)
         sampled = reserved.sampler_attributes
-        attrs = {k: tuple(v) if type(v) is list else v for k, v in sampled.items()} if sampled else {}
-        if attributes:
-            if attrs:
-                for key, value in attributes.items():
-                    attrs.setdefault(key, _stored(value))
-            else:
-                attrs = {k: tuple(v) if type(v) is list else v for k, v in attributes.items()}
+        attrs = {k: tuple(v) if type(v) is list else v for k, v in (attributes or {}).items() if k not in sampled}
+        if sampled:
+            attrs = {**{k: _stored(v) for k, v in sampled.items()}, **attrs}
         span_start = time_ns() if start_time is None else start_time
         return FastSpan(self, name, reserved.context, reserved.parent, kind, attrs, span_start)
 
@@ -253,7 +250,9 @@ class FastSpan(Span):
             attributes[key] = tuple(value) if type(value) is list else value  # `_stored`, inlined: per attribute
 
     def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
-        own = self.attributes if self.end_time is None else {}
+        if self.end_time is not None:
+            return
+        own = self.attributes
         for key, value in attributes.items():  # `set_attribute` for each, inlined (a span's answer sets ~8)
             own.pop(key, None)
             own[key] = tuple(value) if type(value) is list else value

@@ -10,7 +10,7 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-__all__ = ["Unsupported", "attributes", "field", "pack_fixed32", "pack_fixed64", "utf8", "varint"]
+__all__ = ["INT64_MAX", "INT64_MIN", "Unsupported", "attributes", "field", "pack_fixed32", "pack_fixed64", "utf8", "varint"]
 
 
 class Unsupported(ValueError):
@@ -21,8 +21,8 @@ _pack_double: Final[Callable[[float], bytes]] = struct.Struct("<d").pack
 pack_fixed64: Final[Callable[[int], bytes]] = struct.Struct("<Q").pack
 pack_fixed32: Final[Callable[[int], bytes]] = struct.Struct("<I").pack
 _SMALL: Final = tuple(bytes((n,)) for n in range(128))
-_INT64_MIN: Final = -(1 << 63)
-_INT64_MAX: Final = (1 << 63) - 1
+INT64_MIN: Final = -(1 << 63)
+INT64_MAX: Final = (1 << 63) - 1
 _CACHE_LIMIT: Final = 8192  # memoised encodings kept (cleared when full; values come from bounded sets)
 
 
@@ -60,7 +60,7 @@ def _any_value(value: Any) -> bytes:
     if kind is bool:
         return b"\x10\x01" if value else b"\x10\x00"
     if kind is int:
-        if not _INT64_MIN <= value <= _INT64_MAX:
+        if not INT64_MIN <= value <= INT64_MAX:
             raise Unsupported("int outside int64")
         return b"\x18" + varint(value)
     if kind is float:

@@ -23,6 +23,7 @@ from opentelemetry.semconv.attributes import server_attributes as Server
 from opentelemetry.util.types import AttributeValue
 
 from gateway.call import Answer, Call
+from otel._wire import INT64_MAX, INT64_MIN
 
 # fmt: off
 __all__ = [
@@ -116,9 +117,10 @@ _HOST_PROVIDERS: Final[tuple[tuple[str, str], ...]] = (
 _TYPE_PROVIDERS: Final[Mapping[str, str]] = {"anthropic": ANTHROPIC}
 
 
-# an OTLP int attribute is an int64: a larger one (a request may send any integer) is left out, not handed
-# to the SDK's encoder, which logs an error and drops it
-_INT64: Final = (1 << 63) - 1
+def _int64(value: int | None) -> int | None:
+    """`value` when an OTLP int attribute can hold it (an int64); a request may send any integer, and the
+    SDK's encoder logs an error for a larger one and drops it."""
+    return value if value is not None and INT64_MIN <= value <= INT64_MAX else None
 
 
 def present(pairs: Iterable[tuple[str, AttributeValue | None]]) -> Attributes:
@@ -194,7 +196,7 @@ def _embeddings_extras(call: Call) -> Attributes:
     dimensions, encoding = call.raw.get("dimensions"), call.raw.get("encoding_format")
     return present((
         (GenAI.GEN_AI_EMBEDDINGS_DIMENSION_COUNT,
-         dimensions if isinstance(dimensions, int) and not isinstance(dimensions, bool) and 0 < dimensions <= _INT64
+         _int64(dimensions) if isinstance(dimensions, int) and not isinstance(dimensions, bool) and dimensions > 0
          else None),
         (GenAI.GEN_AI_REQUEST_ENCODING_FORMATS, (encoding,) if isinstance(encoding, str) and encoding else None),
     ))
@@ -228,8 +230,7 @@ def inference_start_attributes(
                 GenAI.GEN_AI_REQUEST_STOP_SEQUENCES,
                 tuple(params.stop_sequences) if params.stop_sequences else None,
             ),
-            (GenAI.GEN_AI_REQUEST_SEED, params.seed if params.seed is None or -_INT64 - 1 <= params.seed <= _INT64
-             else None),
+            (GenAI.GEN_AI_REQUEST_SEED, _int64(params.seed)),
             (GenAI.GEN_AI_REQUEST_CHOICE_COUNT, params.choice_count if params.choice_count != 1 else None),
             (GenAI.GEN_AI_REQUEST_STREAM, True if call.stream else None),
             (GenAI.GEN_AI_OUTPUT_TYPE, output_type(call)),
