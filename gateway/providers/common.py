@@ -341,8 +341,8 @@ def request_basics(
     messages = require_list(body, "messages", required=True)
     raw_tools = require_list(body, "tools", required=False)
     check_counts(messages, raw_tools, limits)
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not role_ok(message.get("role")):
+    for index, message in enumerate(messages):  # `type() is dict` first: an ABC isinstance costs ~5x more
+        if not (type(message) is dict or isinstance(message, Mapping)) or not role_ok(message.get("role")):
             raise InvalidRequest(f"messages[{index}] {role_rule}", param="messages")
     stream = body.get("stream")
     if stream is None:  # absent, or null (the OpenAI SDK sends `stream=None` as null): not streaming

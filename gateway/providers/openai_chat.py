@@ -297,8 +297,11 @@ def _stored_audio(messages: list[Any]) -> tuple[str, ...]:
     (refused under a budget): OpenAI puts its audio back in the context, billed as input audio tokens the
     body does not carry. Read from the messages themselves: a key lookup per message costs less than a
     byte search of a large body (and any spelling of the key is read)."""
-    named = [i for i, m in enumerate(messages)
-             if isinstance(m, Mapping) and isinstance(m.get("audio"), Mapping) and m["audio"].get("id")]
+    named = []
+    for i, m in enumerate(messages):  # `type(m) is dict` first: an ABC isinstance costs ~5x more per message
+        audio = m.get("audio") if type(m) is dict or isinstance(m, Mapping) else None
+        if audio is not None and isinstance(audio, Mapping) and audio.get("id"):
+            named.append(i)
     if not named:
         return ()
     return ((f"messages {named[:10]} name spoken answers stored upstream (audio.id), billed as input audio "

@@ -57,12 +57,12 @@ def proposed(message: Mapping[str, Any]) -> tuple[str, str] | None:
 def tool_spec(value: Any) -> Mapping[str, Any] | None:
     """The object naming a Chat Completions tool, a forced choice or a call: `function`, or `custom` for a
     custom (free-text) tool (a streamed call's later deltas carry no `type`); None when it has neither."""
-    if not isinstance(value, Mapping):
+    if not (type(value) is dict or isinstance(value, Mapping)):  # an ABC isinstance costs ~5x a type test
         return None
     spec = value.get("custom") if value.get("type") == "custom" else value.get("function")
     if spec is None and "type" not in value:
         spec = value.get("custom")
-    return spec if isinstance(spec, Mapping) else None
+    return spec if type(spec) is dict or isinstance(spec, Mapping) else None
 
 
 def call_spec(call: Mapping[str, Any]) -> Mapping[str, Any]:
