@@ -79,7 +79,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
     identity: Identity | None = None
     tail = request.rel_url.raw_path.removeprefix("/v1")
     operation = operation_for_path(tail)
-    epoch = 1
+    epoch, segment = 1, 0  # the run's root, for its spans (a forwarded call is no step of the run)
     raw = b""
     span: StepSpan | None = None
     try:
@@ -92,7 +92,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         # before the stop check, as for model calls: the ledger row of a refusal hashes the body
         raw = await read_body(request, gw.config.limits)
         if state is not None:
-            epoch = state.epoch
+            epoch, segment = state.epoch, state.root_segment(step=False)
             refuse_stopped(state)
         refused = forbidden(request.method, path, identity.policy)  # not a step (`gateway.unguarded`)
         if refused is not None:
@@ -130,7 +130,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
         headers = forwardable(request.headers, drop=drop | TRACE_HEADERS)  # repeated fields as they came
         add_credentials(provider, headers)
         span = start_forward(gw, identity, request.headers, method=request.method, url=url, operation=operation,
-                             model=model if isinstance(model, str) else None, route=route, epoch=epoch)
+                             model=model if isinstance(model, str) else None, route=route, epoch=epoch, segment=segment)
         headers.update(span.trace_headers() if span is not None else _agent_trace(request.headers))
         if request.rel_url.raw_query_string:
             url += "?" + request.rel_url.raw_query_string
@@ -140,7 +140,7 @@ async def forward_other(request: web.Request) -> web.StreamResponse:
             end_forward(span, status=None, failure=exc.code)
         elif identity is not None:
             refused_forward(gw, identity, exc, request.headers, method=request.method, operation=operation,
-                            epoch=epoch, body=raw)
+                            epoch=epoch, segment=segment, body=raw)
         return error_response(adapter, exc, base_headers(identity) if identity else echo_headers(request.headers))
     secret = provider_secret(provider)
     headers_out = answer_headers(upstream.headers, base_headers(identity), secret=secret)

@@ -347,7 +347,7 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
     try:
         if mcp.policy.needs_approval(step.qualified):
             await _approve(step)
-        step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run.epoch if ctx.run else 1)
+        step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run)
         step.sending = Sending()
         # from here a side-effecting call runs on to its answer if its client leaves: the answer is
         # recorded for the identical retry, instead of the tool maybe running once unrecorded; for one

@@ -52,7 +52,7 @@ async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     adapter = gw.adapters[wire_of(request)]
     identity: Identity | None = None
-    epoch = 1
+    epoch, segment = 1, 0  # the run's root, for the spans (a model list is no step of the run)
     try:
         if gw.shutting_down:
             raise ShuttingDown("tollgate is shutting down")
@@ -60,19 +60,21 @@ async def list_models(request: web.Request) -> web.Response:
         paging = _paging(request.query)
         state = await passing_run(gw, identity)
         if state is not None:
-            epoch = state.epoch
+            epoch, segment = state.epoch, state.root_segment(step=False)
             refuse_stopped(state)  # as for every forwarded call
     except GatewayError as exc:
         if identity is None:
             return error_response(adapter, exc, echo_headers(request.headers))
-        refused_forward(gw, identity, exc, request.headers, method="GET", operation=None, epoch=epoch)
+        refused_forward(gw, identity, exc, request.headers, method="GET", operation=None, epoch=epoch,
+                        segment=segment)
         return error_response(adapter, exc, base_headers(identity))
     merged = local_models(gw.config)
     reached = 0
     for name, provider in gw.config.providers.items():
         if provider.engine != "http":  # an in-process model has no list to ask for: `local_models`
             continue
-        items = await _models_of(gw, Route(name, provider, "", False), request.headers, identity, epoch)
+        items = await _models_of(gw, Route(name, provider, "", False), request.headers, identity,
+                                 (epoch, segment))
         if items is None:
             continue
         reached += 1
@@ -94,7 +96,7 @@ def local_models(config: Config) -> list[dict[str, Any]]:
 
 
 async def _models_of(gw: Gateway, route: Route, asked: Mapping[str, str], identity: Identity,
-                     epoch: int) -> list[Any] | None:
+                     root: tuple[int, int]) -> list[Any] | None:
     """Every entry of one provider's list, or None when it did not answer with one. Each page asked
     is a CLIENT span, as any forwarded call is."""
     provider = route.provider
@@ -111,7 +113,7 @@ async def _models_of(gw: Gateway, route: Route, asked: Mapping[str, str], identi
         url = base if provider.type != "anthropic" else f"{base}?limit={PAGE_LIMIT}" + (
             f"&after_id={quote(after, safe='')}" if after else "")
         span = start_forward(gw, identity, asked, method="GET", url=url, operation=None, model=None, route=route,
-                             epoch=epoch)
+                             epoch=root[0], segment=root[1])
         sent = headers.copy()
         if span is not None:
             sent.update(span.trace_headers())

@@ -99,7 +99,8 @@ def _parent(telemetry: Telemetry, step: Step) -> Context:
     agent_ctx: Context | None = step.extra.get(_PARENT)
     if agent_ctx is not None:
         return agent_ctx
-    return telemetry.run_parent(step.run_id, step.agent, epoch=step.extra.get("epoch", 1))
+    return telemetry.run_parent(step.run_id, step.agent, epoch=step.extra.get("epoch", 1),
+                                segment=step.extra.get("segment", 0))
 
 
 @functools.lru_cache(maxsize=256)

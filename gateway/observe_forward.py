@@ -30,26 +30,28 @@ from otel.propagation import context_from_headers
 from otel.spans import StepLabels, StepSpan
 from otel.telemetry import Telemetry
 
-__all__ = ["body_model", "current_epoch", "end_forward", "refused_call", "refused_forward", "start_forward"]
+__all__ = ["body_model", "current_root", "end_forward", "refused_call", "refused_forward", "start_forward"]
 
 
 def start_forward(gw: Gateway, identity: Identity, headers: Mapping[str, str], *, method: str, url: str,
-                  operation: str | None, model: str | None, route: Route, epoch: int) -> StepSpan | None:
-    """Open the span of a call about to be forwarded; None when telemetry is off."""
+                  operation: str | None, model: str | None, route: Route, epoch: int,
+                  segment: int) -> StepSpan | None:
+    """Open the span of a call about to be forwarded, under the agent's trace context, else under the run
+    epoch's root `segment` (`RunState.root_segment(step=False)`); None when telemetry is off."""
     telemetry = telemetry_of(gw)
     if telemetry is None:
         return None
     provider = route.provider
     provider_name, address, port = provider_endpoint(provider.type, provider.base_url, route.provider_name)
-    return _open(telemetry, headers, epoch, method, url.partition("?")[0], operation, model, identity,
+    return _open(telemetry, headers, (epoch, segment), method, url.partition("?")[0], operation, model, identity,
                  StepLabels(operation=operation or "", provider=provider_name, request_model=model,
                             server_address=address or None, server_port=port))
 
 
-def _open(telemetry: Telemetry, headers: Mapping[str, str], epoch: int, method: str, url: str,
+def _open(telemetry: Telemetry, headers: Mapping[str, str], root: tuple[int, int], method: str, url: str,
           operation: str | None, model: str | None, identity: Identity, labels: StepLabels) -> StepSpan:
-    """The span, under the agent's trace context, else its run's root."""
-    parent = _parent(telemetry, headers, identity, epoch)
+    """The span, under the agent's trace context, else its run's root (`root`: epoch, segment)."""
+    parent = _parent(telemetry, headers, identity, root)
     if operation is None:
         return telemetry.start_http(method, url, labels=labels, parent=parent, run_id=identity.run_id,
                                     agent=identity.agent)
@@ -59,12 +61,13 @@ def _open(telemetry: Telemetry, headers: Mapping[str, str], epoch: int, method: 
                                      run_id=identity.run_id, agent=identity.agent)
 
 
-def _parent(telemetry: Telemetry, headers: Mapping[str, str], identity: Identity, epoch: int) -> Context:
-    """The agent's trace context when it sent one, else its run's root (of `epoch`)."""
-    # a forwarded call writes nothing to the run, so no sweep or stop would export a root it opened: it
-    # goes under the run's last root, not its next one (`resume=False`)
+def _parent(telemetry: Telemetry, headers: Mapping[str, str], identity: Identity, root: tuple[int, int]) -> Context:
+    """The agent's trace context when it sent one, else its run's root (`root`: epoch, segment). A call
+    that writes nothing to the run is given the run's last root, not its next one: no sweep or stop would
+    export a root it opened (`RunState.root_segment(step=False)`)."""
+    epoch, segment = root
     return context_from_headers(headers) or telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch,
-                                                                 resume=False)
+                                                                 segment=segment)
 
 
 def end_forward(span: StepSpan | None, *, status: int | None, failure: str | None = None) -> None:
@@ -84,7 +87,7 @@ def end_forward(span: StepSpan | None, *, status: int | None, failure: str | Non
 
 
 def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, headers: Mapping[str, str], *,
-                    method: str, operation: str | None, epoch: int, body: bytes = b"") -> None:
+                    method: str, operation: str | None, epoch: int, segment: int, body: bytes = b"") -> None:
     """A call refused before forwarding because its run is stopped: a span and a ledger row with the
     stop's reason (other refusals are the caller's mistakes, answered without either). `body`: the
     request's, read already; the row names the `model` it names and hashes it as model calls' rows do."""
@@ -94,7 +97,7 @@ def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, header
     model = body_model(body)
     telemetry = telemetry_of(gw)
     if telemetry is not None:
-        span = _open(telemetry, headers, epoch, method, "", operation, model, identity,
+        span = _open(telemetry, headers, (epoch, segment), method, "", operation, model, identity,
                      StepLabels(operation=operation or "", request_model=model))
         span.stop(reason, error.redacted)
         span.end()
@@ -106,13 +109,15 @@ def refused_forward(gw: Gateway, identity: Identity, error: GatewayError, header
                                          detail=error.redacted))
 
 
-async def current_epoch(gw: Gateway, identity: Identity) -> int:
-    """The run's current epoch (1 for a run the store does not hold yet, or cannot read now)."""
+async def current_root(gw: Gateway, identity: Identity) -> tuple[int, int]:
+    """(epoch, segment) of the run's root a call that is no step of it goes under: its current epoch and
+    last root (`RunState.root_segment(step=False)`); (1, 0) for a run the store does not hold yet, or
+    cannot read now."""
     try:
         state = await gw.store.get(identity.run_id, steps=False, reservations=False)
     except GatewayError:  # the refusal is answered already; only where its span goes is at stake
-        return 1
-    return state.epoch if state is not None else 1
+        return 1, 0
+    return (state.epoch, state.root_segment(step=False)) if state is not None else (1, 0)
 
 
 def body_model(body: bytes) -> str | None:
@@ -141,8 +146,8 @@ async def refused_call(gw: Gateway, identity: Identity, call: Call, error: Gatew
     if telemetry is not None:
         parent = context_from_headers(headers)
         if parent is None:
-            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=await current_epoch(gw, identity),
-                                          resume=False)
+            epoch, segment = await current_root(gw, identity)
+            parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch, segment=segment)
         span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0, parent=parent,
                                          run_id=identity.run_id, agent=identity.agent, start_time=started)
         if error.stop_reason:

@@ -24,8 +24,8 @@ from gateway.errors import GatewayError
 from gateway.jsonrpc import NAME_BEARING, is_final_result
 from gateway.ledger import Ledger, LedgerEntry
 from gateway.observe import STOP_GUARD, UPSTREAM_ERRORS, append_written, as_decided, telemetry_of
-from gateway.observe_forward import current_epoch
-from gateway.observe_runs import end_run
+from gateway.observe_forward import current_root
+from gateway.observe_runs import end_root
 from gateway.store.base import RunState
 from guards.base import Decision
 from otel.attributes import TOLLGATE_GUARDS, TOOLS_CALL
@@ -101,11 +101,15 @@ def _operation(mcp: McpRequest, message: Message, tool: str | None) -> McpOperat
 
 
 def _open_tool(
-    telemetry: Telemetry, mcp: McpRequest, message: Message, tool: str, epoch: int, start_time: float | None
+    telemetry: Telemetry, mcp: McpRequest, message: Message, tool: str, run: RunState | None,
+    start_time: float | None
 ) -> StepSpan:
+    """The span of a tool call: a step of the run, under the root its next export carries (`run`: as the
+    call read it; None: the run's first)."""
     parent = _trace_parent(mcp, message)
     if parent is None:
-        parent = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch)
+        parent = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=run.epoch if run else 1,
+                                      segment=run.root_segment() if run else 0)
     return telemetry.start_mcp(_operation(mcp, message, tool), parent=parent, run_id=mcp.identity.run_id,
                                agent=mcp.identity.agent, start_time=start_time)
 
@@ -122,13 +126,14 @@ def _traced_body(message: Message, span: StepSpan) -> bytes:
     return exact_json.dumps({**message.body, "params": {**message.params, "_meta": traced}})
 
 
-def start_tool_span(mcp: McpRequest, message: Message, tool: str, epoch: int) -> tuple[StepSpan | None, bytes]:
+def start_tool_span(mcp: McpRequest, message: Message, tool: str,
+                    run: RunState | None) -> tuple[StepSpan | None, bytes]:
     """Open the MCP CLIENT span `tools/call {tool}` just before the call is forwarded. Returns it and
     the body to forward: the request with the span's trace context in `params._meta` (mcp.md)."""
     telemetry = telemetry_of(mcp.gw)
     if telemetry is None:
         return None, exact_json.dumps(message.body)
-    span = _open_tool(telemetry, mcp, message, tool, epoch, None)
+    span = _open_tool(telemetry, mcp, message, tool, run, None)
     if telemetry.capture_content:
         span.capture_input(_tool_call(message, tool), mcp.gw.services["redactor"])
     return span, _traced_body(message, span)
@@ -150,8 +155,8 @@ async def start_relay_span(mcp: McpRequest, message: Message) -> tuple[StepSpan 
         return None, exact_json.dumps(message.body)
     parent = _trace_parent(mcp, message)
     if parent is None:
-        epoch = await current_epoch(mcp.gw, mcp.identity)
-        parent = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch, resume=False)
+        epoch, segment = await current_root(mcp.gw, mcp.identity)
+        parent = telemetry.run_parent(mcp.identity.run_id, mcp.identity.agent, epoch=epoch, segment=segment)
     span = telemetry.start_mcp(_operation(mcp, message, None), parent=parent, run_id=mcp.identity.run_id,
                                agent=mcp.identity.agent)
     return span, _traced_body(message, span)
@@ -251,8 +256,7 @@ async def end_tool_span(
             state = None
     stopped_now = bool(stop and state is not None and state.stopped and state.stop_reason == stop)
     if span is None:
-        epoch = state.epoch if state is not None else (run.epoch if run is not None else 1)
-        span = _open_tool(telemetry, mcp, message, tool, epoch, started_wall)
+        span = _open_tool(telemetry, mcp, message, tool, state if state is not None else run, started_wall)
         if telemetry.capture_content:
             span.capture_input(_tool_call(message, tool), gw.services["redactor"])
     if decisions:  # a cap the run store refused reads as the caps' stop, as for a model call
@@ -285,7 +289,7 @@ async def end_tool_span(
         span.capture_output(answer, gw.services["redactor"])
     span.finish(answer)
     if stopped_now and state is not None:
-        end_run(gw, state)
+        await end_root(gw, state)
     ledger: Ledger | None = gw.services.get("ledger")
     if ledger is not None:
         arguments = message.params.get("arguments")

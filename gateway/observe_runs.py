@@ -1,6 +1,7 @@
-"""Run root spans: `end_run` exports a run's `invoke_agent` root with its totals when the run stops or is
-reset; `end_idle_runs` does so for runs idle for `otel.run_idle_s`, not for good (a step of the run after
-that starts its next root: `otel.runs.RunRoots`)."""
+"""Run root spans: `end_root` exports a run's `invoke_agent` root with its totals when the run stops or is
+reset, and `end_idle_runs` for runs idle for `otel.run_idle_s`, not for good (a step of the run after
+that goes under its next root: `otel.runs`). Each export is claimed in the run store first
+(`RunStore.claim_root`), so that of the gateway processes sharing it, one exports each root."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import time
 from typing import Final
 
+from gateway.errors import GatewayError
 from gateway.observe import telemetry_of
 from gateway.runtime import Gateway
 from gateway.step import Step
@@ -17,20 +19,62 @@ from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry
 
 _SWEPT_SERVICE: Final = "observe.idle_swept"
-ENDS_RUN: Final = "ends_run"  # step.extra: the run (RunState) the step stopped, whose root `end_with` exports
+# step.extra: the run (RunState) the step stopped and the root it claimed, which `end_with` exports
+ENDS_RUN: Final = "ends_run"
+
+Claimed = tuple[int, float | None]  # (segment, its start: None for the run's own start)
+
+
+async def claim_stop(gw: Gateway, step: Step) -> None:
+    """For a step that stopped its run (or was refused by the stop): read the run and claim its final root,
+    for `end_with` to export once the step's own span ended. Nothing when tracing is off; a store that
+    fails leaves the root to whoever claims it next (counted as an `end_run` telemetry error)."""
+    telemetry = telemetry_of(gw)
+    if telemetry is None or not telemetry.tracing:
+        return
+    state = await gw.store.get(step.run_id, steps=True, reservations=False)
+    if state is None or not state.stopped:
+        return
+    claimed = await _claim(gw, telemetry, state, final=True)
+    if claimed is not None:
+        step.extra[ENDS_RUN] = (state, claimed)
 
 
 def end_with(gw: Gateway, step: Step) -> None:
     """A step hook after `observe.on_step`: the root of the run the step stopped is exported after the
     step's own span ended, so the run's root spans its stopping step (it ended 1-2 ms before it)."""
-    state = step.extra.pop(ENDS_RUN, None)
-    if isinstance(state, RunState):
-        end_run(gw, state)
+    ends = step.extra.pop(ENDS_RUN, None)
+    if ends is not None:
+        state, claimed = ends
+        export_root(gw, state, claimed)
 
 
-def end_run(gw: Gateway, state: RunState, *, final: bool = True) -> None:
-    """Export the run's `invoke_agent` root span with its totals: when the run stops or is reset
-    (`final`), or went idle."""
+async def end_root(gw: Gateway, state: RunState, *, final: bool = True, upto: float | None = None) -> bool:
+    """Claim the run epoch's next root in the store, and export it when this process won the claim: when
+    the run stops or is reset (`final`), or went idle (`upto`: the latest activity judged idle). False
+    when nothing was exported (tracing off, claimed elsewhere, nothing new since the last root)."""
+    telemetry = telemetry_of(gw)
+    if telemetry is None or not telemetry.tracing:
+        return False
+    claimed = await _claim(gw, telemetry, state, final=final, upto=upto)
+    if claimed is None:
+        return False
+    export_root(gw, state, claimed)
+    return True
+
+
+async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: bool,
+                 upto: float | None = None) -> Claimed | None:
+    try:
+        return await gw.store.claim_root(state.run_id, state.epoch, final=final, stopped=state.stopped, upto=upto,
+                                         now=time.time())
+    except GatewayError:  # the store is down: no root now; the next claim (a sweep, a stop) tries again
+        telemetry.record_error("end_run")
+        return None
+
+
+def export_root(gw: Gateway, state: RunState, claimed: Claimed) -> None:
+    """Export the root span `claimed` for the run (`end_root`), with the run's totals as `state` has them."""
     telemetry = telemetry_of(gw)
     if telemetry is None:
         return
@@ -52,8 +96,9 @@ def end_run(gw: Gateway, state: RunState, *, final: bool = True) -> None:
         provider_name=provider,
         usage_estimated=state.used.get(UNREPORTED_USAGE, 0.0) > 0,  # counted by the store: steps are trimmed
     )
+    segment, start = claimed
     telemetry.end_run(state.run_id, state.agent, started_at=state.started_at or time.time(), totals=totals,
-                      epoch=state.epoch, final=final)
+                      epoch=state.epoch, segment=segment, start=start)
 
 
 # -- idle runs ------------------------------------------------------------------------------------
@@ -78,8 +123,9 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
     each time. The first sweep of a process starts where the sweeps of the processes before it stopped
     (`RunStore.idle_swept`), however long the gateway was down (one idle period back for a store no sweep
     has marked): runs that went idle while nobody was sweeping are ended too. A run that became active
-    again and went idle again is seen again, and its next root exported (`otel.runs.RunRoots`); one
-    with no step since its last root exports nothing. A sweep the store fails is retried whole."""
+    again and went idle again is seen again, and its next root exported (`RunStore.claim_root`); one
+    with nothing new since its last root, or whose root another process sharing the store exported,
+    exports nothing. A sweep the store fails is retried whole."""
     telemetry: Telemetry | None = gw.services.get("telemetry")
     if telemetry is None or not telemetry.tracing:
         return 0
@@ -96,7 +142,8 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
         for state in page:
             # what the page shows is current: a run busy again since the window was read is left out
             if state.status == "active" and state.updated_at is not None and state.updated_at <= before:
-                end_run(gw, state, final=False)  # a step after this starts the run's next root
+                # a step after this goes under the run's next root; another process may claim it first
+                await end_root(gw, state, final=False, upto=before)
                 ended += 1
         await asyncio.sleep(0)  # a backlog is many pages: let requests run between them
     swept.upto = max(after, before)

@@ -95,6 +95,7 @@ async def guard_before(gw: Gateway, step: Step) -> None:
     if step.extra.get("epoch", epoch) != epoch:  # reset since the last attempt: its provider's calls count nowhere
         step.extra.pop("hosted_discarded", None)
     step.extra["epoch"] = epoch
+    step.extra["segment"] = snapshot.root_segment() if snapshot is not None else 0  # of the run's roots
     step.extra[_MARK] = gw.history_marks.version(ident.run_id)
     if snapshot is not None and snapshot.stopped:  # sticky: the run's own reason, whatever else holds now
         step.stop_reason = snapshot.stop_reason or "stopped"

@@ -27,7 +27,7 @@ from gateway.http1_wire import Sending
 from gateway.identity import Identity
 from gateway.observe import UPSTREAM_STATUS, begin_step, ledger_stop_now, start_span
 from gateway.observe_forward import refused_call
-from gateway.observe_runs import ENDS_RUN
+from gateway.observe_runs import claim_stop
 from gateway.outputs import OutputPlan, apply_native, judge, off_loop_if_long, plan_outputs
 from gateway.pipeline import (
     base_headers,
@@ -398,6 +398,6 @@ async def record(gw: Gateway, step: Step) -> None:
         filed = await gw.store.record_step(step.run_id, step.agent, step.summary(), time.time())
         step.extra.setdefault("epoch", filed)  # refused before it read the run: its trace is the current epoch's
         if step.stop_reason:  # the run's root ends once the step's own span has (`observe_runs.end_with`)
-            step.extra[ENDS_RUN] = await gw.store.get(step.run_id)
+            await claim_stop(gw, step)
     except GatewayError:
         step.extra["record_failed"] = True

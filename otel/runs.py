@@ -10,19 +10,20 @@
 Run epochs: a run id is reused after `POST /admin/runs/{id}/reset`. Each incarnation ("epoch") has its
 own derived ids, from `(run_id, epoch)`; pass the same `epoch` to `run_parent` and `end_run` (the
 number of resets, or any value that changes when the run starts afresh; default 0). A stop or a
-reset ends an epoch's root for good (`final`): a later `end_run` of it is a no-op, and a step arriving
-after a stop still lands under the exported root. An idle run's root is exported too, but not for
-good: a step of the run after that starts the epoch's next root ("segment", same trace, its span id
-derived from `(run_id, epoch, segment)`, starting where the previous one ended), which the next
-`end_run` exports with the run's totals then, its stop reason included (`RunRoots`). Otherwise a run
-that paused longer than the idle time kept a root saying it was fine, and its stop was on no root.
+reset ends an epoch's root for good: a step arriving after a stop still lands under the exported root.
+An idle run's root is exported too, but not for good: a step of the run after that goes under the
+epoch's next root ("segment", same trace, its span id derived from `(run_id, epoch, segment)`,
+starting where the previous one ended), which the next export carries with the run's totals then, its
+stop reason included. Otherwise a run that paused longer than the idle time kept a root saying it was
+fine, and its stop was on no root. Which segment a span goes under, and which one is exported when,
+is the run store's to say (`RunState.root_segment`, `RunStore.claim_root`): every gateway process
+sharing the store then exports each root once.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from otel.propagation import context_from_headers, inject_headers
 # fmt: off
 __all__ = [
     "GATEWAY_PROVIDER", "INVOKE_AGENT", "TOLLGATE_CHARGED_INPUT_TOKENS", "TOLLGATE_CHARGED_OUTPUT_TOKENS",
-    "RunIdGenerator", "RunParents", "RunRoots", "RunTotals", "context_from_headers",
+    "RunIdGenerator", "RunParents", "RunTotals", "context_from_headers",
     "inject_headers", "path_fingerprint", "run_ids", "run_root_attributes"
 ]
 # fmt: on
@@ -106,60 +107,6 @@ def run_ids(run_id: str, epoch: int | str = 0, segment: int = 0) -> tuple[int, i
     trace_id = int.from_bytes(raw[:16], "big") or 1
     span_id = int.from_bytes(raw[16:], "big") or 1
     return trace_id, span_id
-
-
-@dataclass(slots=True)
-class _Root:
-    segment: int  # the last root exported
-    final: bool  # by a stop or a reset: later steps stay under it
-    resumed: bool  # a step started under the next segment since
-    ended_at: float  # Unix seconds
-
-
-class RunRoots:
-    """Which root of a run epoch a step is parented to, and which one `end_run` exports (module
-    docstring): bounded to `kept` epochs (the least recently used forgotten first). Not thread-safe:
-    steps and run ends all come from the event loop (`end` under Telemetry's lock as well); `segment`,
-    on every step, is a dict read, a flag and a move to the end."""
-
-    __slots__ = ("_kept", "_roots")
-
-    def __init__(self, kept: int) -> None:
-        self._kept = kept
-        self._roots: OrderedDict[tuple[str, str], _Root] = OrderedDict()
-
-    def segment(self, run_id: str, epoch: int | str, *, resume: bool = True) -> int:
-        """The root the run's next step is parented to (marks an idle-ended epoch as resumed); with
-        `resume=False` (a call that is no step of the run), the last one."""
-        key = (run_id, str(epoch))
-        root = self._roots.get(key)
-        if root is None or root.final or not resume:
-            return root.segment if root is not None else 0
-        root.resumed = True
-        self._roots.move_to_end(key)  # in use: the last to be forgotten
-        return root.segment + 1
-
-    def end(self, run_id: str, epoch: int | str, *, final: bool, now: float,
-            stopped: bool = False) -> tuple[int, float | None] | None:
-        """The root to export now, as (segment, its start: None for the run's own start), or None: the
-        epoch ended for good already, or nothing of the run happened since its last root. `stopped`: the
-        run stopped, which is news even when no step started since its idle root (one in flight did)."""
-        key = (run_id, str(epoch))
-        root = self._roots.get(key)
-        if root is None:
-            self._roots[key] = _Root(0, final, False, now)
-            while len(self._roots) > self._kept:
-                self._roots.popitem(last=False)
-            return 0, None
-        if root.final:
-            return None
-        if not root.resumed and not (final and stopped):
-            root.final = root.final or final
-            return None
-        start = root.ended_at
-        root.segment, root.final, root.resumed, root.ended_at = root.segment + 1, final, False, now
-        self._roots.move_to_end(key)
-        return root.segment, start
 
 
 def run_root_attributes(run_id: str, agent: str, totals: RunTotals, epoch: int | str = 0,

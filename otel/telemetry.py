@@ -10,7 +10,6 @@ never raises (errors are counted in `tollgate_telemetry_errors_total`) and never
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from opentelemetry.context import Context
@@ -46,7 +45,6 @@ from otel.runs import (
     INVOKE_AGENT,
     RunIdGenerator,
     RunParents,
-    RunRoots,
     RunTotals,
     run_ids,
     run_root_attributes,
@@ -57,7 +55,6 @@ __all__ = [
     "Telemetry",
 ]
 
-_ENDED_RUNS_KEPT = 4096  # run epochs remembered to make `end_run` idempotent
 
 
 def _inference_name(call: Call) -> str:
@@ -89,7 +86,6 @@ class Telemetry:
         self._sampler = sampler
         self._ids = ids
         self._errors = errors
-        self._roots = RunRoots(_ENDED_RUNS_KEPT)
         self._parents = RunParents(sampler) if tracer is not None and sampler is not None else None
         self._lock = threading.Lock()
         self._closed = False
@@ -231,31 +227,27 @@ class Telemetry:
 
         return self._step(start, parent, "mcp", labels)
 
-    def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0, resume: bool = True) -> Context:
+    def run_parent(self, run_id: str, agent: str, *, epoch: int | str = 0, segment: int = 0) -> Context:
         """Parent context for the steps of a run without agent trace context: the (future) root span
-        `invoke_agent {agent}` with ids derived from `(run_id, epoch)` (`RunParents`; `resume=False`: a
-        call that is no step of the run stays under its last root, `RunRoots`). Empty when tracing is off."""
+        `invoke_agent {agent}` with ids derived from `(run_id, epoch, segment)` (`RunParents`; the segment
+        the run store gives: `RunState.root_segment`). Empty when tracing is off."""
         if self._parents is None:
             return Context()
         try:
-            return self._parents.get(run_id, agent, epoch, self._roots.segment(run_id, epoch, resume=resume))
+            return self._parents.get(run_id, agent, epoch, segment)
         except Exception:  # noqa: BLE001 - counted; steps then start their own traces
             self._errors.record("run_parent")
             return Context()
 
     @guarded("end_run")
     def end_run(self, run_id: str, agent: str, *, started_at: float, totals: RunTotals,
-                epoch: int | str = 0, final: bool = True) -> bool:
-        """Export the run epoch's root span (start = `started_at`, Unix seconds; end = now) with its totals
-        (`error.type`: the stop reason). `final`: stopped or reset; else idle (`RunRoots`). False when
-        tracing is off or nothing is exported (ended for good, or nothing ran since its last root)."""
+                epoch: int | str = 0, segment: int = 0, start: float | None = None) -> bool:
+        """Export the root span of the run epoch's `segment` (start = `start`, else `started_at`, Unix
+        seconds; end = now) with its totals (`error.type`: the stop reason). Which segment, and whether
+        it is exported at all, is the caller's to decide once (`RunStore.claim_root`). False when tracing
+        is off."""
         if self._tracer is None or self._ids is None:
             return False
-        with self._lock:
-            decided = self._roots.end(run_id, epoch, final=final, now=time.time(), stopped=bool(totals.stop_reason))
-        if decided is None:
-            return False
-        segment, start = decided
         trace_id, span_id = run_ids(run_id, epoch, segment)
         name = f"{INVOKE_AGENT} {agent}" if agent else INVOKE_AGENT
         with self._ids.override(trace_id, span_id):
@@ -270,6 +262,10 @@ class Telemetry:
             span.set_status(Status(StatusCode.ERROR, totals.stop_reason))
         span.end()
         return True
+
+    def record_error(self, component: str) -> None:
+        """Count a telemetry failure of the caller's (`tollgate_telemetry_errors_total{component}`)."""
+        self._errors.record(component)
 
     def spans_dropped(self) -> int:
         """Spans lost so far: export queue full, export failed, or ended after shutdown."""

@@ -150,10 +150,26 @@ class RunState:
     lists: dict[str, list[str]] = field(default_factory=dict)
     open: dict[str, dict[str, Any]] = field(default_factory=dict)  # reservation id -> amounts
     steps: list[dict[str, Any]] = field(default_factory=list)
+    # the epoch's `invoke_agent` root spans (`logic.claim_root`), kept with the run so that every process
+    # sharing the store exports each of them once: how many were exported, whether the last one ended
+    # the epoch for good (a stop or a reset), the run's `updated_at` when it was claimed (a run whose
+    # `updated_at` moved since has news for the next one), and when it ended (where the next one starts)
+    roots: int = 0
+    roots_final: bool = False
+    roots_mark: float | None = None
+    roots_end: float | None = None
 
     @property
     def stopped(self) -> bool:
         return self.status == "stopped"
+
+    def root_segment(self, *, step: bool = True) -> int:
+        """The root (`otel.runs.run_ids` segment) a span of the run goes under: a step's, the one to be
+        exported next, unless the epoch's roots ended for good (then the last one); a call that is no
+        step of the run (it writes nothing the next root would report), the last one exported."""
+        if self.roots and (self.roots_final or not step):
+            return self.roots - 1
+        return self.roots
 
     def view(self) -> dict[str, Any]:
         """The run as the admin API shows it (DESIGN section 2)."""
@@ -221,6 +237,16 @@ class RunStore(Protocol):
         ...
 
     async def reset(self, run_id: str, now: float) -> RunState | None: ...
+
+    async def claim_root(
+        self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
+        now: float,
+    ) -> tuple[int, float | None] | None:
+        """Atomically, across every process sharing the store: decide whether the run epoch's next root
+        span is exported now, by the caller (`logic.claim_root`): (segment, its start: None for the run's
+        own start) when it is, else None (another process claimed it, nothing happened since the last
+        one, the epoch ended or changed, or the run is gone)."""
+        ...
 
     async def list_runs(self, limit: int = 100) -> list[RunState]: ...
 

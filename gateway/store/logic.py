@@ -241,9 +241,35 @@ def record_step(state: RunState, step: Mapping[str, Any], now: float) -> int:
     return state.epoch
 
 
+def claim_root(state: RunState, epoch: int, *, final: bool, stopped: bool, upto: float | None,
+               now: float) -> tuple[int, float | None] | None:
+    """Claim the export of the epoch's next `invoke_agent` root span (`RunStore.claim_root`).
+
+    `final`: the run stops or is reset (its root ends the epoch for good; later steps go under it); else
+    it went idle, and `upto` is the latest `updated_at` the caller judged idle (a run busy again since,
+    or stopped, is not claimed: its stop exports it). There is something to export when no root was, or
+    the run's `updated_at` moved since the last one (a step, a settlement, a stop: `roots_mark`), or
+    the run `stopped` (news even with nothing written since its idle root: a step in flight stopped it).
+    A final claim with nothing to export still ends the epoch's roots. The claim writes no `updated_at`:
+    it is no activity of the run."""
+    if state.epoch != epoch or state.roots_final:
+        return None
+    if not final and (state.stopped or (upto is not None and (state.updated_at or 0.0) > upto)):
+        return None
+    news = state.roots == 0 or state.updated_at != state.roots_mark
+    if not news and not (final and stopped):
+        state.roots_final = final
+        return None
+    claimed = state.roots, state.roots_end
+    state.roots += 1
+    state.roots_final, state.roots_mark, state.roots_end = final, state.updated_at, now
+    return claimed
+
+
 def reset(state: RunState, now: float) -> None:
     """Start the run afresh under a new epoch; reservations in flight settle into nothing."""
     state.epoch += 1
+    state.roots, state.roots_final, state.roots_mark, state.roots_end = 0, False, None, None
     state.status = "active"
     state.stop_reason = None
     state.stop_detail = None
@@ -271,6 +297,10 @@ def to_dict(state: RunState) -> dict[str, Any]:
         "lists": state.lists,
         "open": state.open,
         "steps": state.steps,
+        "roots": state.roots,
+        "roots_final": state.roots_final,
+        "roots_mark": state.roots_mark,
+        "roots_end": state.roots_end,
     }
 
 
@@ -289,4 +319,8 @@ def from_dict(data: Mapping[str, Any]) -> RunState:
         lists={k: list(v) for k, v in data.get("lists", {}).items()},
         open=dict(data.get("open", {})),
         steps=list(data.get("steps", [])),
+        roots=int(data.get("roots", 0)),  # absent from a run written before roots were kept
+        roots_final=bool(data.get("roots_final", False)),
+        roots_mark=data.get("roots_mark"),
+        roots_end=data.get("roots_end"),
     )

@@ -82,6 +82,15 @@ class MemoryRunStore:
         self._writes.pop(run_id, None)  # the new epoch names none of them: only their memory goes
         return logic.from_dict(logic.to_dict(state))
 
+    async def claim_root(
+        self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
+        now: float,
+    ) -> tuple[int, float | None] | None:
+        state = self._runs.get(run_id)
+        if state is None:
+            return None
+        return logic.claim_root(state, epoch, final=final, stopped=stopped, upto=upto, now=now)
+
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         runs = sorted(self._runs.values(), key=lambda r: r.updated_at or 0.0, reverse=True)[:limit]
         return [logic.from_dict(logic.to_dict(r)) for r in runs]

@@ -389,6 +389,17 @@ class RedisRunStore:
         reply = await self._call("reset", run_id, "", [float(now)])
         return None if reply is None else decode_reply(reply)
 
+    async def claim_root(
+        self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
+        now: float,
+    ) -> tuple[int, float | None] | None:
+        reply = await self._call("claim_root", run_id, "",
+                                 [int(epoch), final, stopped, opt_float(upto), float(now)])
+        if reply is None:
+            return None
+        segment, start = orjson.loads(reply)
+        return int(segment), None if start is None else float(start)
+
     async def claim_write(
         self, run_id: str, agent: str, epoch: int, key: str, token: str, *, lease_s: float, keep: int, now: float
     ) -> WriteClaim:

@@ -311,6 +311,26 @@ touch()
 return '{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":[]}'
 """
 
+# A: [epoch, final (bool), stopped (bool), upto|null, now]: `logic.claim_root`. Answers [segment, start|null]
+# (JSON) when the caller exports the root, else false. The fields `roots` (count), `roots_final` ('1'/'0'),
+# `roots_mark` (`updated_at` as it was stored when claimed: compared as text, exactly) and `roots_end`
+# (`%.17g`) are in the run's hash, which a reset replaces. No `touch()`: a claim is no activity of the run.
+_CLAIM_ROOT = """
+if redis.call('EXISTS', K) == 0 then return false end
+local f = redis.call('HMGET', K, 'epoch', 'status', 'updated_at', 'roots', 'roots_final', 'roots_mark', 'roots_end')
+if tonumber(f[1]) ~= A[1] or f[5] == '1' then return false end
+local final, stopped, upto = A[2], A[3], opt(A[4])
+if not final and (f[2] == 'stopped' or (upto ~= nil and tonumber(f[3] or '0') > upto)) then return false end
+local roots = tonumber(f[4] or '0')
+if roots > 0 and (f[3] or '') == (f[6] or '') and not (final and stopped) then  -- nothing new since
+  redis.call('HSET', K, 'roots_final', final and '1' or '0')
+  return false
+end
+redis.call('HSET', K, 'roots', string.format('%d', roots + 1), 'roots_final', final and '1' or '0',
+           'roots_mark', f[3] or '', 'roots_end', num(A[5]))
+return '[' .. string.format('%d', roots) .. ',' .. (f[7] or 'null') .. ']'
+"""
+
 # A: [with steps (bool)]. Read-only. Answers {"f": [field, value, ...], "s": [step, ...]} (the steps are
 # the JSON texts as recorded, spliced in, not re-encoded), or false when there is no such run.
 _GET = """
@@ -332,4 +352,5 @@ BODIES = {
     "record_step": _RECORD_STEP,
     "reset": _RESET,
     "get": _GET,
+    "claim_root": _CLAIM_ROOT,
 }

@@ -12,6 +12,7 @@ that the hot path reads a run without its steps):
 | `u:<counter>` / `r:<counter>` | used / reserved amount, `%.17g` text |
 | `o:<reservation id>` | `{"amounts": {counter: "%.17g"}, "at": "%.17g", "units": "%.17g", "output": "%.17g"}` (JSON; numbers as text; `output`: output tokens held, every choice's) |
 | `l:<list>` | JSON array of strings (`[]` when empty) |
+| `roots`, `roots_final`, `roots_mark`, `roots_end` | the epoch's root spans (`logic.claim_root`, script `claim_root`) |
 
 The steps list holds each step as the JSON the caller encoded, the last `MAX_STEPS` of them. The index
 `<prefix>runs` is a sorted set of run ids scored by `updated_at` (0 when unset), for listing.
@@ -204,9 +205,13 @@ def _decode(fields: Mapping[str, str], steps: list[Any]) -> RunState:
     state.status = fields.get("status", "active")
     state.stop_reason = fields.get("stop_reason")
     state.stop_detail = fields.get("stop_detail")
-    for name in ("started_at", "updated_at"):
+    for name in ("started_at", "updated_at", "roots_end"):
         if name in fields:
             setattr(state, name, float(fields[name]))
+    state.roots = int(fields.get("roots", "0"))
+    state.roots_final = fields.get("roots_final") == "1"
+    mark = fields.get("roots_mark")
+    state.roots_mark = float(mark) if mark else None
     return state
 
 

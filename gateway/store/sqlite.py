@@ -368,6 +368,18 @@ class SqliteRunStore:
             self._writes.forget_former(run_id, state.epoch)
         return _copy(state)
 
+    async def claim_root(
+        self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
+        now: float,
+    ) -> tuple[int, float | None] | None:
+        """Written through: the file holds every claim, so a restarted process never exports a root twice
+        (one process holds the file: `StateFileLock`)."""
+        state = self._existing(run_id)
+        if state is None or state.epoch != epoch or state.roots_final:
+            return None  # nothing can change: nothing to write
+        return self._change(state, lambda s: logic.claim_root(s, epoch, final=final, stopped=stopped, upto=upto,
+                                                              now=now))
+
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         """Most recently updated first, with their steps (buffered steps are written first)."""
         return self._read_runs("SELECT run_id, state, updated_at FROM runs ORDER BY updated_at DESC LIMIT ?",
@@ -490,4 +502,8 @@ def _copy(state: RunState, *, shared_open: bool = False, reservations: bool = Tr
             for rid, held in state.open.items()
         } if reservations else {},
         steps=[],
+        roots=state.roots,
+        roots_final=state.roots_final,
+        roots_mark=state.roots_mark,
+        roots_end=state.roots_end,
     )

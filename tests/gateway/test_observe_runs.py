@@ -1,12 +1,13 @@
 """`gateway.observe_runs`: a run's `invoke_agent` root is exported when it stops, is reset, or goes idle
 (the sweep reads only the runs that went idle since the last one, and resumes where the sweeps of the
 process before stopped); a run that resumes after its idle export gets its next root, which carries its
-stop (`otel.runs.RunRoots`)."""
+stop; of several gateway processes sharing a store, one exports each root (`RunStore.claim_root`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,9 +18,11 @@ from gateway.errors import StateUnavailable
 from gateway.observe_runs import _SWEPT_SERVICE, end_idle_runs
 from gateway.store.base import RunState
 from gateway.store.sqlite import SqliteRunStore
+from otel.runs import run_ids
 from otel.setup import setup_telemetry
 from otel.telemetry import Telemetry
 from tests.conftest import GatewayFactory, Harness
+from tests.redis_fixture import RedisServer, redis_server  # noqa: F401  (fixture)
 
 
 async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_since(
@@ -56,7 +59,8 @@ async def test_the_idle_sweep_reaches_every_run_reading_only_what_went_idle_sinc
     assert telemetry.force_flush()
     roots = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
     ended = sorted(str((s.attributes or {})["tollgate.run_id"]) for s in roots)
-    assert ended == sorted(f"r-{i}" for i in range(2500))  # each once, and not the run idle before any sweep
+    # each once, and not the run idle before any sweep; r-7 twice: its step after its idle root is news
+    assert ended == sorted([*(f"r-{i}" for i in range(2500)), "r-7"])
     telemetry.shutdown()
 
 
@@ -160,3 +164,53 @@ async def test_a_stopped_runs_root_is_exported_when_its_client_leaves_while_the_
         await asyncio.sleep(0.005)
     assert roots() == ["invoke_agent default"]
     telemetry.shutdown()
+
+
+async def test_sidecars_sharing_a_redis_store_export_each_root_of_a_run_once(
+    gateway_factory: GatewayFactory, redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Two gateway processes on one Redis: both sweep every idle run, and a run's steps alternate between
+    them. Each root segment is exported once across both (the segment was counted per process: each
+    sweep exported every idle run's root again, and a sidecar new to a run started at segment 0), and
+    every step goes under a root that is exported."""
+    state = {"backend": "redis", "url": redis_server.url}
+    agents = {"default": {"caps": {"llm_calls": 3}}}
+    sidecars = [await gateway_factory(agents=agents, state=state) for _ in range(2)]
+    exporters = []
+    for h in sidecars:
+        exporters.append(exporter := InMemorySpanExporter())
+        h.gateway.services["telemetry"] = setup_telemetry({}, exporter=exporter)
+    a, b = sidecars
+    run = f"shared-{uuid.uuid4().hex}"
+    others = [f"{run}-{i}" for i in range(30)]
+
+    async def sweep_both() -> None:  # every run with no step since now is judged idle (30 s ago, 30 s on)
+        later = time.time() + 30
+        await asyncio.gather(*(end_idle_runs(h.gateway, 30, later) for h in sidecars))
+
+    assert await chat_step(a, run) == 200
+    for i, other in enumerate(others):
+        assert await chat_step(sidecars[i % 2], other) == 200
+    await sweep_both()  # the run and the 30 others went idle: both sidecars judge every one of them
+    assert await chat_step(b, run) == 200  # the run resumes on the other sidecar
+    await sweep_both()
+    assert [await chat_step(a, run), await chat_step(b, run), await chat_step(a, run)] == [200, 403, 403]
+    await sweep_both()
+    finished = []
+    for h, exporter in zip(sidecars, exporters, strict=True):
+        telemetry = h.gateway.services["telemetry"]
+        assert isinstance(telemetry, Telemetry) and telemetry.force_flush()
+        finished += exporter.get_finished_spans()
+        telemetry.shutdown()
+    roots = [s for s in finished if s.name.startswith("invoke_agent")]
+    ids = [(r.context.trace_id, r.context.span_id) for r in roots if r.context is not None]
+    assert len(ids) == len(set(ids)) == 3 + len(others)  # no root twice
+    mine = sorted((r for r in roots if dict(r.attributes or {})["tollgate.run_id"] == run),
+                  key=lambda r: int(dict(r.attributes or {}).get("tollgate.run.segment", 0)))
+    assert [(dict(r.attributes or {}).get("tollgate.llm_calls"), dict(r.attributes or {}).get("error.type"))
+            for r in mine] == [(1, None), (2, None), (3, "llm_call_cap")]
+    assert [r.context.span_id for r in mine if r.context] == [run_ids(run, 1, s)[1] for s in range(3)]
+    steps = sorted((s for s in finished if s.name == "chat gpt-4o-mini"
+                    and dict(s.attributes or {}).get("tollgate.run_id") == run), key=lambda s: s.start_time or 0)
+    seg = [r.context.span_id for r in mine if r.context]
+    assert [s.parent.span_id if s.parent else None for s in steps] == [seg[0], seg[1], seg[2], seg[2], seg[2]]

@@ -343,6 +343,37 @@ async def test_the_idle_sweeps_mark_only_moves_forward(store: RunStore) -> None:
         assert await store.idle_swept() == kept
 
 
+async def test_each_root_of_a_run_epoch_is_claimed_once(store: RunStore) -> None:
+    """`claim_root` (`logic.claim_root` in every backend): the segments, their starts, the news that a
+    later one needs, a stop ending the epoch's roots, and what a snapshot says a span goes under."""
+    assert await store.claim_root("nope", 1, final=True, now=NOW) is None  # never creates a run
+    await store.record_step("run-1", "bot", {"n": 1}, NOW)
+    assert await store.claim_root("run-1", 1, final=False, upto=NOW - 1, now=NOW + 10) is None  # not idle then
+    assert await store.claim_root("run-1", 1, final=False, upto=NOW, now=NOW + 10) == (0, None)
+    assert await store.claim_root("run-1", 1, final=False, upto=NOW + 5, now=NOW + 11) is None  # nothing new
+    state = await store.get("run-1", steps=False, reservations=False)
+    assert state is not None and (state.root_segment(), state.root_segment(step=False)) == (1, 0)
+    assert state.updated_at == NOW  # a claim is no activity of the run
+    await grant(store)  # a step of the run: news
+    await store.stop("run-1", "bot", "loop_detected", "repeating", NOW + 20)
+    assert await store.claim_root("run-1", 1, final=False, upto=NOW + 30, now=NOW + 30) is None  # stopped
+    assert await store.claim_root("run-1", 1, final=True, stopped=True, now=NOW + 21) == (1, NOW + 10)
+    assert await store.claim_root("run-1", 1, final=True, stopped=True, now=NOW + 22) is None
+    state = await store.get("run-1", steps=False, reservations=False)
+    assert state is not None and state.root_segment() == state.root_segment(step=False) == 1
+    fresh = await store.reset("run-1", NOW + 40)
+    assert fresh is not None and (fresh.roots, fresh.roots_final, fresh.root_segment()) == (0, False, 0)
+    assert await store.claim_root("run-1", 1, final=True, now=NOW + 41) is None  # the ended epoch
+    assert await store.claim_root("run-1", 2, final=True, now=NOW + 41) == (0, None)
+
+
+async def test_100_concurrent_claims_of_one_root_have_one_winner(store: RunStore) -> None:
+    await store.record_step("run-1", "bot", {"n": 1}, NOW)
+    won = await asyncio.gather(*(store.claim_root("run-1", 1, final=i % 2 == 0, upto=NOW, now=NOW + 1)
+                                 for i in range(100)))
+    assert [w for w in won if w is not None] == [(0, None)]
+
+
 async def test_get_returns_a_snapshot(store: RunStore) -> None:
     await grant(store)
     await store.push("run-1", "bot", "calls", ["a"], 6)
@@ -498,6 +529,22 @@ async def main() -> None:
 
 asyncio.run(main())
 """
+
+
+async def test_sqlite_keeps_the_claimed_roots_across_a_restart(tmp_path: Path) -> None:
+    """A restarted process (or one whose cache dropped the run) never exports a root twice."""
+    path = tmp_path / "state.db"
+    first = SqliteRunStore.open(path)
+    await first.record_step("run-1", "bot", {"n": 1}, NOW)
+    assert await first.claim_root("run-1", 1, final=False, upto=NOW, now=NOW + 10) == (0, None)
+    await first.close()
+    second = SqliteRunStore.open(path)
+    try:
+        assert await second.claim_root("run-1", 1, final=False, upto=NOW, now=NOW + 20) is None
+        state = await second.get("run-1")
+        assert state is not None and (state.roots, state.roots_mark, state.roots_end) == (1, NOW, NOW + 10)
+    finally:
+        await second.close()
 
 
 async def test_sqlite_recovers_reservations_of_a_crashed_process_as_spend(tmp_path: Path) -> None:

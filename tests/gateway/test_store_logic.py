@@ -539,3 +539,66 @@ def test_view_is_the_admin_shape() -> None:
     assert (view["status"], view["stop_reason"], view["llm_calls"]) == ("stopped", "loop_detected", 0)
     assert view["spent_usd"] == pytest.approx(0.001) and view["reserved_usd"] == pytest.approx(0.002)
     assert view["steps"] == [{"operation": "chat", "cost_usd": 0.001}]
+
+
+# -- claim_root: which invoke_agent root is exported, once, whoever asks -----------------------------
+
+
+def claim(state: RunState, *, final: bool = False, stopped: bool = False, upto: float | None = None,
+          now: float = NOW, epoch: int = 1) -> tuple[int, float | None] | None:
+    return logic.claim_root(state, epoch, final=final, stopped=stopped, upto=upto, now=now)
+
+
+def test_an_idle_claim_exports_each_segment_once_and_only_after_news() -> None:
+    state = fresh()
+    logic.record_step(state, {}, 10.0)
+    assert state.root_segment() == 0 and state.root_segment(step=False) == 0
+    assert claim(state, upto=20.0, now=30.0) == (0, None)  # the run's first root: from its own start
+    assert claim(state, upto=20.0, now=31.0) is None  # claimed: a second sweep exports nothing
+    assert claim(state, upto=40.0, now=41.0) is None  # idle again with nothing new since
+    assert state.root_segment() == 1 and state.root_segment(step=False) == 0  # a step opens the next root
+    logic.record_step(state, {}, 50.0)
+    assert claim(state, upto=45.0, now=60.0) is None  # busy again since the window the sweep read
+    assert claim(state, upto=55.0, now=61.0) == (1, 30.0)  # starts where the previous root ended
+    assert (state.roots, state.roots_final, state.roots_mark, state.roots_end) == (2, False, 50.0, 61.0)
+
+
+def test_a_stop_ends_the_epochs_roots_for_good_and_later_steps_go_under_its_root() -> None:
+    state = fresh()
+    logic.record_step(state, {}, 10.0)
+    assert claim(state, upto=20.0, now=30.0) == (0, None)
+    logic.stop(state, "llm_call_cap", "cap", 40.0)
+    assert claim(state, upto=50.0, now=50.0) is None  # a sweep leaves a stopped run to its stop
+    assert claim(state, final=True, stopped=True, now=41.0) == (1, 30.0)
+    assert claim(state, final=True, stopped=True, now=42.0) is None  # another process, or a later refusal
+    assert state.root_segment() == state.root_segment(step=False) == 1  # under the root that carries the stop
+
+
+def test_a_stop_after_an_idle_root_is_news_even_with_nothing_written_since() -> None:
+    """A step admitted before the idle export (a long stream) may stop the run: its stop is still news."""
+    state = fresh()
+    logic.record_step(state, {}, 10.0)
+    assert claim(state, upto=20.0, now=30.0) == (0, None)
+    assert claim(state, final=True, stopped=True, now=31.0) == (1, 30.0)
+
+
+def test_a_reset_of_a_run_with_nothing_new_exports_nothing_and_the_new_epoch_starts_afresh() -> None:
+    state = fresh()
+    logic.record_step(state, {}, 10.0)
+    assert claim(state, upto=20.0, now=30.0) == (0, None)
+    assert claim(state, final=True, now=31.0) is None  # the reset's claim: nothing since the idle root
+    assert state.roots_final and state.root_segment() == 0  # a late step of the epoch: under that root
+    logic.reset(state, 32.0)
+    assert (state.roots, state.roots_final, state.roots_mark, state.roots_end) == (0, False, None, None)
+    assert claim(state, upto=40.0, now=41.0, epoch=1) is None  # the former epoch's: nothing to claim
+    assert claim(state, upto=40.0, now=41.0, epoch=2) == (0, None)
+
+
+def test_the_roots_survive_a_round_trip_and_a_run_written_before_them_reads_as_none_exported() -> None:
+    state = fresh()
+    logic.record_step(state, {}, 10.0)
+    claim(state, upto=20.0, now=30.0)
+    again = logic.from_dict(orjson.loads(orjson.dumps(logic.to_dict(state))))
+    assert (again.roots, again.roots_final, again.roots_mark, again.roots_end) == (1, False, 10.0, 30.0)
+    older = {k: v for k, v in logic.to_dict(state).items() if not k.startswith("roots")}
+    assert logic.from_dict(older).roots == 0
