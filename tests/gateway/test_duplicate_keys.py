@@ -137,6 +137,27 @@ def test_repeated_key_agrees_with_the_standard_parser_however_the_body_is_writte
     assert (got is None) == (not found) and (got is None or got in found)
 
 
+def test_a_body_written_as_the_sdks_write_it_needs_no_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The openai and anthropic SDKs write compact JSON with UTF-8 as is, as orjson does: a body equal
+    to orjson's writing of it kept every key, known without the escape search or the colon counts."""
+    from gateway import duplicate_keys
+
+    class Refused:
+        def search(self, raw: bytes) -> None:
+            raise AssertionError("scanned a body the SDKs wrote")
+
+    monkeypatch.setattr(duplicate_keys, "_ESCAPED_COLON", Refused())
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "café: \"x\"\u001b"}],
+            "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}]}
+    sent = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()  # httpx's `json=`
+    assert repeated_key(sent, orjson.loads(sent)) is None
+    with pytest.raises(AssertionError, match="scanned"):  # any other writing is checked the exact way
+        repeated_key(json.dumps(body).encode(), body)
+    twice = b'{"model":"a","max_tokens":9,"max_tokens":5}'
+    monkeypatch.undo()
+    assert repeated_key(twice, orjson.loads(twice)) == "max_tokens"
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions",
      b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":100000,"max_tokens":5}'),
