@@ -241,6 +241,10 @@ class Answer:
     reasoning: tuple[str, ...] = ()
     # the model refused (OpenAI's `refusal` in place of content; Anthropic says so in `stop_reason`)
     refused: bool = False
+    # OpenAI Chat Completions: the refusal of every choice, in choice order, "" for one that answered (a
+    # refusal next to content is an answer); empty when none refused. A choice after the first that refused
+    # has no text to judge: it is in neither `other_texts` nor `choice_calls`, and this says where it was
+    refusals: tuple[str, ...] = ()
     # the provider says the call failed, in an answer relayed as it came (a Responses `status: failed`):
     # its error code, the span's `error.type`
     provider_error: str | None = None

@@ -92,20 +92,36 @@ def tool_definitions(call: Call, *, detailed: bool = False) -> str | None:
     return _dump(dialect.tool_definitions(call.raw, detailed)) if dialect is not None else None
 
 
-def output_messages(answer: Answer) -> str:
-    """`gen_ai.output.messages`: one assistant message per choice (OpenAI's `n`), its text and its
-    tool calls. The calls are every choice's in choice order; `choice_calls` says how many are each
-    choice's (when it does not account for all of them, the first message carries them all)."""
+def _choices(answer: Answer) -> list[tuple[str, str, int]]:
+    """Every choice's text, refusal and number of tool calls, in choice order. The calls are every
+    choice's in choice order; `choice_calls` says how many are each choice's (when it does not account
+    for all of them, the first choice has them all). A choice after the first that refused is in neither
+    `other_texts` nor `choice_calls`: `refusals` says where it goes."""
     texts = (answer.text, *answer.other_texts)
     counts = [len(names) for names in answer.choice_calls]
     if len(counts) != len(texts) or sum(counts) != len(answer.tool_calls):
         counts = [len(answer.tool_calls)] + [0] * (len(texts) - 1)
-    reasons = answer.finish_reasons if len(answer.finish_reasons) == len(texts) else answer.finish_reasons[:1]
+    answered = zip(texts, counts, strict=True)
+    choices = []
+    for index, refusal in enumerate(answer.refusals or ("",)):
+        text, count = ("", 0) if index and refusal else next(answered, ("", 0))
+        choices.append((text, refusal, count))
+    choices.extend((text, "", count) for text, count in answered)
+    return choices
+
+
+def output_messages(answer: Answer) -> str:
+    """`gen_ai.output.messages`: one assistant message per choice (OpenAI's `n`), in choice order as
+    `gen_ai.response.finish_reasons` are: its text, its refusal and its tool calls."""
+    choices = _choices(answer)
+    reasons = answer.finish_reasons if len(answer.finish_reasons) == len(choices) else answer.finish_reasons[:1]
     messages, start = [], 0
-    for index, (text, count) in enumerate(zip(texts, counts, strict=True)):
+    for index, (text, refusal, count) in enumerate(choices):
         calls = answer.tool_calls[start : start + count]
         start += count
         parts: list[Part] = [{"type": "text", "content": text}] if text else []
+        if refusal:  # a generic part, as in `gen_ai.input.messages` (`_content_openai`)
+            parts.append({"type": "refusal", "content": refusal})
         parts.extend(
             without_none(
                 type="tool_call", id=call.id or None, name=call.name, arguments=json_or_text(call.arguments)

@@ -146,7 +146,7 @@ class OpenAIChat:
         others: list[str] = []
         calls: list[ToolCall] = []
         reasons: list[str] = []
-        refused = False
+        refusals: list[str] = []  # every choice's refusal instead of an answer, "" for one that answered
         by_choice: list[tuple[str, ...]] = []
         for index, choice in enumerate(body.get("choices") or ()):
             message = choice.get("message") or {}
@@ -158,12 +158,12 @@ class OpenAIChat:
             if legacy is not None:
                 calls.append(ToolCall("", *legacy))
             names = tuple(c.name for c in calls[before:])
+            content = message.get("content")
+            refusals.append("" if content else refusal_of(message))  # a refusal next to content is an answer
             if index == 0:
-                text = message.get("content") or ""
-                refused = bool(refusal_of(message)) and not text  # a refusal instead of an answer
+                text = content or ""
                 by_choice.append(names)
-            elif not (refusal_of(message) and not message.get("content")):  # a refusal has no text to judge
-                content = message.get("content")
+            elif not refusals[-1]:  # a refusal has no text to judge
                 others.append(content if isinstance(content, str) else "")
                 by_choice.append(names)
             if choice.get("finish_reason"):
@@ -179,7 +179,8 @@ class OpenAIChat:
             choice_calls=tuple(by_choice) if len(by_choice) > 1 else (),  # one choice: `tool_calls` says it
             service_tier=service_tier(body),
             system_fingerprint=_fingerprint(body),
-            refused=refused,
+            refused=bool(refusals and refusals[0]),  # a refusal instead of an answer
+            refusals=tuple(refusals) if any(refusals) else (),
         )
 
     def stream_reader(self, *, hide_usage: bool, choices: int = 1) -> OpenAIStreamReader:
@@ -351,8 +352,7 @@ class OpenAIStreamReader:
         self._usage: Usage | None = None
         self._tier: str | None = None  # the tier the chunks report (each carries it; the last one counts)
         self._fingerprint: str | None = None  # the first chunk's `system_fingerprint`
-        self._refused = False  # the first choice streamed a `refusal`
-        self._refusing: set[int] = set()  # other choices that did
+        self._refusals: dict[int, list[str]] = {}  # the `refusal` each choice streamed
         self._chars = 0
         self.holding = False  # a tool call started: hold events until the answer is judged
         self.complete = False
@@ -393,10 +393,7 @@ class OpenAIStreamReader:
             refusal = refusal_of(delta)
             if refusal:
                 self._chars += len(refusal)
-                if index == 0:
-                    self._refused = True
-                else:
-                    self._refusing.add(index)
+                self._refusals.setdefault(index, []).append(refusal)
             if isinstance(content, str):
                 self._chars += len(content)
                 if index == 0:
@@ -441,18 +438,22 @@ class OpenAIStreamReader:
         names: dict[int, list[str]] = {}
         for (index, _), slot in sorted(self._calls.items()):
             names.setdefault(index, []).append(slot[1])
-        # every choice asked for, one of calls alone too; one that refused without content has no text to judge
-        others = [i for i in range(1, self._choices) if i not in self._refusing or "".join(self._others.get(i, ()))]
+        texts = ["".join(self._text), *("".join(self._others.get(i, ())) for i in range(1, self._choices))]
+        # a refusal next to content is an answer; one without has no text to judge
+        refusals = ["" if text else "".join(self._refusals.get(i, ())) for i, text in enumerate(texts)]
+        # every choice asked for, one of calls alone too
+        others = [i for i in range(1, self._choices) if not refusals[i]]
         return Answer(
             response_id=self._id,
             model=self._model,
-            text="".join(self._text),
+            text=texts[0],
             tool_calls=calls,
             finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
             usage=self._usage,
-            other_texts=tuple("".join(self._others.get(i, ())) for i in others),
+            other_texts=tuple(texts[i] for i in others),
             choice_calls=tuple(tuple(names.get(i, ())) for i in (0, *others)) if others else (),
             service_tier=self._tier,
             system_fingerprint=self._fingerprint,
-            refused=self._refused and not "".join(self._text),
+            refused=bool(refusals[0]),
+            refusals=tuple(refusals) if any(refusals) else (),
         )

@@ -6,8 +6,15 @@ import json
 from dataclasses import replace
 from typing import Any
 
+import orjson
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from gateway.call import Answer, ToolCall
 from otel import content
+from otel.setup import setup_telemetry
+from tests.conftest import GatewayFactory
+from tests.fakes.upstream import Reply, openai_completion
 from tests.otel.samples import (
     ANTHROPIC_ANSWER,
     MCP_OK,
@@ -260,3 +267,87 @@ def test_output_messages_are_one_per_choice() -> None:
     ]
     unaccounted = replace(answer, choice_calls=())  # the calls go with the first message
     assert [len(m["parts"]) for m in loads(content.output_messages(unaccounted))] == [1, 1]
+
+
+def test_a_refusing_choice_has_its_message_in_choice_order() -> None:
+    """A choice after the first that refused is in neither `other_texts` nor `choice_calls` (nothing to
+    judge); `refusals` puts its message back where the choice was, so message i is finish reason i's."""
+    calls = (ToolCall("c1", "f", "{}"), ToolCall("c2", "g", "{}"))
+    answer = Answer(text="", tool_calls=calls, finish_reasons=("content_filter", "stop", "tool_calls"),
+                    other_texts=("",), choice_calls=(("f",), ("g",)), refused=True, refusals=("no", "nope", ""))
+    assert loads(content.output_messages(answer)) == [
+        {"role": "assistant", "finish_reason": "content_filter", "parts": [
+            {"type": "refusal", "content": "no"}, {"type": "tool_call", "id": "c1", "name": "f", "arguments": {}}]},
+        {"role": "assistant", "finish_reason": "stop", "parts": [{"type": "refusal", "content": "nope"}]},
+        {"role": "assistant", "finish_reason": "tool_call", "parts": [
+            {"type": "tool_call", "id": "c2", "name": "g", "arguments": {}}]},
+    ]
+
+
+# -- `n` choices, one refusing: through a running gateway with content capture on ---------------------
+
+REFUSAL = "I can't help with that."
+
+
+def refusing_completion() -> dict[str, Any]:
+    """`n: 3`: choice 1 refuses (`message.refusal`, no content), choice 2 is cut (`length`)."""
+    body = openai_completion("first")
+    body["choices"] = [
+        {"index": 0, "message": {"role": "assistant", "content": "first", "refusal": None}, "finish_reason": "stop"},
+        {"index": 1, "message": {"role": "assistant", "content": None, "refusal": REFUSAL}, "finish_reason": "stop"},
+        {"index": 2, "message": {"role": "assistant", "content": "third", "refusal": None}, "finish_reason": "length"},
+    ]
+    return body
+
+
+def refusing_chunks() -> list[bytes]:
+    """The same answer streamed (OpenAI starts every choice with `"content": ""`)."""
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        data = {"id": "chatcmpl-n", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
+                "choices": choices, **extra}
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    def delta(index: int, finish: str | None = None, **fields: Any) -> dict[str, Any]:
+        return {"index": index, "delta": fields, "finish_reason": finish}
+
+    return [chunk([delta(i, role="assistant", content="") for i in range(3)]),
+            chunk([delta(0, content="first"), delta(1, refusal=REFUSAL), delta(2, content="third")]),
+            chunk([delta(0, "stop"), delta(1, "stop"), delta(2, "length")]),
+            chunk([], usage={"prompt_tokens": 10, "completion_tokens": 9, "total_tokens": 19}),
+            b"data: [DONE]\n\n"]
+
+
+ALIGNED = [
+    {"role": "assistant", "parts": [{"type": "text", "content": "first"}], "finish_reason": "stop"},
+    {"role": "assistant", "parts": [{"type": "refusal", "content": REFUSAL}], "finish_reason": "stop"},
+    {"role": "assistant", "parts": [{"type": "text", "content": "third"}], "finish_reason": "length"},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_refusing_choice_keeps_finish_reasons_and_output_messages_aligned(
+    gateway_factory: GatewayFactory, stream: bool
+) -> None:
+    """semconv: `gen_ai.response.finish_reasons` has one reason per choice, in choice order, and
+    `gen_ai.output.messages` one message per choice with its own `finish_reason`. A choice that refused
+    (`refusal` without content) was left out of the messages but not of the reasons: the second message
+    was choice 2's, described by choice 1's reason (and the reasons then ignored for every later one)."""
+    h = await gateway_factory(otel={"capture_content": True})
+    exporter = InMemorySpanExporter()
+    telemetry = setup_telemetry({}, capture_content=True, exporter=exporter)
+    h.gateway.services.update(telemetry=telemetry)
+    h.fake.queue(Reply(chunks=refusing_chunks()) if stream else Reply(body=refusing_completion()))
+    try:
+        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "2+2?"}], "n": 3, "stream": stream}
+        async with h.session.post(f"{h.url}/v1/chat/completions", json=body,
+                                  headers={"x-tollgate-run-id": f"refuse-{stream}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+        await h.settled(f"refuse-{stream}")
+        assert telemetry.force_flush()
+        [span] = [s for s in exporter.get_finished_spans() if s.name == "chat gpt-4o-mini"]
+    finally:
+        telemetry.shutdown()
+    attributes = span.attributes or {}
+    assert attributes["gen_ai.response.finish_reasons"] == ("stop", "stop", "length")
+    assert loads(str(attributes["gen_ai.output.messages"])) == ALIGNED

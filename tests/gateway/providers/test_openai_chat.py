@@ -168,11 +168,16 @@ USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
         ({"choices": [{"message": {"tool_calls": [{}]}}]}, Answer(tool_calls=(ToolCall("", "", ""),))),
         ({"choices": None, "usage": None}, Answer()),
         ({}, Answer()),
-        # a refusal instead of content, in the first choice or another (whose text is then not judged)
+        # a refusal instead of content, in the first choice or another (whose text is then not judged;
+        # `refusals` says which choice it was, so the finish reasons stay in line with the choices)
         (completion({"role": "assistant", "content": None, "refusal": "no"}),
-         Answer("chatcmpl-1", "gpt-4o", "", (), ("stop",), refused=True)),
+         Answer("chatcmpl-1", "gpt-4o", "", (), ("stop",), refused=True, refusals=("no",))),
         (completion({"role": "assistant", "content": "{}"}, {"role": "assistant", "content": None, "refusal": "no"}),
-         Answer("chatcmpl-1", "gpt-4o", "{}", (), ("stop", "stop"))),
+         Answer("chatcmpl-1", "gpt-4o", "{}", (), ("stop", "stop"), refusals=("", "no"))),
+        (completion({"role": "assistant", "content": None, "refusal": "no"}, {"role": "assistant", "content": "b"},
+                    finish="length"),
+         Answer("chatcmpl-1", "gpt-4o", "", (), ("length", "length"), other_texts=("b",), choice_calls=((), ()),
+                refused=True, refusals=("no", ""))),
         (completion({"role": "assistant", "content": "text", "refusal": "no"}),
          Answer("chatcmpl-1", "gpt-4o", "text", (), ("stop",))),
     ],

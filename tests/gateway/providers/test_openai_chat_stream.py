@@ -170,3 +170,18 @@ def test_a_choice_that_refused_after_openai_s_empty_first_content_has_no_text_to
         reader.feed(sse(data))
     answer = reader.answer()
     assert (answer.text, answer.other_texts, answer.choice_calls) == ("abc", (), ())
+    assert answer.refusals == ("", "I can't help with that.")  # which choice refused: in line with the reasons
+
+
+def test_refusals_are_per_choice_in_choice_order() -> None:
+    """`refusals` names every choice's refusal instead of an answer (`finish_reasons` are per choice too);
+    a refusal next to content is an answer, and an answer without any refusal has none."""
+    reader = ADAPTER.stream_reader(hide_usage=False, choices=3)
+    for data in (chunk([delta(0, refusal="no"), delta(1, content="b"), delta(1, refusal="."),
+                        delta(2, refusal="n"), delta(2, refusal="ope")]),
+                 chunk([delta(2, "stop"), delta(0, "stop"), delta(1, "length")])):
+        reader.feed(sse(data))
+    answer = reader.answer()
+    assert (answer.refused, answer.refusals, answer.finish_reasons) == (True, ("no", "", "nope"), ("stop", "length", "stop"))
+    assert (answer.other_texts, answer.choice_calls) == (("b",), ((), ()))
+    assert ADAPTER.stream_reader(hide_usage=False, choices=2).answer().refusals == ()
