@@ -168,16 +168,12 @@ async def reset_run(request: web.Request) -> web.Response:
         return _unavailable()
     run_id = request.match_info["run_id"]
     before = await gw.store.get(run_id)
-    if before is None:
-        return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)
-    # the run epoch that ends: its root span is claimed and exported with its totals, before the reset
-    # replaces the epoch (the claim is of that epoch)
-    for hook in gw.services.get("on_reset", ()):
-        await hook(before)
     gw.history_marks.bump(run_id)  # steps judged on the history before the reset read it again
     run = await gw.store.reset(run_id, time.time())
-    if run is None:
+    if run is None or before is None:
         return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)
+    for hook in gw.services.get("on_reset", ()):
+        hook(before, run)  # the run epoch that ended: its root span (claimed by the reset) is exported
     return _json(run.view())
 
 

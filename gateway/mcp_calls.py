@@ -347,7 +347,8 @@ async def _forward(step: ToolStep, chain: GuardChain) -> web.StreamResponse:
     try:
         if mcp.policy.needs_approval(step.qualified):
             await _approve(step)
-        step.span, body = start_tool_span(mcp, message, step.call.tool_call.name, ctx.run)
+        step.span, body = start_tool_span(mcp, message, step.call.tool_call.name,
+                                         step.approved_run or ctx.run)  # a wait may outlast an idle root
         step.sending = Sending()
         # from here a side-effecting call runs on to its answer if its client leaves: the answer is
         # recorded for the identical retry, instead of the tool maybe running once unrecorded; for one
@@ -491,7 +492,7 @@ async def _approve(step: ToolStep) -> None:
     step.approved_by = item.decided_by
     if step.unguarded:
         return
-    run = await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
+    run = step.approved_run = await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
     refuse_if_stopped(run)  # it may have stopped meanwhile
     # a guard may stop it now that did not when the call arrived (the time cap ran out while it waited)
     verdict = mcp.gw.chain(ctx.agent, ctx.policy).before(dataclasses.replace(ctx, run=run, now=time.time()))

@@ -104,7 +104,11 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
         step.error_type = step.error_type or "client_disconnected"
         raise
     finally:
-        await conclude(gw, step)
+        try:
+            await conclude(gw, step)
+        except BaseException:  # the client left while the step was concluded: its hooks run all the same
+            gw.notify(step)
+            raise
         if response is None:  # no answer to send: cancelled, or failed unexpectedly
             gw.notify(step)
     return await respond(gw, step, request, response)

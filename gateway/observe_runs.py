@@ -19,6 +19,7 @@ from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry
 
 _SWEPT_SERVICE: Final = "observe.idle_swept"
+_LATE_SERVICE: Final = "observe.late_roots"  # the `claim_stop` follow-ups of clients that left, while they run
 # step.extra: the run (RunState) the step stopped and the root it claimed, which `end_with` exports
 ENDS_RUN: Final = "ends_run"
 
@@ -27,17 +28,42 @@ Claimed = tuple[int, float | None]  # (segment, its start: None for the run's ow
 
 async def claim_stop(gw: Gateway, step: Step) -> None:
     """For a step that stopped its run (or was refused by the stop): read the run and claim its final root,
-    for `end_with` to export once the step's own span ended. Nothing when tracing is off; a store that
-    fails leaves the root to whoever claims it next (counted as an `end_run` telemetry error)."""
+    for `end_with` to export once the step's own span ended. Nothing when tracing is off or the epoch's
+    roots ended already; a store that fails leaves the root to whoever claims it next (counted as an
+    `end_run` telemetry error).
+
+    A client leaving while the claim is answered (the handler cancelled) may leave the claim the store's
+    with no process to export it: the run is read again afterwards, and the root exported when the claim
+    was this one's (the `roots_end` it wrote). Not a task of its own for every claim: that would be a
+    turn of the loop between the step's answer and its span's end, for a store that answers at once."""
     telemetry = telemetry_of(gw)
     if telemetry is None or not telemetry.tracing:
         return
     state = await gw.store.get(step.run_id, steps=True, reservations=False)
-    if state is None or not state.stopped:
+    if state is None or not state.stopped or state.roots_final:
         return
-    claimed = await _claim(gw, telemetry, state, final=True)
+    now = time.time()
+    try:
+        claimed = await _claim(gw, telemetry, state, final=True, now=now)
+    except asyncio.CancelledError:
+        late: set[asyncio.Task[None]] = gw.services.setdefault(_LATE_SERVICE, set())
+        task = asyncio.get_running_loop().create_task(_export_if_claimed(gw, telemetry, state, now))
+        late.add(task)
+        task.add_done_callback(late.discard)
+        raise
     if claimed is not None:
         step.extra[ENDS_RUN] = (state, claimed)
+
+
+async def _export_if_claimed(gw: Gateway, telemetry: Telemetry, state: RunState, now: float) -> None:
+    try:
+        after = await gw.store.get(state.run_id, steps=False, reservations=False)
+    except GatewayError:
+        telemetry.record_error("end_run")
+        return
+    if (after is not None and after.epoch == state.epoch and after.roots_final and after.roots == state.roots + 1
+            and after.roots_end == now):
+        export_root(gw, state, (state.roots, state.roots_end))
 
 
 def end_with(gw: Gateway, step: Step) -> None:
@@ -49,26 +75,33 @@ def end_with(gw: Gateway, step: Step) -> None:
         export_root(gw, state, claimed)
 
 
-async def end_root(gw: Gateway, state: RunState, *, final: bool = True, upto: float | None = None) -> bool:
-    """Claim the run epoch's next root in the store, and export it when this process won the claim: when
-    the run stops or is reset (`final`), or went idle (`upto`: the latest activity judged idle). False
-    when nothing was exported (tracing off, claimed elsewhere, nothing new since the last root)."""
+async def end_root(gw: Gateway, state: RunState) -> bool:
+    """Claim the final root of the run's epoch in the store, and export it when this process won the claim:
+    when the run stops (a reset claims its own: `end_reset`). False when nothing was exported (tracing off, claimed elsewhere,
+    the epoch's roots ended already, nothing new since its last root, the store failing: counted)."""
     telemetry = telemetry_of(gw)
-    if telemetry is None or not telemetry.tracing:
+    if telemetry is None or not telemetry.tracing or state.roots_final:
         return False
-    claimed = await _claim(gw, telemetry, state, final=final, upto=upto)
+    claimed = await _claim(gw, telemetry, state, final=True)
     if claimed is None:
         return False
     export_root(gw, state, claimed)
     return True
 
 
+def end_reset(gw: Gateway, before: RunState, fresh: RunState) -> None:
+    """After a reset: export the ended epoch's final root the reset claimed (`RunStore.reset`), with the
+    totals of the run as it was read before (`before`)."""
+    if fresh.ended_root is not None and before.epoch == fresh.epoch - 1:
+        export_root(gw, before, fresh.ended_root)
+
+
 async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: bool,
-                 upto: float | None = None) -> Claimed | None:
+                 now: float | None = None) -> Claimed | None:
     try:
-        return await gw.store.claim_root(state.run_id, state.epoch, final=final, stopped=state.stopped, upto=upto,
-                                         now=time.time())
-    except GatewayError:  # the store is down: no root now; the next claim (a sweep, a stop) tries again
+        return await gw.store.claim_root(state.run_id, state.epoch, final=final, stopped=state.stopped,
+                                         now=time.time() if now is None else now)
+    except GatewayError:  # the store is down: no root now; the next claim (a refusal, a reset) tries again
         telemetry.record_error("end_run")
         return None
 
@@ -142,8 +175,12 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
         for state in page:
             # what the page shows is current: a run busy again since the window was read is left out
             if state.status == "active" and state.updated_at is not None and state.updated_at <= before:
-                # a step after this goes under the run's next root; another process may claim it first
-                await end_root(gw, state, final=False, upto=before)
+                # a step after this goes under the run's next root; another process may claim it first. A
+                # store that fails the claim fails the sweep, retried whole (its mark does not move)
+                claimed = await gw.store.claim_root(state.run_id, state.epoch, final=False, upto=before,
+                                                    now=time.time())
+                if claimed is not None:
+                    export_root(gw, state, claimed)
                 ended += 1
         await asyncio.sleep(0)  # a backlog is many pages: let requests run between them
     swept.upto = max(after, before)

@@ -137,7 +137,11 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         step.error_type = step.error_type or "client_disconnected"
         raise
     finally:
-        await conclude(gw, step)
+        try:
+            await conclude(gw, step)
+        except BaseException:  # the client left while the step was concluded: its hooks run all the same
+            gw.notify(step)
+            raise
         if response is None:  # no answer to send: cancelled, or failed unexpectedly
             gw.notify(step)
     assert response is not None  # every path above assigned it or raised

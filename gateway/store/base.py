@@ -158,6 +158,8 @@ class RunState:
     roots_final: bool = False
     roots_mark: float | None = None
     roots_end: float | None = None
+    # what `RunStore.reset` answers only (never stored): the former epoch's final root, claimed by the reset
+    ended_root: tuple[int, float | None] | None = None
 
     @property
     def stopped(self) -> bool:
@@ -236,7 +238,11 @@ class RunStore(Protocol):
         is the current epoch's)."""
         ...
 
-    async def reset(self, run_id: str, now: float) -> RunState | None: ...
+    async def reset(self, run_id: str, now: float) -> RunState | None:
+        """Start the run afresh under its next epoch (`logic.reset`) and answer it, or None when there is no
+        such run. Its `ended_root`: the ending epoch's final root when the reset claimed it, atomically
+        with the reset (`logic.claim_root`): the caller exports it."""
+        ...
 
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,

@@ -266,8 +266,11 @@ def claim_root(state: RunState, epoch: int, *, final: bool, stopped: bool, upto:
     return claimed
 
 
-def reset(state: RunState, now: float) -> None:
-    """Start the run afresh under a new epoch; reservations in flight settle into nothing."""
+def reset(state: RunState, now: float) -> tuple[int, float | None] | None:
+    """Start the run afresh under a new epoch; reservations in flight settle into nothing. Answers the
+    ending epoch's final root when the reset claims it (`claim_root`): with the reset, so that a reset
+    refused leaves the epoch's roots as they were."""
+    ended = claim_root(state, state.epoch, final=True, stopped=state.stopped, upto=None, now=now)
     state.epoch += 1
     state.roots, state.roots_final, state.roots_mark, state.roots_end = 0, False, None, None
     state.status = "active"
@@ -280,6 +283,7 @@ def reset(state: RunState, now: float) -> None:
     state.open.clear()
     state.steps.clear()
     state.updated_at = now
+    return ended
 
 
 def to_dict(state: RunState) -> dict[str, Any]:

@@ -78,9 +78,11 @@ class MemoryRunStore:
         state = self._runs.get(run_id)
         if state is None:
             return None
-        logic.reset(state, now)
+        ended = logic.reset(state, now)
         self._writes.pop(run_id, None)  # the new epoch names none of them: only their memory goes
-        return logic.from_dict(logic.to_dict(state))
+        fresh = logic.from_dict(logic.to_dict(state))
+        fresh.ended_root = ended
+        return fresh
 
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,

@@ -300,35 +300,25 @@ touch()
 return epoch
 """
 
-# A: [now]. Answers the fresh run as {"f": [field, value, ...], "s": []}, or false when there is none.
+# A: [now]. Answers the fresh run as {"f": [field, value, ...], "s": [], "ended": [segment, start|null]|null}
+# (`ended`: the former epoch's final root, claimed by the reset: `logic.reset`), or false when there is none.
 _RESET = """
 if redis.call('EXISTS', K) == 0 then return false end
-local st = redis.call('HMGET', K, 'run_id', 'agent', 'epoch')
+local st = redis.call('HMGET', K, 'run_id', 'agent', 'epoch', 'status')
+local ended = claim_root(tonumber(st[3]), true, st[4] == 'stopped', nil, A[1]) or 'null'
 redis.call('DEL', K, STEPS, KEYS[4], KEYS[5])  -- the former life's tool writes can never be read again
 redis.call('HSET', K, 'run_id', st[1], 'agent', st[2], 'epoch', num(tonumber(st[3]) + 1), 'status', 'active',
            'updated_at', num(A[1]))
 touch()
-return '{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":[]}'
+return '{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":[],"ended":' .. ended .. '}'
 """
 
-# A: [epoch, final (bool), stopped (bool), upto|null, now]: `logic.claim_root`. Answers [segment, start|null]
-# (JSON) when the caller exports the root, else false. The fields `roots` (count), `roots_final` ('1'/'0'),
-# `roots_mark` (`updated_at` as it was stored when claimed: compared as text, exactly) and `roots_end`
-# (`%.17g`) are in the run's hash, which a reset replaces. No `touch()`: a claim is no activity of the run.
+# A: [epoch, final (bool), stopped (bool), upto|null, now]: `logic.claim_root` (the prelude's `claim_root`).
+# Answers [segment, start|null] (JSON) when the caller exports the root, else false. No `touch()`: a claim
+# is no activity of the run.
 _CLAIM_ROOT = """
 if redis.call('EXISTS', K) == 0 then return false end
-local f = redis.call('HMGET', K, 'epoch', 'status', 'updated_at', 'roots', 'roots_final', 'roots_mark', 'roots_end')
-if tonumber(f[1]) ~= A[1] or f[5] == '1' then return false end
-local final, stopped, upto = A[2], A[3], opt(A[4])
-if not final and (f[2] == 'stopped' or (upto ~= nil and tonumber(f[3] or '0') > upto)) then return false end
-local roots = tonumber(f[4] or '0')
-if roots > 0 and (f[3] or '') == (f[6] or '') and not (final and stopped) then  -- nothing new since
-  redis.call('HSET', K, 'roots_final', final and '1' or '0')
-  return false
-end
-redis.call('HSET', K, 'roots', string.format('%d', roots + 1), 'roots_final', final and '1' or '0',
-           'roots_mark', f[3] or '', 'roots_end', num(A[5]))
-return '[' .. string.format('%d', roots) .. ',' .. (f[7] or 'null') .. ']'
+return claim_root(A[1], A[2], A[3], opt(A[4]), A[5]) or false
 """
 
 # A: [with steps (bool)]. Read-only. Answers {"f": [field, value, ...], "s": [step, ...]} (the steps are

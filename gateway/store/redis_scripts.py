@@ -142,6 +142,23 @@ local function push_list(name, values, keep)
   return items
 end
 
+-- logic.claim_root on the run's fields `roots`, `roots_final` ('1'/'0'), `roots_mark` (`updated_at` as it
+-- was stored when claimed: compared as text, exactly) and `roots_end`; answers '[segment, start|null]'
+-- (JSON) when the caller exports the root, else nil. Writes no `updated_at`: a claim is no activity
+local function claim_root(epoch, final, stopped, upto, now)
+  local f = redis.call('HMGET', K, 'epoch', 'status', 'updated_at', 'roots', 'roots_final', 'roots_mark', 'roots_end')
+  if tonumber(f[1]) ~= epoch or f[5] == '1' then return nil end
+  if not final and (f[2] == 'stopped' or (upto ~= nil and tonumber(f[3] or '0') > upto)) then return nil end
+  local roots = tonumber(f[4] or '0')
+  if roots > 0 and (f[3] or '') == (f[6] or '') and not (final and stopped) then  -- nothing new since
+    redis.call('HSET', K, 'roots_final', final and '1' or '0')
+    return nil
+  end
+  redis.call('HSET', K, 'roots', string.format('%d', roots + 1), 'roots_final', final and '1' or '0',
+             'roots_mark', f[3] or '', 'roots_end', num(now))
+  return '[' .. string.format('%d', roots) .. ',' .. (f[7] or 'null') .. ']'
+end
+
 -- expiry and the listing index, after every write
 local function touch()
   local st = redis.call('HMGET', K, 'status', 'updated_at')
@@ -177,7 +194,11 @@ def decode_reply(reply: bytes) -> RunState:
     """The answer of the `get` and `reset` scripts: {"f": [field, value, ...], "s": [step, ...]}."""
     data = orjson.loads(reply)
     flat = data["f"]
-    return _decode(dict(zip(flat[::2], flat[1::2], strict=True)), data["s"])
+    state = _decode(dict(zip(flat[::2], flat[1::2], strict=True)), data["s"])
+    ended = data.get("ended")
+    if ended is not None:
+        state.ended_root = int(ended[0]), None if ended[1] is None else float(ended[1])
+    return state
 
 
 def _decode(fields: Mapping[str, str], steps: list[Any]) -> RunState:

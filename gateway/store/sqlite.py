@@ -40,6 +40,7 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import copy
 import sqlite3
 import time
 import uuid
@@ -361,12 +362,14 @@ class SqliteRunStore:
         state = self._existing(run_id)
         if state is None:
             return None
-        self._change(state, lambda s: logic.reset(s, now))
+        ended = self._change(state, lambda s: logic.reset(s, now))
         # the new epoch names none of the former epochs' tool calls: deleting them only frees the space,
         # so a refusal leaves them for the next reset rather than failing a reset that happened
         with contextlib.suppress(sqlite3.Error):
             self._writes.forget_former(run_id, state.epoch)
-        return _copy(state)
+        fresh = _copy(state)
+        fresh.ended_root = ended
+        return fresh
 
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
@@ -375,10 +378,16 @@ class SqliteRunStore:
         """Written through: the file holds every claim, so a restarted process never exports a root twice
         (one process holds the file: `StateFileLock`)."""
         state = self._existing(run_id)
-        if state is None or state.epoch != epoch or state.roots_final:
-            return None  # nothing can change: nothing to write
-        return self._change(state, lambda s: logic.claim_root(s, epoch, final=final, stopped=stopped, upto=upto,
-                                                              now=now))
+        if state is None:
+            return None
+
+        def claim(s: RunState) -> tuple[int, float | None] | None:
+            return logic.claim_root(s, epoch, final=final, stopped=stopped, upto=upto, now=now)
+
+        probe = copy.copy(state)  # the claim changes only plain fields: a shallow copy tries it
+        if claim(probe) is None and (probe.roots, probe.roots_final) == (state.roots, state.roots_final):
+            return None  # nothing to claim, nothing to write (a sweep judging a run with no news)
+        return self._change(state, claim)
 
     async def list_runs(self, limit: int = 100) -> list[RunState]:
         """Most recently updated first, with their steps (buffered steps are written first)."""

@@ -9,6 +9,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,126 @@ async def test_sidecars_sharing_a_redis_store_export_each_root_of_a_run_once(
                     and dict(s.attributes or {}).get("tollgate.run_id") == run), key=lambda s: s.start_time or 0)
     seg = [r.context.span_id for r in mine if r.context]
     assert [s.parent.span_id if s.parent else None for s in steps] == [seg[0], seg[1], seg[2], seg[2], seg[2]]
+
+
+def roots_of(telemetry: Telemetry, exporter: InMemorySpanExporter) -> list[Any]:
+    assert telemetry.force_flush()
+    return [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+
+
+def totals(roots: list[Any]) -> list[tuple[Any, Any]]:
+    return [(dict(r.attributes or {}).get("tollgate.llm_calls"), dict(r.attributes or {}).get("error.type"))
+            for r in roots]
+
+
+async def test_a_sweep_whose_claim_the_store_fails_is_retried_whole(gateway_factory: GatewayFactory) -> None:
+    """The sweep's mark moved past a run whose claim failed: a run that simply stopped calling never came
+    in a later window, and never had a root (found by review)."""
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=10)
+    gw = h.gateway
+    assert await chat_step(h, "flaky") == 200
+    real = gw.store.claim_root
+    failing = [True]
+
+    async def flaky(*args: Any, **kwargs: Any) -> tuple[int, float | None] | None:
+        if failing.pop() if failing else False:
+            raise StateUnavailable("the store timed out")
+        return await real(*args, **kwargs)
+
+    gw.store.claim_root = flaky  # type: ignore[method-assign]
+    t = time.time()
+    with pytest.raises(StateUnavailable):
+        await end_idle_runs(gw, 60, t + 100)
+    assert await end_idle_runs(gw, 60, t + 100) == 1  # the next sweep, whole: the claim again
+    assert totals(roots_of(telemetry, exporter)) == [(1, None)]
+    telemetry.shutdown()
+
+
+async def test_a_reset_the_store_refuses_leaves_the_epochs_roots_as_they_were(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """The reset claims the ending epoch's root with the reset itself: a claim made before a reset that
+    then failed left the epoch, which went on, with its roots ended, so its stop was on no root."""
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=2)
+    gw = h.gateway
+    assert await chat_step(h, "kept") == 200
+    real = gw.store.reset
+
+    async def refused(run_id: str, now: float) -> None:
+        raise StateUnavailable("the store timed out")
+
+    gw.store.reset = refused  # type: ignore[method-assign]
+    async with h.session.post(f"{h.admin_url}/admin/runs/kept/reset") as resp:
+        assert resp.status == 503
+    gw.store.reset = real  # type: ignore[method-assign]
+    assert [await chat_step(h, "kept"), await chat_step(h, "kept")] == [200, 403]  # the epoch goes on, stops
+    assert totals(roots_of(telemetry, exporter)) == [(2, "llm_call_cap")]
+    async with h.session.post(f"{h.admin_url}/admin/runs/kept/reset") as resp:
+        assert resp.status == 200  # a stopped run's root was exported by its stop: the reset adds none
+    assert totals(roots_of(telemetry, exporter)) == [(2, "llm_call_cap")]
+    telemetry.shutdown()
+
+
+async def test_a_stops_root_is_exported_when_its_client_leaves_during_the_claim(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """The claim is the store's once sent: a handler cancelled while it was answered lost the export, and
+    no later refusal or reset could export that root again (found by review)."""
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=1)
+    gw = h.gateway
+    assert await chat_step(h, "cut") == 200
+    real = gw.store.claim_root
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: Any, **kwargs: Any) -> tuple[int, float | None] | None:
+        claimed = await real(*args, **kwargs)
+        asked.set()
+        await answer.wait()  # the answer still on its way back
+        return claimed
+
+    gw.store.claim_root = slow  # type: ignore[method-assign]
+    task = asyncio.create_task(chat_step(h, "cut"))
+    await asyncio.wait_for(asked.wait(), 5)
+    task.cancel()
+
+    def step_spans() -> int:
+        telemetry.force_flush()
+        return sum(s.name == "chat gpt-4o-mini" for s in exporter.get_finished_spans())
+
+    for _ in range(400):  # the gateway sees the client leave on its own: nothing to await
+        if roots_of(telemetry, exporter):
+            break
+        await asyncio.sleep(0.005)
+    assert totals(roots_of(telemetry, exporter)) == [(1, "llm_call_cap")]
+    assert step_spans() == 2  # the cancelled step's hooks ran all the same
+    answer.set()
+    telemetry.shutdown()
+
+
+async def test_an_approved_tool_call_goes_under_the_root_of_the_run_as_it_was_approved(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """An approval can outlast `otel.run_idle_s`: the call went under the root exported while it waited
+    (read before the wait), not the next one, which counts it (found by review)."""
+    from tests.gateway.test_mcp_probe import admin, call, gateway, pending, post, raw_server
+
+    tools = {"allow": ["files/read_file", "files/delete_*"], "approval": ["files/delete_*"],
+             "tiers": {"files/delete_*": "dangerous"}, "approval_timeout_s": 30}
+    async with raw_server() as srv:
+        h = await gateway(gateway_factory, srv.url, tools=tools)
+        exporter = InMemorySpanExporter()
+        h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+        assert (await post(h, call("read_file", {"path": "x"}, rpc_id=1)))[0] == 200
+        task = asyncio.create_task(post(h, call("delete_file", {"path": "a"})))
+        [item] = await pending(h)
+        assert await end_idle_runs(h.gateway, 60, time.time() + 100) == 1  # the run's root 0, while it waits
+        await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": "approve", "by": "ops"})
+        status, answer = await task
+        assert status == 200 and "result" in answer, answer
+        spans = [s for s in (roots_of(telemetry, exporter), exporter.get_finished_spans())[1]]
+        [root] = [s for s in spans if s.name.startswith("invoke_agent")]
+        delete = next(s for s in spans if s.name == "tools/call delete_file")
+        assert root.context is not None and delete.parent is not None
+        assert delete.parent.trace_id == root.context.trace_id
+        assert delete.parent.span_id == run_ids(str(dict(root.attributes or {})["tollgate.run_id"]), 1, 1)[1]
+        telemetry.shutdown()
