@@ -13,7 +13,7 @@ from gateway.errors import GatewayError
 from gateway.observe import telemetry_of
 from gateway.runtime import Gateway
 from gateway.step import Step
-from gateway.store.base import UNREPORTED_USAGE, RunState
+from gateway.store.base import UNREPORTED_USAGE, RootClaim, RunState
 from otel.attributes import provider_name_for
 from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry
@@ -23,7 +23,6 @@ _LATE_SERVICE: Final = "observe.late_roots"  # the `claim_stop` follow-ups of cl
 # step.extra: the run (RunState) the step stopped and the root it claimed, which `end_with` exports
 ENDS_RUN: Final = "ends_run"
 
-Claimed = tuple[int, float | None]  # (segment, its start: None for the run's own start)
 
 
 async def claim_stop(gw: Gateway, step: Step) -> None:
@@ -97,7 +96,7 @@ def end_reset(gw: Gateway, before: RunState, fresh: RunState) -> None:
 
 
 async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: bool,
-                 now: float | None = None) -> Claimed | None:
+                 now: float | None = None) -> RootClaim | None:
     try:
         return await gw.store.claim_root(state.run_id, state.epoch, final=final, stopped=state.stopped,
                                          now=time.time() if now is None else now)
@@ -106,7 +105,7 @@ async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: b
         return None
 
 
-def export_root(gw: Gateway, state: RunState, claimed: Claimed) -> None:
+def export_root(gw: Gateway, state: RunState, claimed: RootClaim) -> None:
     """Export the root span `claimed` for the run (`end_root`), with the run's totals as `state` has them."""
     telemetry = telemetry_of(gw)
     if telemetry is None:

@@ -121,6 +121,10 @@ class WriteClaim:
     result: bytes | None = None
 
 
+RootClaim = tuple[int, float | None]
+"""A run epoch's root span to export (`RunStore.claim_root`): its segment, and its start (Unix seconds; None
+for the run's own start)."""
+
 RunsCursor = tuple[float, str]
 """A position in the listing order of runs: (`updated_at`, with 0 for a run that has none; `run_id`)."""
 
@@ -159,7 +163,7 @@ class RunState:
     roots_mark: float | None = None
     roots_end: float | None = None
     # what `RunStore.reset` answers only (never stored): the former epoch's final root, claimed by the reset
-    ended_root: tuple[int, float | None] | None = None
+    ended_root: RootClaim | None = None
 
     @property
     def stopped(self) -> bool:
@@ -247,7 +251,7 @@ class RunStore(Protocol):
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
         now: float,
-    ) -> tuple[int, float | None] | None:
+    ) -> RootClaim | None:
         """Atomically, across every process sharing the store: decide whether the run epoch's next root
         span is exported now, by the caller (`logic.claim_root`): (segment, its start: None for the run's
         own start) when it is, else None (another process claimed it, nothing happened since the last

@@ -18,6 +18,7 @@ from gateway.store.base import (
     Push,
     Reservation,
     ReserveRequest,
+    RootClaim,
     RunState,
 )
 
@@ -242,7 +243,7 @@ def record_step(state: RunState, step: Mapping[str, Any], now: float) -> int:
 
 
 def claim_root(state: RunState, epoch: int, *, final: bool, stopped: bool, upto: float | None,
-               now: float) -> tuple[int, float | None] | None:
+               now: float) -> RootClaim | None:
     """Claim the export of the epoch's next `invoke_agent` root span (`RunStore.claim_root`).
 
     `final`: the run stops or is reset (its root ends the epoch for good; later steps go under it); else
@@ -266,7 +267,7 @@ def claim_root(state: RunState, epoch: int, *, final: bool, stopped: bool, upto:
     return claimed
 
 
-def reset(state: RunState, now: float) -> tuple[int, float | None] | None:
+def reset(state: RunState, now: float) -> RootClaim | None:
     """Start the run afresh under a new epoch; reservations in flight settle into nothing. Answers the
     ending epoch's final root when the reset claims it (`claim_root`): with the reset, so that a reset
     refused leaves the epoch's roots as they were."""

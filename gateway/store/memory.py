@@ -14,6 +14,7 @@ from gateway.store.base import (
     Push,
     Reservation,
     ReserveRequest,
+    RootClaim,
     RunsCursor,
     RunsPage,
     RunState,
@@ -87,7 +88,7 @@ class MemoryRunStore:
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
         now: float,
-    ) -> tuple[int, float | None] | None:
+    ) -> RootClaim | None:
         state = self._runs.get(run_id)
         if state is None:
             return None

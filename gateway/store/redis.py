@@ -60,6 +60,7 @@ from gateway.store.base import (
     Push,
     Reservation,
     ReserveRequest,
+    RootClaim,
     RunsCursor,
     RunsPage,
     RunState,
@@ -392,7 +393,7 @@ class RedisRunStore:
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
         now: float,
-    ) -> tuple[int, float | None] | None:
+    ) -> RootClaim | None:
         reply = await self._call("claim_root", run_id, "",
                                  [int(epoch), final, stopped, opt_float(upto), float(now)])
         if reply is None:

@@ -59,6 +59,7 @@ from gateway.store.base import (
     Push,
     Reservation,
     ReserveRequest,
+    RootClaim,
     RunsCursor,
     RunsPage,
     RunState,
@@ -374,14 +375,14 @@ class SqliteRunStore:
     async def claim_root(
         self, run_id: str, epoch: int, *, final: bool, stopped: bool = False, upto: float | None = None,
         now: float,
-    ) -> tuple[int, float | None] | None:
+    ) -> RootClaim | None:
         """Written through: the file holds every claim, so a restarted process never exports a root twice
         (one process holds the file: `StateFileLock`)."""
         state = self._existing(run_id)
         if state is None:
             return None
 
-        def claim(s: RunState) -> tuple[int, float | None] | None:
+        def claim(s: RunState) -> RootClaim | None:
             return logic.claim_root(s, epoch, final=final, stopped=stopped, upto=upto, now=now)
 
         probe = copy.copy(state)  # the claim changes only plain fields: a shallow copy tries it
