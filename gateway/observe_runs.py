@@ -1,7 +1,8 @@
-"""Run root spans: `end_root` exports a run's `invoke_agent` root with its totals when the run stops or is
-reset, and `end_idle_runs` for runs idle for `otel.run_idle_s`, not for good (a step of the run after
-that goes under its next root: `otel.runs`). Each export is claimed in the run store first
-(`RunStore.claim_root`), so that of the gateway processes sharing it, one exports each root."""
+"""Run root spans: a run's `invoke_agent` root is exported with its totals when the run stops (`claim_stop`
+then `end_with`; `end_root`) or is reset (`end_reset`), and by `end_idle_runs` once it was idle for
+`otel.run_idle_s`, not for good (a step of the run after that goes under its next root: `otel.runs`).
+Each export is claimed in the run store first (`RunStore.claim_root`): of the gateway processes sharing
+it, one exports each root."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ _SWEPT_SERVICE: Final = "observe.idle_swept"
 _LATE_SERVICE: Final = "observe.late_roots"  # the `claim_stop` follow-ups of clients that left, while they run
 # step.extra: the run (RunState) the step stopped and the root it claimed, which `end_with` exports
 ENDS_RUN: Final = "ends_run"
-
 
 
 async def claim_stop(gw: Gateway, step: Step) -> None:
@@ -75,9 +75,10 @@ def end_with(gw: Gateway, step: Step) -> None:
 
 
 async def end_root(gw: Gateway, state: RunState) -> bool:
-    """Claim the final root of the run's epoch in the store, and export it when this process won the claim:
-    when the run stops (a reset claims its own: `end_reset`). False when nothing was exported (tracing off, claimed elsewhere,
-    the epoch's roots ended already, nothing new since its last root, the store failing: counted)."""
+    """Claim the final root of the run's epoch in the store when the run stopped, and export it when this
+    process won the claim (a reset claims its own: `end_reset`). False when nothing was exported (tracing
+    off, claimed elsewhere, the epoch's roots ended already, nothing new since its last root, the store
+    failing: counted)."""
     telemetry = telemetry_of(gw)
     if telemetry is None or not telemetry.tracing or state.roots_final:
         return False

@@ -146,7 +146,8 @@ end
 -- was stored when claimed: compared as text, exactly) and `roots_end`; answers '[segment, start|null]'
 -- (JSON) when the caller exports the root, else nil. Writes no `updated_at`: a claim is no activity
 local function claim_root(epoch, final, stopped, upto, now)
-  local f = redis.call('HMGET', K, 'epoch', 'status', 'updated_at', 'roots', 'roots_final', 'roots_mark', 'roots_end')
+  local f = redis.call('HMGET', K, 'epoch', 'status', 'updated_at', 'roots', 'roots_final', 'roots_mark',
+                       'roots_end')
   if tonumber(f[1]) ~= epoch or f[5] == '1' then return nil end
   if not final and (f[2] == 'stopped' or (upto ~= nil and tonumber(f[3] or '0') > upto)) then return nil end
   local roots = tonumber(f[4] or '0')
