@@ -152,7 +152,7 @@ def provider_name_for(provider_type: str, base_url: str, *, custom: str | None =
 
 def _openai_output_type(raw: Mapping[str, Any]) -> str | None:
     fmt = raw.get("response_format")
-    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    kind = fmt.get("type") if fmt is not None and isinstance(fmt, Mapping) else None  # mostly absent
     return {"json_object": _JSON, "json_schema": _JSON, "text": _TEXT}.get(kind) if kind else None
 
 

@@ -56,6 +56,8 @@ def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
 
 def _tool_choice(value: Any) -> str | None:
     """The tool a `tool_choice` forces by name (a function or a custom tool), or None."""
+    if value is None:  # absent from most requests: no Mapping ABC test for it
+        return None
     if isinstance(value, Mapping):
         if value.get("type") == "allowed_tools" and isinstance(value.get("allowed_tools"), Mapping):
             return None  # a subset of the tools, filtered by the allow-list (`gateway.providers.tool_wire`)
@@ -84,7 +86,7 @@ def _latest_results(messages: list[Any]) -> tuple[ToolResult, ...]:
     last assistant message."""
     results: list[ToolResult] = []
     for message in reversed(messages):
-        if not isinstance(message, Mapping):
+        if type(message) is not dict and not isinstance(message, Mapping):  # the type test first: ~5x cheaper
             raise InvalidRequest("each message must be an object", param="messages")
         role = message.get("role")
         if role == "tool":

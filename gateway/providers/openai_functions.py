@@ -36,6 +36,8 @@ def functions(value: Any) -> tuple[ToolSpec, ...]:
 
 def forced_function(value: Any) -> str | None:
     """The function a `function_call` forces, or None (`auto`, `none`, absent)."""
+    if value is None:  # absent from most requests: no Mapping ABC test for it
+        return None
     if isinstance(value, Mapping):
         if isinstance(value.get("name"), str):
             return str(value["name"])
