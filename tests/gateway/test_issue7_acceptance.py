@@ -252,7 +252,8 @@ class RedisServer:
 class Cluster:
     """`n` tollgate serve processes sharing one Redis and one fake upstream."""
 
-    def __init__(self, tmp: Path, upstream: FakeUpstream, redis: RedisServer, n: int, agent: str, state_extra: str = ""):
+    def __init__(self, tmp: Path, upstream: FakeUpstream, redis: RedisServer, n: int, agent: str, state_extra: str = "",
+                 extra: str = ""):
         self.tmp = tmp
         self.n = n
         self.ports = [(free_port(), free_port()) for _ in range(n)]
@@ -270,6 +271,7 @@ state: {{backend: redis, url: "redis://127.0.0.1:{redis.port}/0"{state_extra}}}
 agents:
   default:
 {agent}
+{extra}
 """
 
     def url(self, i: int) -> str:
@@ -352,7 +354,8 @@ agents:
 
 @contextlib.asynccontextmanager
 async def environment(
-    tmp: Path, n: int, agent: str, *, persist: bool = False, state_extra: str = "", prompt_tokens: int = 300
+    tmp: Path, n: int, agent: str, *, persist: bool = False, state_extra: str = "", prompt_tokens: int = 300,
+    extra: str = "",
 ) -> Any:
     upstream = FakeUpstream(prompt_tokens=prompt_tokens)
     await upstream.start()
@@ -363,7 +366,7 @@ async def environment(
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(limit=0))
     try:
         await redis.ready()
-        cluster = Cluster(tmp, upstream, redis, n, agent, state_extra)
+        cluster = Cluster(tmp, upstream, redis, n, agent, state_extra, extra)
         await cluster.start(session)
         yield upstream, redis, cluster, session
     finally:
@@ -841,3 +844,59 @@ async def test_gateway_sigkill_with_calls_in_flight(tmp_path: Path) -> None:
             assert v["spent_usd"] <= BUDGET_USD + 1e-9, v
             # the settled calls plus the dead gateway's 5 reservations charged in full, nothing more
             assert v["spent_usd"] == pytest.approx(reached * CALL_USD, abs=1e-9), (v, reached)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. one trace per run across the gateways: each invoke_agent root exported once
+# --------------------------------------------------------------------------------------------------
+
+
+async def test_four_gateways_export_each_root_of_a_run_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Promise (README, spans): "sidecars sharing a Redis export each root once, however many of them
+    sweep the run or serve its steps". Four `tollgate serve` processes on one Redis, exporting OTLP to one
+    receiver, `otel.run_idle_s: 0.5`: each of three runs takes a step on one gateway, goes idle (all four
+    sweep it), resumes on the next gateway, goes idle again, and is stopped by its cap on a third; a
+    refusal follows on a fourth. Each run has exactly its three roots (segments 0, 1, 2, the last with
+    the stop), each exported once, and every step span is under one of them."""
+    from tests.otel.otlp_sink import running_sink
+
+    runs = [f"roots-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
+    async with running_sink() as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.url)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+
+        def roots(run: str) -> list[Any]:
+            return [s for s in sink.spans if s.name.startswith("invoke_agent") and s.value("tollgate.run_id") == run]
+
+        async def exported(count: int) -> None:
+            async with asyncio.timeout(20):  # a sweep every 0.125 s, an export every 0.05 s
+                while not all(len(roots(run)) >= count for run in runs):
+                    await asyncio.sleep(0.05)
+
+        async with environment(tmp_path, 4, "    caps: {llm_calls: 3}", extra="otel: {run_idle_s: 0.5}") as env:
+            _upstream, _redis, cluster, session = env
+
+            async def step(i: int, run: str) -> int:
+                body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+                async with session.post(f"{cluster.url(i)}/v1/chat/completions", json=body,
+                                        headers={"x-tollgate-run-id": run}) as r:
+                    await r.read()
+                    return r.status
+
+            assert [await step(0, run) for run in runs] == [200] * 3
+            await exported(1)
+            assert [await step(1, run) for run in runs] == [200] * 3  # each resumes on another gateway
+            await exported(2)
+            assert [await step(2, run) for run in runs] == [200] * 3
+            assert [await step(3, run) for run in runs] == [403] * 3  # the cap stops each run
+            assert [await step(0, run) for run in runs] == [403] * 3  # a refusal of the stopped run
+            await exported(3)
+            cluster.stop()  # each gateway exports what it holds, and its idle sweeps end
+        for run in runs:
+            mine = sorted(roots(run), key=lambda s: int(s.attributes.get("tollgate.run.segment", ("", 0))[1]))
+            assert len({s.span_id for s in mine}) == len(mine) == 3, [(s.span_id, s.attributes) for s in mine]
+            assert [s.attributes.get("tollgate.run.segment", ("", 0))[1] for s in mine] == [0, 1, 2]
+            assert [s.attributes.get("tollgate.llm_calls", ("", None))[1] for s in mine] == [1, 2, 3]
+            assert mine[-1].attributes["error.type"][1] == "llm_call_cap"
+            steps = [s for s in sink.spans if s.name == "chat gpt-4o-mini" and s.value("tollgate.run_id") == run]
+            assert len(steps) == 5 and {s.parent_span_id for s in steps} <= {s.span_id for s in mine}
