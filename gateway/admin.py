@@ -167,13 +167,12 @@ async def reset_run(request: web.Request) -> web.Response:
     if gw is None:
         return _unavailable()
     run_id = request.match_info["run_id"]
-    before = await gw.store.get(run_id)
     gw.history_marks.bump(run_id)  # steps judged on the history before the reset read it again
     run = await gw.store.reset(run_id, time.time())
-    if run is None or before is None:
+    if run is None:
         return _json({"error": {"code": "not_found", "message": "no such run"}}, 404)
     for hook in gw.services.get("on_reset", ()):
-        hook(before, run)  # the run epoch that ended: its root span (claimed by the reset) is exported
+        hook(run)  # the run epoch that ended: its root span (claimed by the reset) is exported
     return _json(run.view())
 
 

@@ -20,7 +20,7 @@ from gateway.ledger import Ledger
 from gateway.mcp_flights import end_flights
 from gateway.model_list import list_models
 from gateway.observe import on_step, redactor_for
-from gateway.observe_runs import end_idle_runs, end_reset, end_with
+from gateway.observe_runs import end_idle_runs, end_late_claims, end_reset, end_with
 from gateway.outputs import Resolver, resolve_agent_grammars
 from gateway.pricing import Pricer
 from gateway.providers import adapters
@@ -77,7 +77,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
         else:
             telemetry = given
         gw.services.update(ledger=ledger, telemetry=telemetry, metrics_render=telemetry.metrics.render,
-                           redactor=redactor_for(gw), on_reset=[lambda before, fresh: end_reset(gw, before, fresh)])
+                           redactor=redactor_for(gw), on_reset=[lambda fresh: end_reset(gw, fresh)])
         gw.hooks.on_step.append(lambda step: on_step(gw, step))
         gw.hooks.on_step.append(lambda step: end_with(gw, step))  # after: the step's span ends first
         gw.hooks.on_guard_error.append(telemetry.metrics.guard_error)
@@ -98,6 +98,7 @@ async def _gateway_ctx(app: web.Application) -> AsyncIterator[None]:
             # the tools/call executions still running are cut and recorded first: they need the upstream,
             # and their rows the ledger and the store (whoever runs the app: `tollgate serve`, a test, ...)
             await end_flights(gw)
+            await end_late_claims(gw)
             await upstream.close()
             await ledger.close()  # raises StateUnavailable if rows could not be written: still close the rest
         finally:

@@ -78,6 +78,7 @@ from gateway.mcp_guards import (
 )
 from gateway.mcp_step import ToolStep
 from gateway.mcp_transport import McpRequest, refusal, relay, state_of
+from gateway.observe import telemetry_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
 from gateway.pipeline import STOP_HEADER
 from gateway.store.base import RunState, WriteClaim
@@ -167,6 +168,8 @@ async def _conclude(
     stop = refused.stop_reason if refused is not None else mcp.headers.get(STOP_HEADER)
     if step is None or not step.recorded:
         await record_tool_step(mcp, qualified, status, stop, refused, started, failure, epoch=_admitted_in(step))
+    if step is not None and step.approved_run is not None:
+        run = step.approved_run  # read once its approval wait ended, which may outlast an idle root
     await end_tool_span(mcp, message, tool, step.span if step else None, run=run,
                         outcome=step.response if step else None, refused=refused, stop=stop,
                         started_wall=started_wall, approved_by=step.approved_by if step else None,
@@ -485,6 +488,12 @@ async def _approve(step: ToolStep) -> None:
                                          cancel_key=mcp.request_key(step.message.id))
     timeout = mcp.policy.approval_timeout_s
     await queue.wait(item, timeout)
+    telemetry = telemetry_of(mcp.gw)
+    if item.status != "approved" and not step.unguarded and telemetry is not None and telemetry.tracing:
+        # its span goes under the run as it is now (the wait may outlast an idle root): best effort, the
+        # refusal is what matters
+        with contextlib.suppress(GatewayError):
+            step.approved_run = await mcp.gw.store.get(ctx.run_id, steps=False, reservations=False)
     if item.status == "timed_out":
         raise ApprovalTimeout(f"nobody decided on {step.qualified} within {timeout:g}s (approval {item.id})")
     if item.status != "approved":

@@ -40,7 +40,7 @@ class ToolStep:
     flight: Flight = dataclasses.field(default_factory=Flight)  # what the handler and this execution share
     writes: bool = False  # a `write` or `dangerous` tool: idempotent, and runs on when its client leaves
     approval: Approval | None = None  # the call's approval, once parked
-    approved_run: RunState | None = None  # the run as read once the approval came (its root for the span)
+    approved_run: RunState | None = None  # the run as read once the approval wait ended (its root for the span)
     sending: Sending | None = None  # set when the call is forwarded: whether it may have reached the server
     unknown: bool = False  # cut after it was sent and before its answer: it may have run
     not_run: bool = False  # the server's answer says the tool did not run (a JSON-RPC error, a 4xx, input needed)

@@ -20,7 +20,8 @@ from otel.runs import RunTotals, path_fingerprint
 from otel.telemetry import Telemetry
 
 _SWEPT_SERVICE: Final = "observe.idle_swept"
-_LATE_SERVICE: Final = "observe.late_roots"  # the `claim_stop` follow-ups of clients that left, while they run
+_LATE_SERVICE: Final = "observe.late_roots"  # the `_export_if_claimed` tasks, while they run
+_LATE_READS_S: Final = (0.0, 0.5, 2.0)  # when a claim whose answer was lost is looked for in the run
 # step.extra: the run (RunState) the step stopped and the root it claimed, which `end_with` exports
 ENDS_RUN: Final = "ends_run"
 
@@ -28,41 +29,17 @@ ENDS_RUN: Final = "ends_run"
 async def claim_stop(gw: Gateway, step: Step) -> None:
     """For a step that stopped its run (or was refused by the stop): read the run and claim its final root,
     for `end_with` to export once the step's own span ended. Nothing when tracing is off or the epoch's
-    roots ended already; a store that fails leaves the root to whoever claims it next (counted as an
-    `end_run` telemetry error).
-
-    A client leaving while the claim is answered (the handler cancelled) may leave the claim the store's
-    with no process to export it: the run is read again afterwards, and the root exported when the claim
-    was this one's (the `roots_end` it wrote). Not a task of its own for every claim: that would be a
-    turn of the loop between the step's answer and its span's end, for a store that answers at once."""
+    roots ended already. A claim whose answer is lost (the store failing, the client leaving) is looked
+    for afterwards (`_claim`)."""
     telemetry = telemetry_of(gw)
     if telemetry is None or not telemetry.tracing:
         return
     state = await gw.store.get(step.run_id, steps=True, reservations=False)
     if state is None or not state.stopped or state.roots_final:
         return
-    now = time.time()
-    try:
-        claimed = await _claim(gw, telemetry, state, final=True, now=now)
-    except asyncio.CancelledError:
-        late: set[asyncio.Task[None]] = gw.services.setdefault(_LATE_SERVICE, set())
-        task = asyncio.get_running_loop().create_task(_export_if_claimed(gw, telemetry, state, now))
-        late.add(task)
-        task.add_done_callback(late.discard)
-        raise
+    claimed = await _claim(gw, telemetry, state, final=True)
     if claimed is not None:
         step.extra[ENDS_RUN] = (state, claimed)
-
-
-async def _export_if_claimed(gw: Gateway, telemetry: Telemetry, state: RunState, now: float) -> None:
-    try:
-        after = await gw.store.get(state.run_id, steps=False, reservations=False)
-    except GatewayError:
-        telemetry.record_error("end_run")
-        return
-    if (after is not None and after.epoch == state.epoch and after.roots_final and after.roots == state.roots + 1
-            and after.roots_end == now):
-        export_root(gw, state, (state.roots, state.roots_end))
 
 
 def end_with(gw: Gateway, step: Step) -> None:
@@ -89,21 +66,62 @@ async def end_root(gw: Gateway, state: RunState) -> bool:
     return True
 
 
-def end_reset(gw: Gateway, before: RunState, fresh: RunState) -> None:
-    """After a reset: export the ended epoch's final root the reset claimed (`RunStore.reset`), with the
-    totals of the run as it was read before (`before`)."""
-    if fresh.ended_root is not None and before.epoch == fresh.epoch - 1:
-        export_root(gw, before, fresh.ended_root)
+def end_reset(gw: Gateway, fresh: RunState) -> None:
+    """After a reset: export the ended epoch's final root the reset claimed, with that epoch's totals as
+    the reset found them (`RunStore.reset`)."""
+    if fresh.ended is not None:
+        before, claimed = fresh.ended
+        export_root(gw, before, claimed)
 
 
-async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: bool,
-                 now: float | None = None) -> RootClaim | None:
+async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: bool, upto: float | None = None,
+                 quiet: bool = True) -> RootClaim | None:
+    """Claim the run epoch's next root (`RunStore.claim_root`). A claim whose answer was lost (the store
+    failing or too slow to answer, the caller cancelled) may have landed all the same, and then no process
+    would export its root: the run is read again in the background (`_export_if_claimed`). A failing
+    store is then counted and answered None, or with `quiet=False` raised (a sweep is retried whole).
+    Not a task of its own for every claim: that would be a turn of the loop between a step's answer and
+    its span's end, for a store that answers at once."""
+    now = time.time()
     try:
-        return await gw.store.claim_root(state.run_id, state.epoch, final=final, stopped=state.stopped,
-                                         now=time.time() if now is None else now)
-    except GatewayError:  # the store is down: no root now; the next claim (a refusal, a reset) tries again
-        telemetry.record_error("end_run")
-        return None
+        return await gw.store.claim_root(state.run_id, state.epoch, final=final, stopped=state.stopped, upto=upto,
+                                         now=now)
+    except (GatewayError, asyncio.CancelledError) as exc:
+        late: set[asyncio.Task[None]] = gw.services.setdefault(_LATE_SERVICE, set())
+        task = asyncio.get_running_loop().create_task(_export_if_claimed(gw, state, now, final))
+        late.add(task)
+        task.add_done_callback(late.discard)
+        if isinstance(exc, GatewayError) and quiet:
+            telemetry.record_error("end_run")
+            return None
+        raise
+
+
+async def _export_if_claimed(gw: Gateway, state: RunState, now: float, final: bool) -> None:
+    """Export the root of a claim whose answer was lost, when the run says it was this one's: its count of
+    roots one more than `state`'s, with the `roots_end` (`now`) the claim wrote. Read again a few times
+    (a script cut by a deadline may run after a read on another connection, or the store may be away)."""
+    for delay in _LATE_READS_S:
+        await asyncio.sleep(delay)
+        try:
+            after = await gw.store.get(state.run_id, steps=False, reservations=False)
+        except GatewayError:
+            continue
+        if after is None or after.epoch != state.epoch:
+            return
+        if after.roots > state.roots:  # claimed since: by this claim, or by another
+            if after.roots == state.roots + 1 and after.roots_end == now and after.roots_final == final:
+                export_root(gw, state, (state.roots, state.roots_end))
+            return
+
+
+async def end_late_claims(gw: Gateway) -> None:
+    """At shutdown, before the store closes: stop looking for claims whose answer was lost (what is left of
+    them is lost with the process, as a span still queued would be)."""
+    late: set[asyncio.Task[None]] = gw.services.get(_LATE_SERVICE) or set()
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
 
 
 def export_root(gw: Gateway, state: RunState, claimed: RootClaim) -> None:
@@ -177,8 +195,7 @@ async def end_idle_runs(gw: Gateway, idle_s: float, now: float) -> int:
             if state.status == "active" and state.updated_at is not None and state.updated_at <= before:
                 # a step after this goes under the run's next root; another process may claim it first. A
                 # store that fails the claim fails the sweep, retried whole (its mark does not move)
-                claimed = await gw.store.claim_root(state.run_id, state.epoch, final=False, upto=before,
-                                                    now=time.time())
+                claimed = await _claim(gw, telemetry, state, final=False, upto=before, quiet=False)
                 if claimed is not None:
                     export_root(gw, state, claimed)
                 ended += 1

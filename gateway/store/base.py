@@ -162,8 +162,9 @@ class RunState:
     roots_final: bool = False
     roots_mark: float | None = None
     roots_end: float | None = None
-    # what `RunStore.reset` answers only (never stored): the former epoch's final root, claimed by the reset
-    ended_root: RootClaim | None = None
+    # what `RunStore.reset` answers only (never stored): the epoch it ended, as it was then (its steps
+    # included), with that epoch's final root when the reset claimed it
+    ended: tuple[RunState, RootClaim] | None = None
 
     @property
     def stopped(self) -> bool:
@@ -244,8 +245,9 @@ class RunStore(Protocol):
 
     async def reset(self, run_id: str, now: float) -> RunState | None:
         """Start the run afresh under its next epoch (`logic.reset`) and answer it, or None when there is no
-        such run. Its `ended_root`: the ending epoch's final root when the reset claimed it, atomically
-        with the reset (`logic.claim_root`): the caller exports it."""
+        such run. Its `ended`: the epoch the reset ended, as it was (steps included), and that epoch's
+        final root, when the reset claimed it atomically with the reset (`logic.claim_root`): the caller
+        exports it with that epoch's totals."""
         ...
 
     async def claim_root(

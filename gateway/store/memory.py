@@ -79,10 +79,12 @@ class MemoryRunStore:
         state = self._runs.get(run_id)
         if state is None:
             return None
+        before = logic.from_dict(logic.to_dict(state))
         ended = logic.reset(state, now)
         self._writes.pop(run_id, None)  # the new epoch names none of them: only their memory goes
         fresh = logic.from_dict(logic.to_dict(state))
-        fresh.ended_root = ended
+        if ended is not None:
+            fresh.ended = before, ended
         return fresh
 
     async def claim_root(

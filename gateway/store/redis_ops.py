@@ -300,17 +300,24 @@ touch()
 return epoch
 """
 
-# A: [now]. Answers the fresh run as {"f": [field, value, ...], "s": [], "ended": [segment, start|null]|null}
-# (`ended`: the former epoch's final root, claimed by the reset: `logic.reset`), or false when there is none.
+# A: [now]. Answers the fresh run as {"f": [field, value, ...], "s": [], "ended": [segment, start|null],
+# "old": {"f": [...], "s": [...]}} (`ended`, `old`: the ended epoch's final root, claimed by the reset, and
+# that epoch as it was: `logic.reset`; both absent when the reset claimed no root), or false when there is
+# none.
 _RESET = """
 if redis.call('EXISTS', K) == 0 then return false end
 local st = redis.call('HMGET', K, 'run_id', 'agent', 'epoch', 'status')
-local ended = claim_root(tonumber(st[3]), true, st[4] == 'stopped', nil, A[1]) or 'null'
+local claimed = claim_root(tonumber(st[3]), true, st[4] == 'stopped', nil, A[1])
+local ended = ''
+if claimed then
+  ended = ',"ended":' .. claimed .. ',"old":{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":['
+    .. table.concat(redis.call('LRANGE', STEPS, 0, -1), ',') .. ']}'
+end
 redis.call('DEL', K, STEPS, KEYS[4], KEYS[5])  -- the former life's tool writes can never be read again
 redis.call('HSET', K, 'run_id', st[1], 'agent', st[2], 'epoch', num(tonumber(st[3]) + 1), 'status', 'active',
            'updated_at', num(A[1]))
 touch()
-return '{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":[],"ended":' .. ended .. '}'
+return '{"f":' .. cjson.encode(redis.call('HGETALL', K)) .. ',"s":[]' .. ended .. '}'
 """
 
 # A: [epoch, final (bool), stopped (bool), upto|null, now]: `logic.claim_root` (the prelude's `claim_root`).

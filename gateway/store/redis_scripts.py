@@ -192,13 +192,16 @@ def opt_float(value: float | None) -> float | None:
 
 
 def decode_reply(reply: bytes) -> RunState:
-    """The answer of the `get` and `reset` scripts: {"f": [field, value, ...], "s": [step, ...]}."""
+    """The answer of the `get` and `reset` scripts: {"f": [field, value, ...], "s": [step, ...]} (a reset's
+    with the epoch it ended, when it claimed that epoch's root: `_RESET`)."""
     data = orjson.loads(reply)
     flat = data["f"]
     state = _decode(dict(zip(flat[::2], flat[1::2], strict=True)), data["s"])
     ended = data.get("ended")
-    if ended is not None:
-        state.ended_root = int(ended[0]), None if ended[1] is None else float(ended[1])
+    if ended is not None:  # a reset's: the epoch it ended and that epoch's final root
+        old = data["old"]
+        before = _decode(dict(zip(old["f"][::2], old["f"][1::2], strict=True)), old["s"])
+        state.ended = before, (int(ended[0]), None if ended[1] is None else float(ended[1]))
     return state
 
 

@@ -363,13 +363,20 @@ class SqliteRunStore:
         state = self._existing(run_id)
         if state is None:
             return None
+        before = _copy(state)
+        self._steps.flush()
+        try:
+            before.steps = self._steps.read(run_id, state.epoch)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from None
         ended = self._change(state, lambda s: logic.reset(s, now))
         # the new epoch names none of the former epochs' tool calls: deleting them only frees the space,
         # so a refusal leaves them for the next reset rather than failing a reset that happened
         with contextlib.suppress(sqlite3.Error):
             self._writes.forget_former(run_id, state.epoch)
         fresh = _copy(state)
-        fresh.ended_root = ended
+        if ended is not None:
+            fresh.ended = before, ended
         return fresh
 
     async def claim_root(

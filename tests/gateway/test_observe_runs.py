@@ -338,3 +338,91 @@ async def test_an_approved_tool_call_goes_under_the_root_of_the_run_as_it_was_ap
         assert delete.parent.trace_id == root.context.trace_id
         assert delete.parent.span_id == run_ids(str(dict(root.attributes or {})["tollgate.run_id"]), 1, 1)[1]
         telemetry.shutdown()
+
+
+async def exported_roots(telemetry: Telemetry, exporter: InMemorySpanExporter, count: int) -> list[Any]:
+    """The roots exported, once there are `count` (a lost claim's root is exported in the background)."""
+    async with asyncio.timeout(5):
+        while len(roots_of(telemetry, exporter)) < count:
+            await asyncio.sleep(0.01)
+    return roots_of(telemetry, exporter)
+
+
+@pytest.mark.parametrize("where", ["stop", "sweep"])
+async def test_a_claim_whose_answer_is_lost_still_has_its_root_exported(
+    gateway_factory: GatewayFactory, where: str,
+) -> None:
+    """A claim the store ran but whose answer failed (a deadline passed while it came back) is the store's:
+    the stop's root was then exported by nobody (not a refusal after it, not a reset), nor the idle root
+    by the sweep retried whole, which found nothing new (found by review)."""
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=1)
+    gw = h.gateway
+    assert await chat_step(h, "lost") == 200
+    real = gw.store.claim_root
+
+    async def ran_then_failed(*args: Any, **kwargs: Any) -> tuple[int, float | None] | None:
+        await real(*args, **kwargs)
+        raise StateUnavailable("the store's answer came after its deadline")
+
+    gw.store.claim_root = ran_then_failed  # type: ignore[method-assign]
+    if where == "stop":
+        assert await chat_step(h, "lost") == 403
+        expected = [(1, "llm_call_cap")]
+    else:
+        with pytest.raises(StateUnavailable):
+            await end_idle_runs(gw, 60, time.time() + 100)
+        expected = [(1, None)]
+    assert totals(await exported_roots(telemetry, exporter, 1)) == expected
+    gw.store.claim_root = real  # type: ignore[method-assign]
+    if where == "sweep":
+        assert await end_idle_runs(gw, 60, time.time() + 100) == 1  # retried: nothing new, nothing twice
+    assert totals(roots_of(telemetry, exporter)) == expected
+    telemetry.shutdown()
+
+
+async def test_a_resets_root_carries_the_epoch_as_the_reset_found_it(gateway_factory: GatewayFactory) -> None:
+    """The admin read the run, then reset it: a step landing in between was missing from the ended
+    epoch's root, and a reset overlapping another lost the root it claimed (found by review). The reset
+    answers the epoch it ended itself."""
+    h, exporter, telemetry = await traced(gateway_factory, llm_calls=10)
+    gw = h.gateway
+    assert await chat_step(h, "late-step") == 200
+    real = gw.store.reset
+
+    async def with_a_step_first(run_id: str, now: float) -> Any:
+        assert await chat_step(h, run_id) == 200  # lands while the reset is on its way
+        return await real(run_id, now)
+
+    gw.store.reset = with_a_step_first  # type: ignore[method-assign]
+    async with h.session.post(f"{h.admin_url}/admin/runs/late-step/reset") as resp:
+        assert resp.status == 200
+    assert totals(roots_of(telemetry, exporter)) == [(2, None)]
+    telemetry.shutdown()
+
+
+async def test_a_denied_tool_call_goes_under_the_root_of_the_run_as_it_was_denied(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """As an approved call: a denial that came after the run's idle root was exported went under that root,
+    not the next one, which counts it (found by review)."""
+    from tests.gateway.test_mcp_probe import admin, call, gateway, pending, post, raw_server
+
+    tools = {"allow": ["files/read_file", "files/delete_*"], "approval": ["files/delete_*"],
+             "tiers": {"files/delete_*": "dangerous"}, "approval_timeout_s": 30}
+    async with raw_server() as srv:
+        h = await gateway(gateway_factory, srv.url, tools=tools)
+        exporter = InMemorySpanExporter()
+        h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
+        assert (await post(h, call("read_file", {"path": "x"}, rpc_id=1)))[0] == 200
+        task = asyncio.create_task(post(h, call("delete_file", {"path": "a"})))
+        [item] = await pending(h)
+        assert await end_idle_runs(h.gateway, 60, time.time() + 100) == 1  # the run's root 0, while it waits
+        await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": "deny", "by": "ops"})
+        status, answer = await task
+        assert "error" in answer, answer
+        spans = roots_of(telemetry, exporter) and exporter.get_finished_spans()
+        [root] = [s for s in spans if s.name.startswith("invoke_agent")]
+        delete = next(s for s in spans if s.name == "tools/call delete_file")
+        assert root.context is not None and delete.parent is not None
+        assert delete.parent.span_id == run_ids(str(dict(root.attributes or {})["tollgate.run_id"]), 1, 1)[1]
+        telemetry.shutdown()

@@ -363,14 +363,17 @@ async def test_each_root_of_a_run_epoch_is_claimed_once(store: RunStore) -> None
     assert state is not None and state.root_segment() == state.root_segment(step=False) == 1
     fresh = await store.reset("run-1", NOW + 40)
     assert fresh is not None and (fresh.roots, fresh.roots_final, fresh.root_segment()) == (0, False, 0)
-    assert fresh.ended_root is None  # the stop exported the epoch's last root
+    assert fresh.ended is None  # the stop exported the epoch's last root
     assert await store.claim_root("run-1", 1, final=True, now=NOW + 41) is None  # the ended epoch
     await store.record_step("run-1", "bot", {"n": 2}, NOW + 42)
     assert await store.claim_root("run-1", 2, final=False, upto=NOW + 42, now=NOW + 43) == (0, None)
     await store.record_step("run-1", "bot", {"n": 3}, NOW + 44)
     again = await store.reset("run-1", NOW + 45)  # the reset claims the ending epoch's root itself
-    assert again is not None and again.epoch == 3 and again.ended_root == (1, NOW + 43)
-    assert (await store.get("run-1")).ended_root is None  # type: ignore[union-attr]  # never stored
+    assert again is not None and again.epoch == 3 and again.ended is not None
+    ended, claimed = again.ended
+    assert claimed == (1, NOW + 43) and ended.epoch == 2 and ended.updated_at == NOW + 44
+    assert [s["n"] for s in ended.steps] == [2, 3]  # the epoch as it was: its totals are the root's
+    assert (await store.get("run-1")).ended is None  # type: ignore[union-attr]  # never stored
 
 
 async def test_100_concurrent_claims_of_one_root_have_one_winner(store: RunStore) -> None:
