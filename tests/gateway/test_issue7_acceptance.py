@@ -854,7 +854,7 @@ async def test_gateway_sigkill_with_calls_in_flight(tmp_path: Path) -> None:
 async def test_four_gateways_export_each_root_of_a_run_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Promise (README, spans): "sidecars sharing a Redis export each root once, however many of them
     sweep the run or serve its steps". Four `tollgate serve` processes on one Redis, exporting OTLP to one
-    receiver, `otel.run_idle_s: 0.5`: each of three runs takes a step on one gateway, goes idle (all four
+    receiver, `otel.run_idle_s: 1`: each of three runs takes a step on one gateway, goes idle (all four
     sweep it), resumes on the next gateway, goes idle again, and is stopped by its cap on a third; a
     refusal follows on a fourth. Each run has exactly its three roots (segments 0, 1, 2, the last with
     the stop), each exported once, and every step span is under one of them."""
@@ -868,12 +868,15 @@ async def test_four_gateways_export_each_root_of_a_run_once(tmp_path: Path, monk
         def roots(run: str) -> list[Any]:
             return [s for s in sink.spans if s.name.startswith("invoke_agent") and s.value("tollgate.run_id") == run]
 
-        async def exported(count: int) -> None:
-            async with asyncio.timeout(20):  # a sweep every 0.125 s, an export every 0.05 s
-                while not all(len(roots(run)) >= count for run in runs):
+        def steps(run: str) -> list[Any]:
+            return [s for s in sink.spans if s.name == "chat gpt-4o-mini" and s.value("tollgate.run_id") == run]
+
+        async def exported(count: int, step_spans: int = 0) -> None:
+            async with asyncio.timeout(20):  # a sweep every 0.25 s, an export every 0.05 s
+                while not all(len(roots(run)) >= count and len(steps(run)) >= step_spans for run in runs):
                     await asyncio.sleep(0.05)
 
-        async with environment(tmp_path, 4, "    caps: {llm_calls: 3}", extra="otel: {run_idle_s: 0.5}") as env:
+        async with environment(tmp_path, 4, "    caps: {llm_calls: 3}", extra="otel: {run_idle_s: 1.0}") as env:
             _upstream, _redis, cluster, session = env
 
             async def step(i: int, run: str) -> int:
@@ -887,16 +890,16 @@ async def test_four_gateways_export_each_root_of_a_run_once(tmp_path: Path, monk
             await exported(1)
             assert [await step(1, run) for run in runs] == [200] * 3  # each resumes on another gateway
             await exported(2)
-            assert [await step(2, run) for run in runs] == [200] * 3
-            assert [await step(3, run) for run in runs] == [403] * 3  # the cap stops each run
+            for run in runs:  # the third call, and at once the one the cap refuses: no idle time between
+                assert [await step(2, run), await step(3, run)] == [200, 403]
             assert [await step(0, run) for run in runs] == [403] * 3  # a refusal of the stopped run
-            await exported(3)
-            cluster.stop()  # each gateway exports what it holds, and its idle sweeps end
+            await exported(3, step_spans=5)
+            # each gateway exports what it still holds; the receiver keeps serving meanwhile
+            await asyncio.to_thread(cluster.stop)
         for run in runs:
             mine = sorted(roots(run), key=lambda s: int(s.attributes.get("tollgate.run.segment", ("", 0))[1]))
             assert len({s.span_id for s in mine}) == len(mine) == 3, [(s.span_id, s.attributes) for s in mine]
             assert [s.attributes.get("tollgate.run.segment", ("", 0))[1] for s in mine] == [0, 1, 2]
             assert [s.attributes.get("tollgate.llm_calls", ("", None))[1] for s in mine] == [1, 2, 3]
             assert mine[-1].attributes["error.type"][1] == "llm_call_cap"
-            steps = [s for s in sink.spans if s.name == "chat gpt-4o-mini" and s.value("tollgate.run_id") == run]
-            assert len(steps) == 5 and {s.parent_span_id for s in steps} <= {s.span_id for s in mine}
+            assert len(steps(run)) == 5 and {s.parent_span_id for s in steps(run)} <= {s.span_id for s in mine}
