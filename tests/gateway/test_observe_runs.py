@@ -9,8 +9,8 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -311,35 +311,6 @@ async def test_a_stops_root_is_exported_when_its_client_leaves_during_the_claim(
     telemetry.shutdown()
 
 
-async def test_an_approved_tool_call_goes_under_the_root_of_the_run_as_it_was_approved(
-    gateway_factory: GatewayFactory,
-) -> None:
-    """An approval can outlast `otel.run_idle_s`: the call went under the root exported while it waited
-    (read before the wait), not the next one, which counts it (found by review)."""
-    from tests.gateway.test_mcp_probe import admin, call, gateway, pending, post, raw_server
-
-    tools = {"allow": ["files/read_file", "files/delete_*"], "approval": ["files/delete_*"],
-             "tiers": {"files/delete_*": "dangerous"}, "approval_timeout_s": 30}
-    async with raw_server() as srv:
-        h = await gateway(gateway_factory, srv.url, tools=tools)
-        exporter = InMemorySpanExporter()
-        h.gateway.services["telemetry"] = telemetry = setup_telemetry({}, exporter=exporter)
-        assert (await post(h, call("read_file", {"path": "x"}, rpc_id=1)))[0] == 200
-        task = asyncio.create_task(post(h, call("delete_file", {"path": "a"})))
-        [item] = await pending(h)
-        assert await end_idle_runs(h.gateway, 60, time.time() + 100) == 1  # the run's root 0, while it waits
-        await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": "approve", "by": "ops"})
-        status, answer = await task
-        assert status == 200 and "result" in answer, answer
-        spans = [s for s in (roots_of(telemetry, exporter), exporter.get_finished_spans())[1]]
-        [root] = [s for s in spans if s.name.startswith("invoke_agent")]
-        delete = next(s for s in spans if s.name == "tools/call delete_file")
-        assert root.context is not None and delete.parent is not None
-        assert delete.parent.trace_id == root.context.trace_id
-        assert delete.parent.span_id == run_ids(str(dict(root.attributes or {})["tollgate.run_id"]), 1, 1)[1]
-        telemetry.shutdown()
-
-
 async def exported_roots(telemetry: Telemetry, exporter: InMemorySpanExporter, count: int) -> list[Any]:
     """The roots exported, once there are `count` (a lost claim's root is exported in the background)."""
     async with asyncio.timeout(5):
@@ -400,11 +371,12 @@ async def test_a_resets_root_carries_the_epoch_as_the_reset_found_it(gateway_fac
     telemetry.shutdown()
 
 
-async def test_a_denied_tool_call_goes_under_the_root_of_the_run_as_it_was_denied(
-    gateway_factory: GatewayFactory,
+@pytest.mark.parametrize("decision", ["approve", "deny"])
+async def test_a_parked_tool_call_goes_under_the_root_of_the_run_as_its_wait_ended(
+    gateway_factory: GatewayFactory, decision: str,
 ) -> None:
-    """As an approved call: a denial that came after the run's idle root was exported went under that root,
-    not the next one, which counts it (found by review)."""
+    """An approval can outlast `otel.run_idle_s`: the call, approved or denied, went under the root exported
+    while it waited (the run read before the wait), not the next one, which counts it (found by review)."""
     from tests.gateway.test_mcp_probe import admin, call, gateway, pending, post, raw_server
 
     tools = {"allow": ["files/read_file", "files/delete_*"], "approval": ["files/delete_*"],
@@ -417,12 +389,12 @@ async def test_a_denied_tool_call_goes_under_the_root_of_the_run_as_it_was_denie
         task = asyncio.create_task(post(h, call("delete_file", {"path": "a"})))
         [item] = await pending(h)
         assert await end_idle_runs(h.gateway, 60, time.time() + 100) == 1  # the run's root 0, while it waits
-        await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": "deny", "by": "ops"})
-        status, answer = await task
-        assert "error" in answer, answer
-        spans = roots_of(telemetry, exporter) and exporter.get_finished_spans()
-        [root] = [s for s in spans if s.name.startswith("invoke_agent")]
-        delete = next(s for s in spans if s.name == "tools/call delete_file")
+        await admin(h, "POST", f"/admin/approvals/{item['id']}", {"decision": decision, "by": "ops"})
+        _, answer = await task
+        assert ("result" if decision == "approve" else "error") in answer, answer
+        [root] = roots_of(telemetry, exporter)  # flushed: every span ended so far
+        delete = next(s for s in exporter.get_finished_spans() if s.name == "tools/call delete_file")
         assert root.context is not None and delete.parent is not None
+        assert delete.parent.trace_id == root.context.trace_id
         assert delete.parent.span_id == run_ids(str(dict(root.attributes or {})["tollgate.run_id"]), 1, 1)[1]
         telemetry.shutdown()
