@@ -46,7 +46,7 @@ from gateway.pipeline import (
     shape,
     upstream_request,
 )
-from gateway.proxy import GATEWAY, answer_refused, conclude, respond
+from gateway.proxy import GATEWAY, answer_refused, finish, respond
 from gateway.relay import relay_stream
 from gateway.request_body import read_body
 from gateway.runtime import Gateway
@@ -104,13 +104,7 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
         step.error_type = step.error_type or "client_disconnected"
         raise
     finally:
-        try:
-            await conclude(gw, step)
-        except BaseException:  # the client left while the step was concluded: its hooks run all the same
-            gw.notify(step)
-            raise
-        if response is None:  # no answer to send: cancelled, or failed unexpectedly
-            gw.notify(step)
+        await finish(gw, step, answered=response is not None)
     return await respond(gw, step, request, response)
 
 

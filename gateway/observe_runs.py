@@ -35,10 +35,8 @@ async def claim_stop(gw: Gateway, step: Step) -> None:
     if telemetry is None or not telemetry.tracing:
         return
     state = await gw.store.get(step.run_id, steps=True, reservations=False)
-    if state is None or not state.stopped or state.roots_final:
-        return
-    claimed = await _claim(gw, telemetry, state, final=True)
-    if claimed is not None:
+    claimed = await _claim_stop(gw, state)
+    if state is not None and claimed is not None:
         step.extra[ENDS_RUN] = (state, claimed)
 
 
@@ -56,10 +54,7 @@ async def end_root(gw: Gateway, state: RunState) -> bool:
     process won the claim (a reset claims its own: `end_reset`). False when nothing was exported (tracing
     off, claimed elsewhere, the epoch's roots ended already, nothing new since its last root, the store
     failing: counted)."""
-    telemetry = telemetry_of(gw)
-    if telemetry is None or not telemetry.tracing or state.roots_final:
-        return False
-    claimed = await _claim(gw, telemetry, state, final=True)
+    claimed = await _claim_stop(gw, state)
     if claimed is None:
         return False
     export_root(gw, state, claimed)
@@ -72,6 +67,15 @@ def end_reset(gw: Gateway, fresh: RunState) -> None:
     if fresh.ended is not None:
         before, claimed = fresh.ended
         export_root(gw, before, claimed)
+
+
+async def _claim_stop(gw: Gateway, state: RunState | None) -> RootClaim | None:
+    """The final root of a stopped run's epoch, claimed; None when tracing is off, the run is not stopped or
+    its epoch's roots ended already (a refusal of a stopped run: no round trip), or the claim was not won."""
+    telemetry = telemetry_of(gw)
+    if telemetry is None or not telemetry.tracing or state is None or not state.stopped or state.roots_final:
+        return None
+    return await _claim(gw, telemetry, state, final=True)
 
 
 async def _claim(gw: Gateway, telemetry: Telemetry, state: RunState, *, final: bool, upto: float | None = None,

@@ -137,13 +137,7 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         step.error_type = step.error_type or "client_disconnected"
         raise
     finally:
-        try:
-            await conclude(gw, step)
-        except BaseException:  # the client left while the step was concluded: its hooks run all the same
-            gw.notify(step)
-            raise
-        if response is None:  # no answer to send: cancelled, or failed unexpectedly
-            gw.notify(step)
+        await finish(gw, step, answered=response is not None)
     assert response is not None  # every path above assigned it or raised
     return await respond(gw, step, request, response)
 
@@ -180,6 +174,18 @@ async def conclude(gw: Gateway, step: Step) -> None:
     await count_unjudged_hosted(gw, step)
     await mark_retry(gw, step)
     await record(gw, step)
+
+
+async def finish(gw: Gateway, step: Step, *, answered: bool) -> None:
+    """`conclude` the step (run in a `finally`), then run its hooks unless it has an answer still to send
+    (`respond` runs them once it is sent): also when concluding fails, the client having left meanwhile."""
+    try:
+        await conclude(gw, step)
+    except BaseException:  # cancelled while the step was concluded: its hooks run all the same
+        gw.notify(step)
+        raise
+    if not answered:  # no answer to send: cancelled, or failed unexpectedly
+        gw.notify(step)
 
 
 RELAYED_ERROR = "relayed_error"  # step.extra: the step's answer is the provider's error answer, relayed
