@@ -67,6 +67,18 @@ from gateway.store.base import (
 )
 from gateway.store.sqlite_checkpoint import Checkpointer, no_autocheckpoint
 from gateway.store.sqlite_lock import StateFileLock
+from gateway.store.sqlite_runs import (
+    MARK_SWEPT,
+    META_SCHEMA,
+    PAGE_FIRST,
+    PAGE_NEXT,
+    RUNS_SCHEMA,
+    WINDOW_FIRST,
+    WINDOW_NEXT,
+    WRITE_RUN,
+    copy_run,
+    run_row,
+)
 from gateway.store.sqlite_steps import SCHEMA as STEPS_SCHEMA
 from gateway.store.sqlite_steps import StepLog
 from gateway.store.sqlite_writes import SCHEMA as WRITES_SCHEMA
@@ -78,35 +90,6 @@ CACHE_SIZE = 4096  # runs kept in memory; a run costs a few KB
 STEP_FLUSH_S = 0.01
 STEP_BATCH = 256
 MAX_PENDING_STEPS = 8192
-
-_RUNS = (
-    "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, agent TEXT NOT NULL, updated_at REAL, "
-    "state BLOB NOT NULL)"
-)
-# what the store keeps beside the runs (the idle-run sweeps' mark)
-_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value REAL NOT NULL)"
-_MARK = ("INSERT INTO meta (key, value) VALUES ('idle_swept', ?) "
-         "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)")
-# the runs last updated in a window, in (updated_at, run_id) order from the start or after a cursor
-_WINDOW_FIRST = (
-    "SELECT run_id, state, updated_at FROM runs WHERE updated_at > ? AND updated_at <= ? "
-    "ORDER BY updated_at, run_id LIMIT ?"
-)
-_WINDOW_NEXT = (
-    "SELECT run_id, state, updated_at FROM runs WHERE (updated_at > ? OR (updated_at = ? AND run_id > ?)) "
-    "AND updated_at <= ? ORDER BY updated_at, run_id LIMIT ?"
-)
-# `runs_page`: the listing order, a run without updated_at counting as 0 (as in the other backends)
-_PAGE_FIRST = "SELECT run_id, state, updated_at FROM runs ORDER BY COALESCE(updated_at, 0), run_id LIMIT ?"
-_PAGE_NEXT = (
-    "SELECT run_id, state, updated_at FROM runs WHERE COALESCE(updated_at, 0) > ? OR "
-    "(COALESCE(updated_at, 0) = ? AND run_id > ?) ORDER BY COALESCE(updated_at, 0), run_id LIMIT ?"
-)
-# One statement for a new run and a known one (and for a row someone deleted from outside)
-_WRITE = (
-    "INSERT INTO runs (run_id, agent, updated_at, state) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (run_id) DO UPDATE SET updated_at = excluded.updated_at, state = excluded.state"
-)
 
 
 class SqliteRunStore:
@@ -125,7 +108,7 @@ class SqliteRunStore:
         self._cache_size = cache_size
         self._runs: OrderedDict[str, RunState] = OrderedDict()  # least recently used first
         self._steps = StepLog(
-            conn, _WRITE, _row, self._error,
+            conn, WRITE_RUN, run_row, self._error,
             flush_after_s=flush_after_s, batch=STEP_BATCH, limit=MAX_PENDING_STEPS,
         )
         self._writes = SqliteWrites(conn, self._error)
@@ -148,7 +131,7 @@ class SqliteRunStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 conn.execute("PRAGMA busy_timeout=5000")  # the ledger's connections write the same file
                 no_autocheckpoint(conn)  # commits run on the event loop; checkpoints on their own thread
-                for statement in (_RUNS, _META, *STEPS_SCHEMA, *WRITES_SCHEMA):
+                for statement in (RUNS_SCHEMA, META_SCHEMA, *STEPS_SCHEMA, *WRITES_SCHEMA):
                     conn.execute(statement)
                 store = cls(conn, lock, path, cache_size=max(cache_size, 1), flush_after_s=flush_after_s)
                 store._recover()
@@ -227,7 +210,7 @@ class SqliteRunStore:
         docstring). If the transition or the write fails, memory goes back to what it was before."""
         run_id = state.run_id
         ahead = run_id in self._steps.dirty
-        saved = _copy(state, shared_open=True) if ahead else None  # memory holds changes the file lacks
+        saved = copy_run(state, shared_open=True) if ahead else None  # memory holds changes the file lacks
         try:
             result = transition(state)
             if isinstance(result, Denial) and result.held:
@@ -235,7 +218,7 @@ class SqliteRunStore:
             if behind and not isinstance(result, Denial):
                 self._steps.mark(state, soon=soon)
                 return result
-            self._conn.execute(_WRITE, _row(state))
+            self._conn.execute(WRITE_RUN, run_row(state))
         except BaseException as exc:
             if saved is None:
                 self._forget(run_id)  # the file holds the state before the call
@@ -266,7 +249,7 @@ class SqliteRunStore:
         state = self._existing(run_id)
         if state is None:
             return None
-        snapshot = _copy(state, reservations=reservations)
+        snapshot = copy_run(state, reservations=reservations)
         if steps:
             self._steps.flush()
             try:
@@ -363,7 +346,7 @@ class SqliteRunStore:
         state = self._existing(run_id)
         if state is None:
             return None
-        before = _copy(state)
+        before = copy_run(state)
         self._steps.flush()
         try:
             before.steps = self._steps.read(run_id, state.epoch)
@@ -374,7 +357,7 @@ class SqliteRunStore:
         # so a refusal leaves them for the next reset rather than failing a reset that happened
         with contextlib.suppress(sqlite3.Error):
             self._writes.forget_former(run_id, state.epoch)
-        fresh = _copy(state)
+        fresh = copy_run(state)
         if ended is not None:
             fresh.ended = before, ended
         return fresh
@@ -406,7 +389,7 @@ class SqliteRunStore:
         """`RunStore.runs_page`: one statement, so a page is one snapshot of the file. Like `runs_updated`,
         a scan of `runs` (no index on `updated_at`) with a bounded sort, parsing only the page's runs."""
         args = (limit + 1,) if after is None else (after[0], after[0], after[1], limit + 1)
-        runs = self._read_runs(_PAGE_FIRST if after is None else _PAGE_NEXT, args)
+        runs = self._read_runs(PAGE_FIRST if after is None else PAGE_NEXT, args)
         if len(runs) <= limit:
             return RunsPage(runs, None)
         last = runs[limit - 1]
@@ -421,9 +404,9 @@ class SqliteRunStore:
         cursor: tuple[str, float] | None = None
         while True:
             if cursor is None:
-                runs = self._read_runs(_WINDOW_FIRST, (after, before, page))
+                runs = self._read_runs(WINDOW_FIRST, (after, before, page))
             else:
-                runs = self._read_runs(_WINDOW_NEXT, (cursor[1], cursor[1], cursor[0], before, page))
+                runs = self._read_runs(WINDOW_NEXT, (cursor[1], cursor[1], cursor[0], before, page))
             if runs:
                 yield runs
             if len(runs) < page:
@@ -471,7 +454,7 @@ class SqliteRunStore:
 
     async def set_idle_swept(self, upto: float) -> None:
         try:
-            self._conn.execute(_MARK, (upto,))
+            self._conn.execute(MARK_SWEPT, (upto,))
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
@@ -490,37 +473,3 @@ class SqliteRunStore:
                 self._checkpointer.close()
             finally:
                 self._lock.release()
-
-
-def _row(state: RunState) -> tuple[str, str, float | None, bytes]:
-    return state.run_id, state.agent, state.updated_at, orjson.dumps(logic.to_dict(state))
-
-
-def _copy(state: RunState, *, shared_open: bool = False, reservations: bool = True) -> RunState:
-    """An independent copy, nested containers included (faster than a JSON round trip).
-
-    `shared_open`: the open reservations' entries are shared, not copied. Safe for a copy only the store
-    holds (to roll back a failed write): transitions add and remove entries, never change one.
-    `reservations=False`: no open reservations at all (`RunStore.get`)."""
-    return RunState(
-        run_id=state.run_id,
-        agent=state.agent,
-        epoch=state.epoch,
-        status=state.status,
-        stop_reason=state.stop_reason,
-        stop_detail=state.stop_detail,
-        started_at=state.started_at,
-        updated_at=state.updated_at,
-        used=dict(state.used),
-        reserved=dict(state.reserved),
-        lists={k: list(v) for k, v in state.lists.items()},
-        open=dict(state.open) if shared_open else {
-            rid: {k: dict(v) if isinstance(v, dict) else v for k, v in held.items()}
-            for rid, held in state.open.items()
-        } if reservations else {},
-        steps=[],
-        roots=state.roots,
-        roots_final=state.roots_final,
-        roots_mark=state.roots_mark,
-        roots_end=state.roots_end,
-    )
