@@ -15,7 +15,7 @@ RUNS_SCHEMA = (
 # what the store keeps beside the runs (the idle-run sweeps' mark)
 META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value REAL NOT NULL)"
 MARK_SWEPT = ("INSERT INTO meta (key, value) VALUES ('idle_swept', ?) "
-         "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)")
+              "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)")
 # the runs last updated in a window, in (updated_at, run_id) order from the start or after a cursor
 WINDOW_FIRST = (
     "SELECT run_id, state, updated_at FROM runs WHERE updated_at > ? AND updated_at <= ? "
