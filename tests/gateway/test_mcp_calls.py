@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from gateway.mcp_calls import _refusal_code
 from gateway.mcp_flights import flights_of
 from tests.conftest import GatewayFactory, Harness
 from tests.gateway.test_mcp_probe import RAW_TOOLS, admin, call, gateway, pending, post, raw, raw_server
@@ -179,14 +178,3 @@ async def test_a_disallowed_call_on_a_run_stopped_before_answers_the_runs_reason
         assert srv.calls == [("read_file", {"path": "a"})]
 
 
-@pytest.mark.parametrize(("outcome", "code"), [
-    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32003, "message": "m", "data": {"code": "approval_denied"}}},
-     "approval_denied"),
-    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32000, "message": "m", "data": {"code": "approval_denied"}}},
-     None),  # the MCP server's own error: what its data says is not a decision of tollgate
-    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32003, "message": "m", "data": {"code": 7}}}, None),
-    ({"jsonrpc": "2.0", "id": 1, "error": {"code": -32003, "message": "m"}}, None),
-    ({"jsonrpc": "2.0", "id": 1, "result": {"content": []}}, None),
-])
-def test_the_refusal_a_replay_gives_again(outcome: dict[str, Any], code: str | None) -> None:
-    assert _refusal_code(outcome) == code
