@@ -27,6 +27,8 @@
     + ShuttingDown             - 503 shutting_down
     + StateUnavailable         - 503 state_unavailable
   x GuardFailure               - a guard raised; the pipeline turns it into a stop (fail closed)
+  x RunReset                   - the run was reset after the epoch a stop or an effect was judged on:
+                                 the store did nothing (never answered; the pipeline decides again)
 
 Statuses never use 409/429, use 408 only for a request body that stopped arriving (sending it again
 can help), and use 5xx only where the gateway or its dependencies failed, so official SDKs do not retry
@@ -270,6 +272,16 @@ class GuardFailure(TollgateError):
     def __init__(self, guard: str, cause: BaseException) -> None:
         super().__init__(f"guard {guard} failed: {type(cause).__name__}: {cause}")
         self.guard = guard
+
+
+class RunReset(TollgateError):
+    """`RunStore.stop` / `RunStore.apply` given the epoch the caller judged on, when a reset has ended that
+    epoch since: nothing was written. The judgement was of the run that ended; the fresh run is not stopped
+    or counted by it."""
+
+    def __init__(self, run_id: str, judged: int, current: int) -> None:
+        super().__init__(f"run {run_id!r} was reset since epoch {judged} (now {current})")
+        self.run_id, self.judged, self.current = run_id, judged, current
 
 
 def error_code(error: GatewayError) -> str:

@@ -40,6 +40,7 @@ from gateway.errors import (
     ApprovalTimeout,
     GatewayError,
     InvalidRequest,
+    RunReset,
     StateUnavailable,
     Stopped,
     ToolNotAllowed,
@@ -294,8 +295,13 @@ async def _judge_result(step: ToolStep, chain: GuardChain, answer: Answer) -> No
         verdict = chain.after(dataclasses.replace(ctx, run=run, now=time.time()), answer)
         if changes_run(verdict) and reset_since(ctx.run, run if loop else await _current(step)):
             step.decisions.extend(d for d in verdict.decisions if not d.stopped)  # delivered: counts in no run
-        else:
+            return
+        kept = len(step.decisions)
+        try:
             await _apply(step, verdict, in_flight=True)
+        except RunReset:  # the reset came after the read above: the same
+            del step.decisions[kept:]
+            step.decisions.extend(d for d in verdict.decisions if not d.stopped)
 
 
 async def _current(step: ToolStep) -> RunState | None:
@@ -340,23 +346,38 @@ async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
     return False
 
 
-async def _apply(step: ToolStep, verdict: Verdict, *, in_flight: bool = False) -> None:
+async def _apply(step: ToolStep, verdict: Verdict, *, in_flight: bool = False, run: RunState | None = None) -> None:
     """A stop stops the run (a reject refuses only this call: InvalidRequest); effects go to the store in
     one atomic operation (an `Add` over its limit stops the run there; `in_flight`: the effects of the
-    call's result, judged on the limits and not on a stop since, see `RunStore.apply`). Raises Stopped."""
+    call's result, judged on the limits and not on a stop since, see `RunStore.apply`). Raises Stopped.
+    Both only in the epoch of `run`, the run judged (default: as the call found it): after a reset since,
+    the fresh run is neither stopped nor counted; a result's judgement raises RunReset (it counts in no
+    run), a call's stop refuses the call alone and its counts are left out."""
     gw, ctx = step.mcp.gw, step.ctx
     step.decisions.extend(verdict.decisions)
     if step.unguarded:
         return
+    judged = run if run is not None else ctx.run
+    epoch = judged.epoch if judged is not None else 1
     if verdict.stop is not None:
         if verdict.stop.action == "reject":  # this call refused as a bad request; the run goes on
             raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)
-        reason = verdict.stop.reason or "stopped"
+        reason, detail = verdict.stop.reason or "stopped", verdict.stop.detail
         with uncut(step.flight):  # the stop is decided: recorded as the stop, whoever leaves meanwhile
-            held = await gw.store.stop(ctx.run_id, ctx.agent, reason, verdict.stop.detail, time.time())
+            try:
+                held = await gw.store.stop(ctx.run_id, ctx.agent, reason, detail, time.time(), epoch=epoch)
+            except RunReset:
+                if in_flight:
+                    raise
+                raise Stopped(reason, detail) from None
             raise Stopped(held.reason, held.detail)  # the run's own, when another step stopped it first
     with uncut(step.flight):
-        denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects, in_flight=in_flight)
+        try:
+            denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects, in_flight=in_flight, epoch=epoch)
+        except RunReset:
+            if in_flight:
+                raise
+            return
         if denial is not None:
             raise Stopped(denial.reason, denial.detail)
 
@@ -386,4 +407,4 @@ async def _approve(step: ToolStep) -> None:
     # a guard may stop it now that did not when the call arrived (the time cap ran out while it waited)
     verdict = mcp.gw.chain(ctx.agent, ctx.policy).before(dataclasses.replace(ctx, run=run, now=time.time()))
     if verdict.stop is not None:
-        await _apply(step, dataclasses.replace(verdict, effects=()))
+        await _apply(step, dataclasses.replace(verdict, effects=()), run=run)

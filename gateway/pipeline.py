@@ -27,6 +27,7 @@ from gateway.errors import (
     BudgetHeld,
     GatewayError,
     InvalidRequest,
+    RunReset,
     StateUnavailable,
     Stopped,
     TokenBudgetHeld,
@@ -50,6 +51,7 @@ STOP_HEADER = "x-tollgate-stop-reason"
 MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
 JUDGED = "judged"  # step.extra: guard_after ran on the step's answer
 _MARK = "history_mark"  # step.extra: the run's in-process history version when its snapshot was read
+RESET_RETRIES = 3  # judgements of one step a reset of its run may interrupt before it is refused (503)
 JSON = "application/json"
 # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
 TRACE_HEADERS = frozenset({"baggage", "traceparent", "tracestate"})
@@ -82,7 +84,20 @@ def parse_json(raw: bytes, limits: Limits) -> dict[str, Any]:
 
 async def guard_before(gw: Gateway, step: Step) -> None:
     """Run the guards, reserve their claims atomically, then apply their effects. Raises Stopped on a
-    stop, BudgetHeld when only the reservations of steps in flight refuse the claims."""
+    stop, BudgetHeld when only the reservations of steps in flight refuse the claims. A reset of the run
+    that ends the epoch the guards judged before their stop, reservation or effects landed (the store
+    checks it atomically: RunReset) has the step judged again on the fresh run, which it alone changes."""
+    call, judged = step.call, len(step.decisions)
+    for _ in range(RESET_RETRIES):
+        try:
+            return await _judge_before(gw, step)
+        except RunReset:
+            step.call = call
+            del step.decisions[judged:]
+    raise StateUnavailable(f"run {step.run_id!r} was reset {RESET_RETRIES} times while this step was judged")
+
+
+async def _judge_before(gw: Gateway, step: Step) -> None:
     ident = step.identity
     now = time.time()
     try:
@@ -133,6 +148,10 @@ async def guard_before(gw: Gateway, step: Step) -> None:
             raise HELD.get(grant.reason, BudgetHeld)(grant.detail)
         step.stop_reason, step.stop_detail = grant.reason, grant.detail
         raise Stopped(grant.reason, grant.detail)
+    if grant.epoch != epoch:  # reserved in a fresh run the guards did not judge
+        with contextlib.suppress(StateUnavailable):
+            await gw.store.settle(grant, {}, time.time())
+        raise RunReset(ident.run_id, epoch, grant.epoch)
     if step.output_bound is not None and grant.units < step.output_bound[1]:
         await _refuse_partial(gw, step, grant, verdict.claims)
     budgeted = any(c.per_unit > 0 and c.limit is not None for c in verdict.claims)
@@ -263,20 +282,39 @@ def output_limit(step: Step) -> int:
 
 
 async def stop_run(gw: Gateway, step: Step, reason: str, detail: str) -> NoReturn:
-    """Stop the run (sticky) and raise the stop it holds: another step's, when that one stopped it first."""
+    """Stop the run (sticky) and raise the stop it holds: another step's, when that one stopped it first.
+    RunReset, and nothing stopped, when a reset has ended the epoch the step judged (`extra["epoch"]`)."""
+    before = step.stop_reason, step.stop_detail
     step.stop_reason, step.stop_detail = reason, detail
-    held = await gw.store.stop(step.run_id, step.agent, reason, detail, time.time())
+    try:
+        held = await gw.store.stop(step.run_id, step.agent, reason, detail, time.time(),
+                                   epoch=step.extra.get("epoch"))
+    except RunReset:
+        step.stop_reason, step.stop_detail = before
+        raise
     step.stop_reason, step.stop_detail = held.reason, held.detail
     raise Stopped(held.reason, held.detail)
 
 
+async def stop_answer(gw: Gateway, step: Step, reason: str, detail: str) -> NoReturn:
+    """`stop_run` for an answer that is withheld whatever the run's epoch (a disallowed tool call): after a
+    reset since the step was judged, the step alone is refused with `reason`, the fresh run goes on."""
+    try:
+        await stop_run(gw, step, reason, detail)
+    except RunReset:
+        step.stop_reason, step.stop_detail = reason, detail
+        raise Stopped(reason, detail) from None
+
+
 async def apply_effects(gw: Gateway, step: Step, verdict: Verdict, *, in_flight: bool = False) -> None:
     """A step's counter additions and history pushes, in one atomic store operation (`in_flight`: those
-    of its answer, see `RunStore.apply`)."""
+    of its answer, see `RunStore.apply`); RunReset, nothing written, when a reset has ended the epoch the
+    step judged."""
     if not verdict.effects or step.extra.get("state_failed"):
         return
     try:
-        denial = await gw.write_effects(step.run_id, step.agent, verdict.effects, in_flight=in_flight)
+        denial = await gw.write_effects(step.run_id, step.agent, verdict.effects, in_flight=in_flight,
+                                        epoch=step.extra.get("epoch"))
     except StateUnavailable as exc:
         await _state_failed(step, exc)
         return
@@ -381,22 +419,18 @@ async def guard_after(gw: Gateway, step: Step, answer: Answer) -> None:
         step.decisions.extend(verdict.decisions)
         del step.extra[JUDGED]  # nothing of the answer was applied: what the provider ran is counted at the end
         raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)  # withheld; the run goes on
-    if reset or (verdict.stop is not None and await _reset_since(gw, step)):  # it counts in no run, and
-        step.decisions.extend(d for d in verdict.decisions if not d.stopped)  # stops none (span, metrics)
-        return
+    kept = len(step.decisions)
     step.decisions.extend(verdict.decisions)
-    if verdict.stop is not None:
-        await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
-    # admitted before any stop of its run since: its answer is judged on the limits, not on that stop
-    await apply_effects(gw, step, verdict, in_flight=True)
-
-
-async def _reset_since(gw: Gateway, step: Step) -> bool:
-    """The run was reset after the step's snapshot was taken (its epoch moved on); not known: False."""
-    with contextlib.suppress(StateUnavailable):
-        state = await gw.store.get(step.run_id, steps=False, reservations=False)
-        return state is not None and state.epoch != step.extra.get("epoch", 1)
-    return False
+    try:
+        if reset:
+            raise RunReset(ident.run_id, step.extra.get("epoch", 1), snapshot.epoch if snapshot else 1)
+        if verdict.stop is not None:
+            await stop_run(gw, step, verdict.stop.reason or "stopped", verdict.stop.detail)
+        # admitted before any stop of its run since: its answer is judged on the limits, not on that stop
+        await apply_effects(gw, step, verdict, in_flight=True)
+    except RunReset:  # reset since the step was admitted (seen, or refused by the store's epoch check):
+        del step.decisions[kept:]  # it counts in no run, and stops none (span, metrics)
+        step.decisions.extend(d for d in verdict.decisions if not d.stopped)
 
 
 async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
@@ -406,12 +440,15 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
     if step.extra.get(JUDGED) or step.extra.get("state_failed") or step.error_type == StateUnavailable.code:
         return
     hosted = step.extra.get("hosted_discarded", 0) + (step.answer.hosted_calls if step.answer is not None else 0)
-    if not hosted or await _reset_since(gw, step):  # a step from before a reset counts in no run
+    if not hosted:
         return
     limit = step.identity.policy.caps.tool_calls
     add = Add("tool_calls", float(hosted), None if limit is None else float(limit), "tool_call_cap")
     try:
-        denial = await gw.write_effects(step.run_id, step.agent, (add,), in_flight=True)
+        denial = await gw.write_effects(step.run_id, step.agent, (add,), in_flight=True,
+                                        epoch=step.extra.get("epoch", 1))
+    except RunReset:
+        return  # a step from before a reset counts in no run
     except GatewayError:
         step.extra["record_failed"] = True  # the store is down; the answer is already decided
         return

@@ -18,6 +18,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     OutputNonconforming,
+    RunReset,
     ShuttingDown,
     StateUnavailable,
     Stopped,
@@ -41,8 +42,8 @@ from gateway.pipeline import (
     provider_secret,
     settle,
     shape,
+    stop_answer,
     stop_response,
-    stop_run,
     upstream_request,
 )
 from gateway.pricing import ModelPrice
@@ -216,8 +217,9 @@ async def mark_retry(gw: Gateway, step: Step) -> None:
     Best effort: a store that fails now counts the retry."""
     if step.stop_reason or not _sdk_retry(step):
         return
-    with contextlib.suppress(GatewayError):
-        await gw.write_effects(step.run_id, step.agent, retry_marks(step.call.request_hash, step.decisions))
+    with contextlib.suppress(GatewayError, RunReset):  # a reset since: the fresh run has no such request
+        await gw.write_effects(step.run_id, step.agent, retry_marks(step.call.request_hash, step.decisions),
+                               epoch=step.extra.get("epoch"))
 
 
 async def respond(gw: Gateway, step: Step, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
@@ -321,7 +323,7 @@ async def run_step(gw: Gateway, step: Step, request: web.Request) -> web.StreamR
         if tools is not None:
             step.extra["tools_denied"] = len(tools.denied)
             if tools.action == "reject" or step.extra.get("tool_reasked"):
-                await stop_run(gw, step, TOOL_NOT_ALLOWED, tools.detail)
+                await stop_answer(gw, step, TOOL_NOT_ALLOWED, tools.detail)
             left = True
             if step.call.stream:
                 data = drop_stream_calls(step.call.protocol, data, tools.names)

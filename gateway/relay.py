@@ -21,7 +21,7 @@ from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, ToolNotAllowed, UpstreamUnavailable
 from gateway.observe import ledger_stop_now, step_span
 from gateway.outputs import CHECK_ON_LOOP_CHARS, held_to_text, judge_tool_arguments, off_loop_if_long
-from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_run
+from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_answer
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
 from gateway.runtime import Gateway
@@ -147,7 +147,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 if tools is not None:
                     step.extra["tools_denied"] = len(tools.denied)
                     if tools.action == "reject":
-                        await stop_run(gw, step, TOOL_NOT_ALLOWED, tools.detail)
+                        await stop_answer(gw, step, TOOL_NOT_ALLOWED, tools.detail)
                     # drop: the held events lose the refused calls, whose bytes never reach the agent
                     held_bytes = drop_stream_calls(step.call.protocol, held_bytes, tools.names)
                     answer = step.answer = without(answer, tools.names)

@@ -56,13 +56,14 @@ class Gateway:
         return chain
 
     async def write_effects(
-        self, run_id: str, agent: str, effects: Sequence[Effect], *, in_flight: bool = False
+        self, run_id: str, agent: str, effects: Sequence[Effect], *, in_flight: bool = False,
+        epoch: int | None = None,
     ) -> Denial | None:
         """Guards' effects (counter additions, history pushes) in one atomic store operation; a denial when
         an `Add` went over its limit, or when the run is stopped and the effects are not `in_flight` (those
-        of a step admitted before the stop: see `RunStore.apply`). A history write moves the run's mark
-        before it and again once it landed (a round trip to Redis): a step whose snapshot was read in
-        between judges again."""
+        of a step admitted before the stop: see `RunStore.apply`; `epoch` too). A history write moves the
+        run's mark before it and again once it landed (a round trip to Redis): a step whose snapshot was
+        read in between judges again."""
         adds = [e for e in effects if isinstance(e, Add)]
         pushes = [e for e in effects if isinstance(e, Push)]
         if not adds and not pushes:
@@ -70,7 +71,7 @@ class Gateway:
         if pushes:
             self.history_marks.bump(run_id)
         try:
-            return await self.store.apply(run_id, agent, adds, pushes, time.time(), in_flight=in_flight)
+            return await self.store.apply(run_id, agent, adds, pushes, time.time(), in_flight=in_flight, epoch=epoch)
         finally:
             if pushes:
                 self.history_marks.bump(run_id)

@@ -221,19 +221,24 @@ class RunStore(Protocol):
 
     async def apply(
         self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
-        *, in_flight: bool = False,
+        *, in_flight: bool = False, epoch: int | None = None,
     ) -> Denial | None:
         """All of a step's counter additions and history pushes in one atomic operation. The first add
         that would exceed its limit stops the run and nothing of the operation is applied. A stopped run
         refuses any add, unless `in_flight` (the answer of a step admitted before the stop): then only a
-        breach is refused, with the run's own reason (`logic.apply`)."""
+        breach is refused, with the run's own reason (`logic.apply`). `epoch`: the run's epoch the
+        effects were judged on; when a reset has ended it, nothing is applied and RunReset is raised."""
         ...
 
     async def take(self, run_id: str, key: str, value: str) -> bool: ...
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
+    async def stop(
+        self, run_id: str, agent: str, reason: str, detail: str, now: float, *, epoch: int | None = None
+    ) -> Denial:
         """Stop the run (sticky until reset) and answer the stop it holds: the first stop wins, so a run
-        another step stopped meanwhile keeps, and answers, its own reason."""
+        another step stopped meanwhile keeps, and answers, its own reason. `epoch`: the run's epoch the
+        stop was judged on; when a reset has ended it, the fresh run is not stopped and RunReset is
+        raised (atomically with the check)."""
         ...
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.errors import RunReset
 from gateway.store.base import (
     UNREPORTED_USAGE,
     Add,
@@ -164,15 +165,25 @@ def add(state: RunState, counter: str, amount: float, limit: float | None, code:
     return None
 
 
+def same_epoch(state: RunState, epoch: int | None) -> None:
+    """Raise RunReset when `epoch` (the one a stop or an effect was judged on; None: not checked) is no
+    longer the run's: a reset came in between, and the judgement was of the run it ended."""
+    if epoch is not None and epoch != state.epoch:
+        raise RunReset(state.run_id, epoch, state.epoch)
+
+
 def apply(
-    state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: float, *, in_flight: bool = False
+    state: RunState, adds: Sequence[Add], pushes: Sequence[Push], now: float, *, in_flight: bool = False,
+    epoch: int | None = None,
 ) -> Denial | None:
     """All adds and pushes of a step, or nothing: a limit breach stops the run and applies nothing.
+    `epoch` (`same_epoch`): RunReset, nothing applied, when a reset has ended it.
 
     A stopped run refuses the adds with its own reason (sticky), unless `in_flight`: the effects of a
     step admitted before the stop (its answer) are judged against the limits as if it had ended first,
     which is what a serial order of the steps gives, and only a breach is refused, with the run's own
     reason. Without that, one refused step of a parallel agent withheld every answer it had paid for."""
+    same_epoch(state, epoch)
     if adds and state.stopped and not in_flight:
         return Denial(state.stop_reason or "stopped", state.stop_detail or "the run is stopped")
     for a in adds:
@@ -218,8 +229,10 @@ def take(state: RunState, key: str, value: str) -> bool:
     return True
 
 
-def stop(state: RunState, reason: str, detail: str, now: float) -> Denial:
-    """Stop the run; the first stop wins and stays until reset. Answers the stop the run holds."""
+def stop(state: RunState, reason: str, detail: str, now: float, *, epoch: int | None = None) -> Denial:
+    """Stop the run; the first stop wins and stays until reset. Answers the stop the run holds.
+    `epoch` (`same_epoch`): RunReset, nothing stopped, when a reset has ended it."""
+    same_epoch(state, epoch)
     if not state.stopped:
         state.status = "stopped"
         state.stop_reason = reason

@@ -39,6 +39,13 @@ class MemoryRunStore:
             state = self._runs[run_id] = RunState(run_id=run_id, agent=agent)
         return state
 
+    def _judged(self, run_id: str, agent: str, epoch: int | None) -> RunState:
+        """The run a stop or effects judged on `epoch` change: RunReset, no run created, when a reset has
+        ended that epoch (`logic.same_epoch`)."""
+        state = self._runs.get(run_id)
+        logic.same_epoch(state or RunState(run_id=run_id, agent=agent), epoch)
+        return state if state is not None else self._run(run_id, agent)
+
     async def get(self, run_id: str, *, steps: bool = True, reservations: bool = True) -> RunState | None:
         state = self._runs.get(run_id)
         return None if state is None else logic.from_dict(logic.to_dict(state))
@@ -61,16 +68,18 @@ class MemoryRunStore:
 
     async def apply(
         self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
-        *, in_flight: bool = False,
+        *, in_flight: bool = False, epoch: int | None = None,
     ) -> Denial | None:
-        return logic.apply(self._run(run_id, agent), adds, pushes, now, in_flight=in_flight)
+        return logic.apply(self._judged(run_id, agent, epoch), adds, pushes, now, in_flight=in_flight)
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         state = self._runs.get(run_id)
         return state is not None and logic.take(state, key, value)
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
-        return logic.stop(self._run(run_id, agent), reason, detail, now)
+    async def stop(
+        self, run_id: str, agent: str, reason: str, detail: str, now: float, *, epoch: int | None = None
+    ) -> Denial:
+        return logic.stop(self._judged(run_id, agent, epoch), reason, detail, now)
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:
         return logic.record_step(self._run(run_id, agent), step, now)

@@ -52,7 +52,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.errors import StateUnavailable
+from gateway.errors import RunReset, StateUnavailable
 from gateway.store import logic
 from gateway.store.base import (
     Add,
@@ -93,6 +93,13 @@ log = logging.getLogger(__name__)
 
 def _passing(exc: RedisError) -> bool:
     return isinstance(exc, ReadOnlyError | OutOfMemoryError) or str(exc).startswith(_PASSING_CODES)
+
+
+def _judged(run_id: str, epoch: int | None, reply: list[Any]) -> list[Any]:
+    """A `stop` / `apply` script's reply, RunReset when it found `epoch` ended (`reset_since`)."""
+    if reply[0] == "reset" and epoch is not None:
+        raise RunReset(run_id, epoch, int(reply[1]))
+    return reply
 
 
 class RedisRunStore:
@@ -359,7 +366,7 @@ class RedisRunStore:
 
     async def apply(
         self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
-        *, in_flight: bool = False,
+        *, in_flight: bool = False, epoch: int | None = None,
     ) -> Denial | None:
         if not adds and not pushes:
             return None  # nothing to do: no round trip, and no empty run created (as SQLite)
@@ -369,15 +376,19 @@ class RedisRunStore:
             [[p.key, int(p.keep), list(p.values), -1 if p.distinct_limit is None else int(p.distinct_limit),
               p.code, p.detail] for p in pushes],
             in_flight,
+            -1 if epoch is None else int(epoch),
         ]
-        reply = orjson.loads(await self._call("apply", run_id, agent, args))
+        reply = _judged(run_id, epoch, orjson.loads(await self._call("apply", run_id, agent, args)))
         return Denial(reply[1], reply[2]) if reply[0] == "deny" else None
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         return bool(await self._call("take", run_id, "", [key, value]))
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
-        reply = orjson.loads(await self._call("stop", run_id, agent, [reason, detail, float(now)]))
+    async def stop(
+        self, run_id: str, agent: str, reason: str, detail: str, now: float, *, epoch: int | None = None
+    ) -> Denial:
+        args = [reason, detail, float(now), -1 if epoch is None else int(epoch)]
+        reply = _judged(run_id, epoch, orjson.loads(await self._call("stop", run_id, agent, args)))
         return Denial(reply[1], reply[2])
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:

@@ -217,9 +217,12 @@ return enc_list(items)
 """
 
 # logic.apply. A: [now, [[counter, amount, limit|null, code], ...],
-#                   [[list name, keep, [values...], distinct limit (-1: none), code, detail], ...], in flight].
-# Answers ["ok"] or ["deny", reason, detail].
+#                   [[list name, keep, [values...], distinct limit (-1: none), code, detail], ...], in flight,
+#                   the epoch judged on or -1].
+# Answers ["ok"], ["deny", reason, detail] or ["reset", the run's epoch] (`reset_since`: nothing applied).
 _APPLY = """
+local ended = reset_since(A[5])
+if ended then return ended end
 create()
 local now, adds, pushes, in_flight = A[1], A[2], A[3], A[4]
 if #adds > 0 and not in_flight then
@@ -280,8 +283,11 @@ end
 return 0
 """
 
-# A: [reason, detail, now]. Answers the stop the run holds: {'deny', reason, detail} (the first stop wins).
+# A: [reason, detail, now, the epoch judged on or -1]. Answers the stop the run holds: {'deny', reason,
+# detail} (the first stop wins), or ["reset", the run's epoch] (`reset_since`: not stopped).
 _STOP = """
+local ended = reset_since(A[4])
+if ended then return ended end
 create()
 stop(A[1], A[2], A[3])
 touch()

@@ -101,6 +101,15 @@ local function stop(reason, detail, now)
              'updated_at', num(now))
 end
 
+-- logic.same_epoch: the epoch a stop or effects were judged on (-1: not checked) is the run's (a run
+-- not there yet starts at 1); else the reply `["reset", epoch]`, before anything is written
+local function reset_since(judged)
+  if judged == -1 then return nil end
+  local epoch = tonumber(redis.call('HGET', K, 'epoch') or '1')
+  if epoch == judged then return nil end
+  return cjson.encode({'reset', epoch})
+end
+
 local function start(now)
   if redis.call('HEXISTS', K, 'started_at') == 0 then redis.call('HSET', K, 'started_at', num(now)) end
 end

@@ -191,6 +191,13 @@ class SqliteRunStore:
             self._keep(state)
         return state
 
+    def _judged(self, run_id: str, agent: str, epoch: int | None) -> RunState:
+        """The run a stop or effects judged on `epoch` change: RunReset before anything is written or kept
+        when a reset has ended that epoch (`logic.same_epoch`)."""
+        state = self._existing(run_id)
+        logic.same_epoch(state or RunState(run_id=run_id, agent=agent), epoch)
+        return state if state is not None else self._state(run_id, agent)
+
     def _existing(self, run_id: str) -> RunState | None:
         try:
             return self._load(run_id)
@@ -313,12 +320,12 @@ class SqliteRunStore:
 
     async def apply(
         self, run_id: str, agent: str, adds: Sequence[Add], pushes: Sequence[Push], now: float,
-        *, in_flight: bool = False,
+        *, in_flight: bool = False, epoch: int | None = None,
     ) -> Denial | None:
         if not adds and not pushes:
             return None
-        return self._change(self._state(run_id, agent),
-                            lambda s: logic.apply(s, adds, pushes, now, in_flight=in_flight), behind=True)
+        state = self._judged(run_id, agent, epoch)
+        return self._change(state, lambda s: logic.apply(s, adds, pushes, now, in_flight=in_flight), behind=True)
 
     async def take(self, run_id: str, key: str, value: str) -> bool:
         state = self._existing(run_id)
@@ -326,8 +333,10 @@ class SqliteRunStore:
             return False  # nothing taken, nothing to write
         return self._change(state, lambda s: logic.take(s, key, value))
 
-    async def stop(self, run_id: str, agent: str, reason: str, detail: str, now: float) -> Denial:
-        return self._change(self._state(run_id, agent), lambda s: logic.stop(s, reason, detail, now))
+    async def stop(
+        self, run_id: str, agent: str, reason: str, detail: str, now: float, *, epoch: int | None = None
+    ) -> Denial:
+        return self._change(self._judged(run_id, agent, epoch), lambda s: logic.stop(s, reason, detail, now))
 
     async def record_step(self, run_id: str, agent: str, step: Mapping[str, Any], now: float) -> int:
         """Buffer the step row and the run's activity time; written within `flush_after_s` (module

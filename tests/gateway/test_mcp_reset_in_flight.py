@@ -18,6 +18,7 @@ from aiohttp import web
 
 from tests.conftest import GatewayFactory
 from tests.gateway.test_mcp_probe import TOOLS, RawServer, admin, call, gateway, pending, post, raw_server
+from tests.gateway.test_reset_while_judged import ResetFirst
 
 
 class HoldFirstCall(RawServer):
@@ -118,3 +119,34 @@ async def test_a_result_in_flight_when_another_call_stops_the_run_answers_the_ru
         assert withheld["error"]["data"]["code"] == "tool_call_cap"
         _, run = await admin(h, "GET", "/admin/runs/ms")
         assert run["stop_reason"] == "tool_call_cap"
+
+
+async def test_a_result_judged_before_a_reset_is_delivered_and_stops_nothing(gateway_factory: GatewayFactory) -> None:
+    """`loop.stall_steps: 1`: the same result twice is a call without progress. The run is reset between
+    the judgement of the second result and the stop (`ResetFirst`: the store's own epoch check decides,
+    not the read before it): the result is delivered and the fresh run is not stopped."""
+    async with hold_first_call(hold=0) as server:
+        h = await gateway(gateway_factory, server.url, tools=TOOLS, loop={"stall_steps": 1})
+        assert (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run="rs"))[0] == 200
+        store = h.gateway.store = ResetFirst(h.gateway.store, "stop")  # type: ignore[assignment]
+        status, answer = await post(h, call("read_file", {"path": "a"}, rpc_id=2), run="rs")
+        assert store.resets == 1
+        assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file"), answer
+        _, run = await admin(h, "GET", "/admin/runs/rs")
+        assert (run["status"], run["stop_reason"]) == ("active", None)
+
+
+async def test_a_call_counted_after_a_reset_it_was_judged_before_counts_in_no_run(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A `tools/call` counts toward `caps.tool_calls` when it is admitted. The run is reset between its
+    judgement and the count: the call goes on (delivered) and the fresh run counts none of it."""
+    async with hold_first_call(hold=0) as server:
+        h = await gateway(gateway_factory, server.url, tools=TOOLS, caps={"tool_calls": 5})
+        assert (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run="rc"))[0] == 200
+        store = h.gateway.store = ResetFirst(h.gateway.store, "apply")  # type: ignore[assignment]
+        status, answer = await post(h, call("read_file", {"path": "b"}, rpc_id=2), run="rc")
+        assert store.resets == 1
+        assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file"), answer
+        _, run = await admin(h, "GET", "/admin/runs/rc")
+        assert (run["status"], run["tool_calls"]) == ("active", 0)

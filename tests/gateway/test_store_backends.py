@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.errors import StateUnavailable
+from gateway.errors import RunReset, StateUnavailable
 from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunsCursor, RunStore
 from gateway.store.memory import MemoryRunStore
 from gateway.store.redis import RedisRunStore
@@ -244,6 +244,31 @@ async def test_stop_reset_and_a_stale_settle(store: RunStore) -> None:
     assert new.epoch == 2
     state = await store.get("run-1")
     assert state is not None and state.used == {} and list(state.open) == [new.id]
+
+
+async def test_a_stop_or_effects_judged_on_an_ended_epoch_change_nothing(store: RunStore) -> None:
+    """`epoch`: the run's epoch a stop or effects were judged on. A reset since ends it: the store raises
+    RunReset and the fresh run is neither stopped nor counted (checked atomically with the write)."""
+    await store.push("run-1", "bot", "calls", ["a"], 6)
+    await store.reset("run-1", NOW)
+    add, push = Add("tool_calls", 1.0, 5.0, "tool_call_cap"), Push("calls", ("b",), 6)
+    with pytest.raises(RunReset) as raised:
+        await store.stop("run-1", "bot", "loop_detected", "judged before the reset", NOW + 1, epoch=1)
+    assert (raised.value.judged, raised.value.current) == (1, 2)
+    with pytest.raises(RunReset):
+        await store.apply("run-1", "bot", [add], [push], NOW + 1, in_flight=True, epoch=1)
+    state = await store.get("run-1")
+    assert state is not None and (state.status, state.used, state.lists, state.epoch) == ("active", {}, {}, 2)
+    assert await store.apply("run-1", "bot", [add], [push], NOW + 2, epoch=2) is None  # the fresh run's own
+    assert await store.stop("run-1", "bot", "time_cap", "judged now", NOW + 3, epoch=2) == Denial(
+        "time_cap", "judged now")
+    state = await store.get("run-1")
+    assert state is not None and (state.used, state.lists["calls"], state.stop_reason) == (
+        {"tool_calls": 1.0}, ["b"], "time_cap")
+    with pytest.raises(RunReset):  # a run that is gone was not the one judged: nothing is created
+        await store.stop("run-2", "bot", "time_cap", "judged on epoch 3", NOW, epoch=3)
+    assert await store.get("run-2") is None
+    assert await store.stop("run-3", "bot", "time_cap", "unchecked", NOW) == Denial("time_cap", "unchecked")
 
 
 async def test_record_step_answers_the_epoch_it_files_the_step_under(store: RunStore) -> None:

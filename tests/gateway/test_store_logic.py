@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.errors import RunReset
 from gateway.store import logic
-from gateway.store.base import Claim, Denial, Reservation, ReserveRequest, RunState
+from gateway.store.base import Add, Claim, Denial, Push, Reservation, ReserveRequest, RunState
 
 NOW = 100.0
 _ids = itertools.count(1)
@@ -453,6 +454,24 @@ def test_stop_first_wins() -> None:
         1.0,
     )
     assert state.stopped
+
+
+@pytest.mark.parametrize(("judged", "refused"), [(None, False), (2, False), (1, True), (3, True)])
+def test_a_stop_or_effects_judged_on_another_epoch_change_nothing(judged: int | None, refused: bool) -> None:
+    """`epoch`: the one the caller judged (None: not checked). Another epoch: RunReset, nothing written."""
+    state = fresh()
+    state.epoch = 2
+    adds, pushes = [Add("tool_calls", 1.0, None, "")], [Push("calls", ("a",), 6)]
+    if refused:
+        with pytest.raises(RunReset):
+            logic.stop(state, "loop_detected", "judged", 1.0, epoch=judged)
+        with pytest.raises(RunReset):
+            logic.apply(state, adds, pushes, 1.0, epoch=judged)
+        assert (state.status, state.used, state.lists, state.updated_at) == ("active", {}, {}, None)
+    else:
+        assert logic.apply(state, adds, pushes, 1.0, epoch=judged) is None
+        assert logic.stop(state, "loop_detected", "judged", 1.0, epoch=judged) == Denial("loop_detected", "judged")
+        assert (state.status, state.used, state.lists) == ("stopped", {"tool_calls": 1.0}, {"calls": ["a"]})
 
 
 def test_record_step_keeps_the_last_steps_as_copies() -> None:
