@@ -40,6 +40,14 @@ DONE = b"data: [DONE]\n\n"
 MAX_CHOICES = 128  # OpenAI's bound on `n`; each choice is reserved, so a wild `n` is a 400, not a stop
 
 
+def aligned_reasons(reasons: list[str]) -> tuple[str, ...]:
+    """`Answer.finish_reasons` from each choice's, in choice order ("": none), as
+    `gen_ai.response.finish_reasons` lists them: a choice that ended without one (a stream cut before it
+    finished) is "error", as OpenTelemetry's OpenAI instrumentation reports it, so that the others keep
+    their places; none known at all: ()."""
+    return tuple(r or "error" for r in reasons) if any(reasons) else ()
+
+
 def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
     specs: list[ToolSpec] = []
     for index, tool in enumerate(raw_tools):
@@ -168,14 +176,13 @@ class OpenAIChat:
             elif not refusals[-1]:  # a refusal has no text to judge
                 others.append(content if isinstance(content, str) else "")
                 by_choice.append(names)
-            if choice.get("finish_reason"):
-                reasons.append(str(choice["finish_reason"]))
+            reasons.append(str(choice.get("finish_reason") or ""))
         return Answer(
             response_id=body.get("id"),
             model=body.get("model"),
             text=text if isinstance(text, str) else "",
             tool_calls=tuple(calls),
-            finish_reasons=tuple(reasons),
+            finish_reasons=aligned_reasons(reasons),
             usage=usage_from(body.get("usage")),
             other_texts=tuple(others),
             choice_calls=tuple(by_choice) if len(by_choice) > 1 else (),  # one choice: `tool_calls` says it
@@ -450,7 +457,7 @@ class OpenAIStreamReader:
             model=self._model,
             text=texts[0],
             tool_calls=calls,
-            finish_reasons=tuple(r for _, r in sorted(self._reasons.items())),
+            finish_reasons=aligned_reasons([self._reasons.get(i, "") for i in range(self._choices)]),
             usage=self._usage,
             other_texts=tuple(texts[i] for i in others),
             choice_calls=tuple(tuple(names.get(i, ())) for i in (0, *others)) if others else (),

@@ -427,3 +427,16 @@ def test_custom_tools_are_offered_forced_and_called_by_name() -> None:
         {"id": "c1", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]}
     answer = ADAPTER.parse_answer({"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]})
     assert answer.tool_calls == (ToolCall("c1", "code_exec", "print(1)"),)
+
+
+@pytest.mark.parametrize(("reasons", "expected"), [
+    (["stop"], ("stop",)),
+    ([None, "stop"], ("error", "stop")),  # a server that left one out: the others keep their places
+    (["length", None, "refusal"], ("length", "error", "refusal")),
+    ([None], ()),  # none known at all
+    ([None, None], ()),
+])
+def test_finish_reasons_are_one_per_choice_in_choice_order(reasons: list[str | None], expected: tuple[str, ...]) -> None:
+    choices = [{"index": i, "message": {"role": "assistant", "content": "x"}, "finish_reason": r}
+               for i, r in enumerate(reasons)]
+    assert ADAPTER.parse_answer({"id": "c", "model": "m", "choices": choices}).finish_reasons == expected

@@ -185,3 +185,18 @@ def test_refusals_are_per_choice_in_choice_order() -> None:
     assert (answer.refused, answer.refusals, answer.finish_reasons) == (True, ("no", "", "nope"), ("stop", "length", "stop"))
     assert (answer.other_texts, answer.choice_calls) == (("b",), ((), ()))
     assert ADAPTER.stream_reader(hide_usage=False, choices=2).answer().refusals == ()
+
+
+def test_a_choice_cut_before_its_finish_reason_keeps_the_others_in_their_places() -> None:
+    """n=3, the stream cut while choice 0 still generated: its finish reason is "error" (as OpenTelemetry's
+    OpenAI instrumentation reports one), so choice 1 and 2 keep their own, and `finish_reasons[:1]` is
+    choice 0's (no refusal read from another choice). A stream cut before any choice finished has none."""
+    reader = ADAPTER.stream_reader(hide_usage=False, choices=3)
+    for data in (chunk([delta(0, content="a"), delta(1, refusal="no"), delta(2, content="c")]),
+                 chunk([delta(1, "refusal"), delta(2, "length")])):
+        reader.feed(sse(data))
+    answer = reader.answer()
+    assert answer.finish_reasons == ("error", "refusal", "length")
+    cut = ADAPTER.stream_reader(hide_usage=False, choices=2)
+    cut.feed(sse(chunk([delta(0, content="a"), delta(1, content="b")])))
+    assert cut.answer().finish_reasons == ()
