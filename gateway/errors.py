@@ -101,9 +101,11 @@ class InvalidGrammar(InvalidRequest):
 class GrammarTooComplex(InvalidGrammar):
     """llguidance's parser limits were hit checking an answer (`grammars.engine`). A lexer out of states
     stays so in every copy of the compiled matcher: the compile is spent (`grammars.compile`), by this
-    check or, `spent_by_another`, by one before it."""
+    check or, `spent_by_another`, by one before it; `spent_alone`: by this check, the only one of a fresh
+    compile (a fresh compile would be spent again)."""
 
     spent_by_another = False
+    spent_alone = False
 
 
 class InvalidApiKey(GatewayError):

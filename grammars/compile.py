@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
@@ -60,6 +62,9 @@ class _Core:
     warnings: tuple[str, ...]
     # set once a check ran a copy of `exact` out of lexer states: every copy shares them (`Constraint.spoiled`)
     spent: threading.Event = field(default_factory=threading.Event)
+    # numbers the checks of `exact` (a thread-safe count): a check that was the first and is still the only
+    # one when it spends the lexer spent a fresh lexer by itself, which a fresh compile would not help
+    uses: Iterator[int] = field(default_factory=itertools.count)
 
 
 @fast_init
@@ -87,17 +92,19 @@ class Constraint:
             except GrammarTooComplex as exc:
                 # other answers may have spent (or nearly spent) the lexer this check shares: again, on a
                 # fresh compile; more than once only while another check spent that fresh one
-                if not _renew(renewals, exc.spent_by_another):
+                if exc.spent_alone or not _renew(renewals, exc.spent_by_another):
                     raise
                 constraint, renewals = compile_constraint(self.spec), renewals + 1
 
     def _check(self, text: str) -> Violation | None:
         core = self._core
         assert core.exact is not None  # non-JSON kinds always have their grammar
+        first = next(core.uses) == 0
         try:
             return engine.check_complete(core.exact, text, bounded=core.kind in _CONTEXT_FREE)
         except GrammarTooComplex as exc:
             exc.spent_by_another = core.spent.is_set()
+            exc.spent_alone = first and next(core.uses) == 1
             self.spoiled()
             raise
 
@@ -122,7 +129,8 @@ class Constraint:
         if core.schema is None:
             assert core.exact is not None
             return IncrementalChecker(core.exact.deep_copy(), json_document=False, final=None,
-                                      bounded=core.kind in _CONTEXT_FREE, on_limit=_Renewal(self))
+                                      bounded=core.kind in _CONTEXT_FREE,
+                                      on_limit=_Renewal(self, first=next(core.uses) == 0))
         assert core.syntax is not None
         if native and core.exact is not None and core.exact is not core.syntax:
             return IncrementalChecker(core.exact.deep_copy(), json_document=True, final=core.schema.check,
@@ -143,21 +151,27 @@ class _Renewal:
     """A stream's way out of a spent lexer (`IncrementalChecker`'s `on_limit`): the first call spoils the
     constraint's compile and answers a fresh matcher to replay the output on (other answers may have
     spent the lexer); later calls do so only while another check spent the fresh one (`_renew`), else
-    answer None: this answer spends a fresh lexer by itself."""
+    answer None: this answer spends a fresh lexer by itself. So does a stream whose check was the only one
+    of its compile (`first`, and no other since): no replay then."""
 
-    __slots__ = ("_constraint", "_renewals")
+    __slots__ = ("_constraint", "_first", "_renewals")
 
-    def __init__(self, constraint: Constraint) -> None:
+    def __init__(self, constraint: Constraint, *, first: bool) -> None:
         self._constraint = constraint
+        self._first = first
         self._renewals = 0
 
     def __call__(self) -> llg.LLMatcher | None:
-        by_another = self._constraint._core.spent.is_set()
+        core = self._constraint._core
+        by_another = core.spent.is_set()
+        alone = self._first and next(core.uses) == 1
         self._constraint.spoiled()
-        if not _renew(self._renewals, by_another):
+        if alone or not _renew(self._renewals, by_another):
             return None
         self._renewals += 1
         self._constraint = compile_constraint(self._constraint.spec)
+        # the replay is this stream's check of the fresh compile: alone on it if it stays the only one
+        self._first = next(self._constraint._core.uses) == 0
         fresh = self._constraint._core.exact
         return fresh.deep_copy() if fresh is not None else None
 

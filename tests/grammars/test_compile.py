@@ -417,6 +417,36 @@ def test_a_stream_under_way_survives_another_answer_spending_the_shared_lexer() 
     assert compile_constraint(spec).validate(ok) is None
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_answer_that_spends_a_fresh_lexer_by_itself_is_checked_once(
+    streamed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first replay on a fresh compile is for a lexer other answers had nearly spent. A check that was
+    the only one of its compile spent a fresh lexer by itself: replaying it would only spend another
+    (a second compile and check, ~35 ms for 30 KB), so it is refused at once."""
+    compile_mod.clear_cache()
+    compiles: list[ConstraintSpec] = []
+    real = compile_mod.compile_constraint
+
+    def counted(spec: ConstraintSpec) -> Constraint:
+        compiles.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(compile_mod, "compile_constraint", counted)
+    spec = ConstraintSpec("regex", EXPONENTIAL)
+    fresh = real(spec)
+    with pytest.raises(InvalidGrammar, match="too complex"):
+        if streamed:
+            checker = fresh.checker(native=False)
+            answer = exponential_answer(30_000)
+            for start in range(0, len(answer), 100):
+                checker.feed(answer[start:start + 100])
+        else:
+            fresh.validate(exponential_answer(30_000))
+    assert compiles == []
+    assert not fresh.current and real(spec).validate(exponential_answer(50)) is None
+
+
 def test_a_stream_survives_other_answers_spending_each_fresh_compile_under_it() -> None:
     """The replay gave up at the second spend, taking it for its own: another answer's may spend the
     fresh compile too."""
