@@ -27,20 +27,11 @@ from gateway.identity import Identity
 from gateway.metered import METERS
 from gateway.metered_forward import forward_metered
 from gateway.observe_forward import end_forward, refused_forward, start_forward
-from gateway.pipeline import (
-    CREDENTIALS,
-    JSON,
-    TRACE_HEADERS,
-    add_credentials,
-    base_headers,
-    echo_headers,
-    error_response,
-    parse_json,
-    provider_secret,
-)
+from gateway.pipeline import CREDENTIALS, TRACE_HEADERS, add_credentials, parse_json, provider_secret
 from gateway.providers.base import Adapter
 from gateway.proxy import GATEWAY, handle_chat
 from gateway.request_body import read_body
+from gateway.respond import JSON, base_headers, echo_headers, error_response
 from gateway.runtime import Gateway
 from gateway.store.base import RunState
 from gateway.unguarded import forbidden

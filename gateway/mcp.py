@@ -35,9 +35,9 @@ from gateway.jsonrpc import (
 from gateway.mcp_calls import call_tool
 from gateway.mcp_transport import McpRequest, Transform, refusal, relay, state_of
 from gateway.observe_mcp import end_relay_span, start_relay_span
-from gateway.pipeline import echo_headers
 from gateway.proxy import GATEWAY
 from gateway.request_body import read_body
+from gateway.respond import echo_headers
 
 
 async def mcp_handler(request: web.Request) -> web.StreamResponse:

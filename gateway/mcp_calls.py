@@ -74,10 +74,11 @@ from gateway.mcp_step import ToolStep
 from gateway.mcp_transport import McpRequest, refusal, relay
 from gateway.observe import telemetry_of
 from gateway.observe_mcp import end_tool_span, record_tool_step, start_tool_span
-from gateway.pipeline import STOP_HEADER
+from gateway.pipeline import RESET_RETRIES
+from gateway.respond import STOP_HEADER
 from gateway.store.base import RunState
 from gateway.tools import SIDE_EFFECT_TIERS, mcp_tool_name, proposed_names, refusal_detail
-from guards.base import StepContext
+from guards.base import Push, StepContext
 from guards.caps import PENDING_KEEP
 from guards.chain import GuardChain, Verdict
 
@@ -188,6 +189,22 @@ def _cut_refusal(step: ToolStep | None) -> GatewayError | None:
 
 
 async def _execute(step: ToolStep) -> web.StreamResponse:
+    """Judge, count and forward the call. A reset of its run that ends the epoch the call was judged on
+    before its stop or count landed (the store checks it atomically: RunReset) has the call judged again
+    on the fresh run, as a model call is (`pipeline.guard_before`)."""
+    judged = len(step.decisions)
+    for _ in range(RESET_RETRIES):
+        try:
+            return await _judge_and_forward(step)
+        except RunReset:
+            del step.decisions[judged:]
+            run = await _current(step)
+            refuse_if_stopped(run)
+            step.ctx = dataclasses.replace(step.ctx, run=run, now=time.time())
+    raise StateUnavailable(f"run {step.ctx.run_id!r} was reset {RESET_RETRIES} times while this call was judged")
+
+
+async def _judge_and_forward(step: ToolStep) -> web.StreamResponse:
     ctx = step.ctx
     assert step.call.tool_call is not None
     chain = step.mcp.gw.chain(ctx.agent, ctx.policy)
@@ -327,10 +344,16 @@ async def _carry(step: ToolStep) -> None:
     step.carried = True
     if step.unguarded:
         return
-    with uncut(step.flight):  # once begun (its epoch check included), the count is carried whoever leaves
-        if not reset_since(ctx.run, await _current(step)):  # else it was the old run's: it counts in no run
-            await step.mcp.gw.store.push(ctx.run_id, ctx.agent, PENDING, (step.call.tool_call.fingerprint,),
-                                         PENDING_KEEP)
+    carried = (Push(PENDING, (step.call.tool_call.fingerprint,), PENDING_KEEP),)
+    with uncut(step.flight):  # once begun, the count is carried whoever leaves
+        try:
+            await step.mcp.gw.write_effects(ctx.run_id, ctx.agent, carried, epoch=_admitted_in(step))
+        except RunReset:
+            pass  # counted in the run a reset ended since: it counts in no run (atomically with the write)
+        except StateUnavailable:
+            if ctx.policy.state_failure != "fail_open":
+                raise
+            step.unguarded = True
 
 
 async def _take_proposal(step: ToolStep, call: ToolCall) -> bool:
@@ -350,9 +373,8 @@ async def _apply(step: ToolStep, verdict: Verdict, *, in_flight: bool = False, r
     """A stop stops the run (a reject refuses only this call: InvalidRequest); effects go to the store in
     one atomic operation (an `Add` over its limit stops the run there; `in_flight`: the effects of the
     call's result, judged on the limits and not on a stop since, see `RunStore.apply`). Raises Stopped.
-    Both only in the epoch of `run`, the run judged (default: as the call found it): after a reset since,
-    the fresh run is neither stopped nor counted; a result's judgement raises RunReset (it counts in no
-    run), a call's stop refuses the call alone and its counts are left out."""
+    Both only in the epoch of `run`, the run judged (default: as the call found it): RunReset, and the
+    fresh run neither stopped nor counted, when a reset has ended it since."""
     gw, ctx = step.mcp.gw, step.ctx
     step.decisions.extend(verdict.decisions)
     if step.unguarded:
@@ -364,20 +386,10 @@ async def _apply(step: ToolStep, verdict: Verdict, *, in_flight: bool = False, r
             raise InvalidRequest(verdict.stop.detail, param=verdict.stop.param)
         reason, detail = verdict.stop.reason or "stopped", verdict.stop.detail
         with uncut(step.flight):  # the stop is decided: recorded as the stop, whoever leaves meanwhile
-            try:
-                held = await gw.store.stop(ctx.run_id, ctx.agent, reason, detail, time.time(), epoch=epoch)
-            except RunReset:
-                if in_flight:
-                    raise
-                raise Stopped(reason, detail) from None
+            held = await gw.store.stop(ctx.run_id, ctx.agent, reason, detail, time.time(), epoch=epoch)
             raise Stopped(held.reason, held.detail)  # the run's own, when another step stopped it first
     with uncut(step.flight):
-        try:
-            denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects, in_flight=in_flight, epoch=epoch)
-        except RunReset:
-            if in_flight:
-                raise
-            return
+        denial = await gw.write_effects(ctx.run_id, ctx.agent, verdict.effects, in_flight=in_flight, epoch=epoch)
         if denial is not None:
             raise Stopped(denial.reason, denial.detail)
 
@@ -407,4 +419,7 @@ async def _approve(step: ToolStep) -> None:
     # a guard may stop it now that did not when the call arrived (the time cap ran out while it waited)
     verdict = mcp.gw.chain(ctx.agent, ctx.policy).before(dataclasses.replace(ctx, run=run, now=time.time()))
     if verdict.stop is not None:
-        await _apply(step, dataclasses.replace(verdict, effects=()), run=run)
+        try:
+            await _apply(step, dataclasses.replace(verdict, effects=()), run=run)
+        except RunReset:  # judged on the run a reset ended since: this call alone is refused
+            raise Stopped(verdict.stop.reason or "stopped", verdict.stop.detail) from None

@@ -21,9 +21,9 @@ from gateway.http1_wire import Sending
 from gateway.idempotency import ResultCache
 from gateway.identity import Identity
 from gateway.jsonrpc import RequestId, gateway_error, replace_event_data, without_resumption
-from gateway.pipeline import STOP_HEADER
 from gateway.providers.common import json_depth_ok
 from gateway.providers.sse import SseEvent, SseParser, format_event
+from gateway.respond import STOP_HEADER
 from gateway.runtime import Gateway
 from gateway.tools import ToolPolicy, mcp_tool_name
 from gateway.upstream import UpstreamResponse, answer_headers, forwardable

@@ -35,9 +35,6 @@ from gateway.metered import Meter, MeteredAdapter, answer_of, guards_for, output
 from gateway.observe import begin_step, start_span, step_span
 from gateway.output_limits import whole_limit
 from gateway.pipeline import (
-    base_headers,
-    echo_headers,
-    error_response,
     guard_before,
     output_limit,
     parse_json,
@@ -49,6 +46,7 @@ from gateway.pipeline import (
 from gateway.proxy import GATEWAY, answer_refused, finish, respond
 from gateway.relay import relay_stream
 from gateway.request_body import read_body
+from gateway.respond import base_headers, echo_headers, error_response
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.upstream import Scrubber, UpstreamResponse, answer_headers, scrub, secret_bytes

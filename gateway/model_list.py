@@ -29,16 +29,9 @@ from gateway.errors import (
 from gateway.forward import passing_run, refuse_stopped, wire_of
 from gateway.identity import Identity
 from gateway.observe_forward import end_forward, refused_forward, start_forward
-from gateway.pipeline import (
-    CREDENTIALS,
-    JSON,
-    add_credentials,
-    base_headers,
-    echo_headers,
-    error_response,
-    provider_secret,
-)
+from gateway.pipeline import CREDENTIALS, add_credentials, provider_secret
 from gateway.proxy import GATEWAY
+from gateway.respond import JSON, base_headers, echo_headers, error_response
 from gateway.routing import Route
 from gateway.runtime import Gateway
 from gateway.upstream import scrub, secret_bytes

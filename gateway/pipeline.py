@@ -3,8 +3,8 @@
     identify -> parse -> guard.before -> shape -> forward -> inspect -> guard.after -> record -> respond
 
 `run_step` drives one model call through them. Each stage is a small function over the `Step`; the
-streaming variant of forward/inspect lives in `gateway.relay`. Guards see `Call`s only, and the store
-applies their claims and effects atomically.
+streaming variant of forward/inspect lives in `gateway.relay`, the respond stage in `gateway.respond`.
+Guards see `Call`s only, and the store applies their claims and effects atomically.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.call import Answer
@@ -31,11 +30,8 @@ from gateway.errors import (
     StateUnavailable,
     Stopped,
     TokenBudgetHeld,
-    UpstreamUnavailable,
 )
-from gateway.identity import RUN_ID_HEADER, RUN_ID_RE, Identity, requested_run_id
 from gateway.output_limits import known_limit
-from gateway.providers.base import Adapter
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
 from gateway.runtime import Gateway
 from gateway.step import Step
@@ -47,8 +43,6 @@ from guards.budget import USAGE_COUNTERS, settlement
 from guards.chain import GuardChain, Verdict
 from guards.reasoning import resolve as resolve_reasoning
 
-STOP_HEADER = "x-tollgate-stop-reason"
-MAX_TOKENS_HEADER = "x-tollgate-max-tokens"
 JUDGED = "judged"  # step.extra: guard_after ran on the step's answer
 _MARK = "history_mark"  # step.extra: the run's in-process history version when its snapshot was read
 RESET_RETRIES = 3  # judgements of one step a reset of its run may interrupt before it is refused (503)
@@ -158,6 +152,7 @@ async def _judge_before(gw: Gateway, step: Step) -> None:
     # the bound of a metered call is granted whole or refused: its body has no limit to lower
     clamped = step.output_bound is None and grant.units != call.max_tokens
     clamped = clamped and (budgeted or call.max_tokens is not None)
+    unclamped = dict(step.body) if clamped else None  # what a retry after a reset judges again
     if clamped:  # written before the effects: a limit the request cannot take refuses the step uncounted
         await _write_max_tokens(gw, step, grant, verdict.claims)
     step.reservation = grant
@@ -172,6 +167,9 @@ async def _judge_before(gw: Gateway, step: Step) -> None:
             await apply_effects(gw, step, verdict)
     except BaseException:
         step.reservation = None
+        if unclamped is not None:  # the limit written was this grant's (set_max_tokens sets top-level keys)
+            step.body.clear()
+            step.body.update(unclamped)
         with contextlib.suppress(StateUnavailable):  # the store is down: a restart charges it
             await gw.store.settle(grant, {}, time.time())  # released: nothing went upstream
         raise
@@ -454,47 +452,3 @@ async def count_unjudged_hosted(gw: Gateway, step: Step) -> None:
         return
     if denial is not None and not step.stop_reason:  # the run stopped here: say so (span, ledger, run)
         step.stop_reason, step.stop_detail = denial.reason, denial.detail
-
-
-# -- respond -----------------------------------------------------------------------------------------
-
-
-def base_headers(identity: Identity | None, step: Step | None = None) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    if identity is not None:
-        headers[RUN_ID_HEADER] = identity.run_id
-    if step is not None and step.max_tokens_set is not None:
-        headers[MAX_TOKENS_HEADER] = str(step.max_tokens_set)
-    return headers
-
-
-def echo_headers(request_headers: Mapping[str, str]) -> dict[str, str]:
-    """The run id to echo when identity could not be resolved: the one the request names, if well-formed."""
-    run_id = requested_run_id(request_headers)
-    return {RUN_ID_HEADER: run_id} if run_id is not None and RUN_ID_RE.match(run_id) else {}
-
-
-def error_response(adapter: Adapter, error: GatewayError, headers: dict[str, str]) -> web.Response:
-    if error.stop_reason:
-        headers = {**headers, STOP_HEADER: error.stop_reason}
-    body = adapter.error_body(error)
-    response = web.Response(status=error.status, body=body, content_type=JSON, headers=headers)
-    if error.closes_connection:
-        response.force_close()
-    return response
-
-
-def stop_response(step: Step, error: Stopped) -> web.Response:
-    """A stop before any byte was sent: 403 in the wire format, or 200 with a final message."""
-    headers = {**base_headers(step.identity, step), STOP_HEADER: error.reason}
-    if step.identity.policy.on_stop == "message":
-        if step.call.stream:
-            body = step.adapter.stop_stream(step.call, error.reason, error.message)
-            return web.Response(status=200, body=body, content_type="text/event-stream", headers=headers)
-        body = step.adapter.stop_answer(step.call, error.reason, error.message)
-        return web.Response(status=200, body=body, content_type=JSON, headers=headers)
-    return web.Response(status=403, body=step.adapter.error_body(error), content_type=JSON, headers=headers)
-
-
-def malformed_upstream(detail: str) -> UpstreamUnavailable:
-    return UpstreamUnavailable(f"upstream answered malformed JSON: {detail}")

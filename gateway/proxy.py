@@ -31,19 +31,14 @@ from gateway.observe_forward import refused_call
 from gateway.observe_runs import claim_stop
 from gateway.outputs import OutputPlan, apply_native, judge, off_loop_if_long, plan_outputs
 from gateway.pipeline import (
-    base_headers,
     count_unjudged_hosted,
-    echo_headers,
-    error_response,
     guard_after,
     guard_before,
-    malformed_upstream,
     parse_json,
     provider_secret,
     settle,
     shape,
     stop_answer,
-    stop_response,
     upstream_request,
 )
 from gateway.pricing import ModelPrice
@@ -52,6 +47,7 @@ from gateway.providers.responses_tools import offered_tools, offers_preview_sear
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls
 from gateway.relay import collect_stream, relay_stream
 from gateway.request_body import read_body
+from gateway.respond import base_headers, echo_headers, error_response, malformed_upstream, stop_response
 from gateway.routing import Route
 from gateway.runtime import Gateway
 from gateway.step import Step

@@ -21,9 +21,10 @@ from gateway.call import Answer
 from gateway.errors import GatewayError, OutputNonconforming, Stopped, ToolNotAllowed, UpstreamUnavailable
 from gateway.observe import ledger_stop_now, step_span
 from gateway.outputs import CHECK_ON_LOOP_CHARS, held_to_text, judge_tool_arguments, off_loop_if_long
-from gateway.pipeline import base_headers, guard_after, provider_secret, settle, stop_answer
+from gateway.pipeline import guard_after, provider_secret, settle, stop_answer
 from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
+from gateway.respond import base_headers
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.toolgate import TOOL_NOT_ALLOWED, answers_something, judge_tools, without
@@ -74,6 +75,10 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 if checkers and reader.restart:  # what streamed so far was a preamble to a provider's tool
                     checkers = step.outputs.checkers() if step.outputs is not None else []
                     broken = None
+                    if held and not (reader.holding or hold_broken):  # only that text's end was held
+                        await out.write(b"".join(held))
+                        held.clear()
+                        kept = 0
                 if reader.output_chars + kept > limit:
                     raise _too_long(limit)
                 if checkers and broken is None and (delta := reader.delta) and not (
@@ -88,11 +93,12 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                     continue
                 data = scrub(emitted.out, secret)  # an error event may echo the provider key
                 # the stream's end waits for the final verdict too: an SDK stops reading at it, so an
-                # error event after it would never be seen
+                # error event after it would never be seen; and from the text's end on, where an SDK
+                # parses the text against the agent's schema (its parse error would hide the verdict)
                 if hold_broken and not reader.holding and kept > PREAMBLE_BYTES:
                     failure = broken  # no call came: this is the answer, not a preamble (held no longer)
                     break
-                if reader.holding or hold_broken or (emitted.done and checkers):
+                if reader.holding or hold_broken or (checkers and (emitted.done or reader.text_done)):
                     held.append(data)
                     kept += len(data)
                     continue
@@ -139,7 +145,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         if failure is not None:
             step.error_type = failure.code
             _record_violation(step, checkers, failure)
-            await out.write(adapter.error_event(failure))
+            await out.write(adapter.error_event(failure, reader))
         else:
             try:
                 held_bytes = b"".join(held)
@@ -177,7 +183,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 await out.write(_stop_tail(step, reader, stop))
             except GatewayError as exc:  # e.g. the run store failed while judging the answer
                 step.error_type = exc.code
-                await out.write(adapter.error_event(exc))
+                await out.write(adapter.error_event(exc, reader))
             else:
                 if held_bytes:
                     await out.write(held_bytes)
@@ -258,7 +264,7 @@ def _too_long(limit: int) -> UpstreamUnavailable:
 def _stop_tail(step: Step, reader: object, stop: Stopped) -> bytes:
     if step.identity.policy.on_stop == "message":
         return step.adapter.stream_stop_tail(step.call, reader, stop.reason, stop.message)
-    return step.adapter.error_event(stop)
+    return step.adapter.error_event(stop, reader)
 
 
 def _feed_all(checkers: Sequence[IncrementalChecker], delta: str) -> bool:

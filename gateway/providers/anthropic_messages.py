@@ -184,7 +184,7 @@ class AnthropicMessages:
     def error_body(self, error: GatewayError) -> bytes:
         return orjson.dumps({"type": "error", "error": _error(error)})
 
-    def error_event(self, error: GatewayError) -> bytes:
+    def error_event(self, error: GatewayError, reader: Any = None) -> bytes:
         return format_event(orjson.dumps({"type": "error", "error": _error(error)}), "error")
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
@@ -370,6 +370,8 @@ class AnthropicStreamReader:
         self.complete = False
         self.delta = ""  # answer text carried by the last event fed
         self.restart = False  # the last event began a tool Anthropic runs (`StreamReader`)
+        self.text_done = False  # a text block stopped (`StreamReader`): the SDK parses its text there
+        self._text_blocks: set[int] = set()
         self._after_tool = False
         self._error: str | None = None  # the type of an `error` event the provider ended the stream with
 
@@ -413,8 +415,11 @@ class AnthropicStreamReader:
             elif provider_ran(block.get("type")):
                 self._hosted += block.get("type") in HOSTED_BLOCKS
                 self.restart = True  # what the checkers were fed (text, or the prefill alone) was no answer
+                self.text_done = False
                 self._after_tool = True
                 self._text.clear()
+            if block.get("type") == "text":
+                self._text_blocks.add(index)
             if not self.holding:  # relayed now; held blocks may never reach the agent (a stop)
                 self.next_index = max(self.next_index, index + 1)
         elif kind == "content_block_delta":
@@ -430,6 +435,8 @@ class AnthropicStreamReader:
                 slot = self._blocks.get(int(data.get("index") or 0))
                 if slot is not None:
                     slot[2] += part
+        elif kind == "content_block_stop":
+            self.text_done = self.text_done or int(data.get("index") or 0) in self._text_blocks
         elif kind == "message_delta":
             reason = (data.get("delta") or {}).get("stop_reason")
             self._reason = reason or self._reason

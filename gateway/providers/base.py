@@ -34,6 +34,10 @@ class StreamReader(Protocol):
     # the provider ran a tool after answer text (Anthropic's server tools): that text was a preamble, and
     # the text the output constraints hold starts again (the relay starts its checkers afresh)
     restart: bool
+    # the answer's text is complete as of the last event (OpenAI's finish reason, Anthropic's text block
+    # stop, the Responses `output_text.done`): the SDKs parse it there against the agent's schema, so a
+    # stream whose text is judged holds its events from it on until the verdict; reset by `restart`
+    text_done: bool
 
     def feed(self, event: SseEvent) -> StreamStep: ...
 
@@ -57,7 +61,9 @@ class Adapter(Protocol):
 
     def error_body(self, error: GatewayError) -> bytes: ...
 
-    def error_event(self, error: GatewayError) -> bytes: ...
+    def error_event(self, error: GatewayError, reader: Any = None) -> bytes:
+        """An error event ending a stream; `reader`: the stream's so far (its events' numbering goes on)."""
+        ...
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes: ...
 

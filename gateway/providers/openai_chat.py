@@ -198,7 +198,7 @@ class OpenAIChat:
     def error_body(self, error: GatewayError) -> bytes:
         return orjson.dumps({"error": openai_error(error)})
 
-    def error_event(self, error: GatewayError) -> bytes:
+    def error_event(self, error: GatewayError, reader: Any = None) -> bytes:
         return format_event(orjson.dumps({"error": openai_error(error)}))
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
@@ -367,6 +367,7 @@ class OpenAIStreamReader:
         self.complete = False
         self.delta = ""  # answer text carried by the last event fed
         self.restart = False  # the provider runs no tool between parts of the answer's text here
+        self.text_done = False  # a choice's finish reason came (`StreamReader`)
 
     @property
     def output_chars(self) -> int:
@@ -430,6 +431,7 @@ class OpenAIStreamReader:
             if choice.get("finish_reason"):
                 self._reasons[index] = str(choice["finish_reason"])
                 self._unfinished.discard(index)
+                self.text_done = True
             elif index not in self._reasons:
                 self._unfinished.add(index)
             # complete once every choice asked for has finished: a cut stream may have ended one of several

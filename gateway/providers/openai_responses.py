@@ -242,11 +242,13 @@ class OpenAIResponses:
     def error_body(self, error: GatewayError) -> bytes:
         return orjson.dumps({"error": openai_error(error)})
 
-    def error_event(self, error: GatewayError) -> bytes:
-        # `error` carries the object the SDK raises from (it raises on any event whose data has one)
+    def error_event(self, error: GatewayError, reader: Any = None) -> bytes:
+        # `error` carries the object the SDK raises from (it raises on any event whose data has one); its
+        # number follows the stream's events (a stream's numbers only grow)
         inner = openai_error(error)
+        sequence = reader.next_sequence if isinstance(reader, ResponsesStreamReader) else 0
         data = {"type": "error", "code": inner["code"], "message": error.message, "param": error.param,
-                "sequence_number": 0, "error": inner}
+                "sequence_number": sequence, "error": inner}
         return format_event(orjson.dumps(data), "error")
 
     def stop_answer(self, call: Call, reason: str, detail: str) -> bytes:
@@ -391,6 +393,7 @@ class ResponsesStreamReader:
         self._hosted = 0
         self.holding = False
         self.restart = False  # one message item holds the answer's text
+        self.text_done = False  # an answer text's `output_text.done` came (`StreamReader`)
         self.complete = False
         self.delta = ""
         self.started = False  # an event reached the agent: a stop now completes what it has seen
@@ -445,6 +448,8 @@ class ResponsesStreamReader:
                 self._chars += len(call.arguments)
             elif not self.holding:
                 self.shown_done.append(item)
+        elif kind == "response.output_text.done" and data.get("item_id") not in self._commentary:
+            self.text_done = True
         elif kind == "response.output_text.delta":
             delta = data.get("delta")
             if isinstance(delta, str):

@@ -136,17 +136,44 @@ async def test_a_result_judged_before_a_reset_is_delivered_and_stops_nothing(gat
         assert (run["status"], run["stop_reason"]) == ("active", None)
 
 
-async def test_a_call_counted_after_a_reset_it_was_judged_before_counts_in_no_run(
+async def test_a_call_whose_count_a_reset_refused_is_judged_again_and_counted_in_the_fresh_run(
     gateway_factory: GatewayFactory,
 ) -> None:
     """A `tools/call` counts toward `caps.tool_calls` when it is admitted. The run is reset between its
-    judgement and the count: the call goes on (delivered) and the fresh run counts none of it."""
+    judgement and the count: the call has not run yet, so it is judged again on the fresh run and counted
+    there, as a model call is; the cap then holds exactly in the fresh run (2: one more call, then the
+    stop)."""
     async with hold_first_call(hold=0) as server:
-        h = await gateway(gateway_factory, server.url, tools=TOOLS, caps={"tool_calls": 5})
+        h = await gateway(gateway_factory, server.url, tools=TOOLS, caps={"tool_calls": 2})
         assert (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run="rc"))[0] == 200
         store = h.gateway.store = ResetFirst(h.gateway.store, "apply")  # type: ignore[assignment]
         status, answer = await post(h, call("read_file", {"path": "b"}, rpc_id=2), run="rc")
         assert store.resets == 1
         assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file"), answer
         _, run = await admin(h, "GET", "/admin/runs/rc")
-        assert (run["status"], run["tool_calls"]) == ("active", 0)
+        assert (run["status"], run["tool_calls"]) == ("active", 1)
+        assert (await post(h, call("read_file", {"path": "c"}, rpc_id=3), run="rc"))[1]["result"]
+        _, refused = await post(h, call("read_file", {"path": "d"}, rpc_id=4), run="rc")
+        assert refused["error"]["data"]["code"] == "tool_call_cap", refused
+
+
+async def test_a_count_carried_while_a_reset_lands_does_not_reach_the_fresh_run(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """A parked call denied carries its count to an identical retry. The run is reset right before the
+    carry lands: the count was the old run's, so the store refuses it atomically (the check used to be a
+    read before the write), and the fresh run's identical retry counts: `caps.tool_calls: 1` then holds."""
+    async with hold_first_call(hold=0) as server:
+        h = await gateway(gateway_factory, server.url, tools=TOOLS, caps={"tool_calls": 1})
+        parked = asyncio.ensure_future(post(h, call("delete_file", {"path": "x"}, rpc_id=1), run="cr"))
+        [old] = await pending(h)
+        store = h.gateway.store = ResetFirst(h.gateway.store, "apply")  # type: ignore[assignment]
+        assert (await admin(h, "POST", f"/admin/approvals/{old['id']}", {"decision": "deny", "by": "ops"}))[0] == 200
+        await parked
+        assert store.resets == 1
+        retry = asyncio.ensure_future(post(h, call("delete_file", {"path": "x"}, rpc_id=2), run="cr"))
+        [again] = await pending(h)
+        assert (await admin(h, "POST", f"/admin/approvals/{again['id']}", {"decision": "approve", "by": "ops"}))[0] == 200
+        assert (await retry)[1]["result"]["content"][0]["text"] == "ran delete_file"
+        _, over = await post(h, call("read_file", {"path": "a"}, rpc_id=3), run="cr")
+        assert over["error"]["data"]["code"] == "tool_call_cap", over

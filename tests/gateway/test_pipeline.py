@@ -1,5 +1,5 @@
 """gateway/pipeline.py, the pure request side: parse_json, shape, upstream_request, add_credentials and
-output_limit, and the max_tokens guard.before reports. Responses are in test_pipeline_respond.py,
+output_limit, and the max_tokens guard.before reports. Responses are in test_respond.py,
 read_body in test_pipeline_read_body.py."""
 
 from __future__ import annotations

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import anthropic
+import openai
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from gateway.relay import PREAMBLE_BYTES
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import Reply, anthropic_message, anthropic_stream
+from tests.fakes.responses import response_stream
+from tests.fakes.upstream import FakeProvider, Reply, anthropic_message, anthropic_stream, openai_stream
 
 CLAUDE = "claude-3-5-haiku-latest"
 MSG = [{"role": "user", "content": "go"}]
@@ -231,3 +234,60 @@ async def test_time_per_output_chunk_counts_events_not_network_reads(gateway_fac
         await asyncio.sleep(0.02)
     [(_, count, _)] = gaps
     assert count == len(events) - 1
+
+
+class Rated(BaseModel):
+    answer: str
+    score: int
+
+
+WITHOUT_SCORE = ['{"answer": ', '"hi"}']  # valid JSON that misses the required "score"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_the_sdk_parsing_helpers_see_the_verdict_not_a_parse_error(
+    gateway_factory: GatewayFactory, fake: tuple[FakeProvider, str], api: str
+) -> None:
+    """The agent's own schema (`response_format` / `text_format` / `output_format` from a pydantic model),
+    on a provider that does not constrain natively: the stream is checked for JSON syntax as it comes and
+    against the schema at its end. The SDKs parse the text where it ends (a finish reason, an
+    `output_text.done`, a text block's stop), so those events wait for the verdict: the agent's SDK raises
+    tollgate's `output_nonconforming`, not a pydantic error of its own over an answer it should not see."""
+    fake_url = fake[1]
+    h = await gateway_factory(providers={
+        "openai": {"type": "openai", "base_url": f"{fake_url}/v1", "api_key": "sk-x", "structured_outputs": "none"},
+        "anthropic": {"type": "anthropic", "base_url": fake_url, "api_key": "sk-ant-x"}})
+    chunks = {"chat": openai_stream, "responses": response_stream, "messages": anthropic_stream}[api](WITHOUT_SCORE)
+    h.fake.queue(Reply(chunks=chunks))
+    error: type[Exception] = anthropic.APIError if api == "messages" else openai.APIError
+    with pytest.raises(error, match="breaks its constraint: .*'score' is a required property"):
+        if api == "messages":
+            client = anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0)
+            async with client, client.messages.stream(model=CLAUDE, max_tokens=64, messages=MSG,
+                                                      output_format=Rated) as events:
+                await events.get_final_message()
+        else:
+            sdk = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="k", max_retries=0)
+            async with sdk:
+                if api == "chat":
+                    async with sdk.chat.completions.stream(model="gpt-4o-mini", messages=MSG,  # type: ignore[arg-type]
+                                                           response_format=Rated) as chat:
+                        await chat.get_final_completion()
+                else:
+                    async with sdk.responses.stream(model="gpt-4o-mini", input="go", text_format=Rated) as resp:
+                        await resp.get_final_response()
+
+
+async def test_a_responses_stream_cut_for_its_grammar_numbers_its_error_after_its_events(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """Responses stream events are numbered in order (`sequence_number`): the error that ends a stream cut
+    for its grammar follows the events relayed before it (it was 0)."""
+    h = await gateway_factory(agents={"default": {"output": {"grammar": "regex:[0-9]+", "retries": 0}}})
+    h.fake.queue(Reply(chunks=response_stream(["12", "a3"])))
+    async with h.session.post(h.url + "/v1/responses", json={"model": "gpt-4o-mini", "input": "x", "stream": True}) as r:
+        raw = (await r.read()).decode()
+    events = [orjson.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    numbers = [e["sequence_number"] for e in events]
+    assert events[-1]["type"] == "error" and len(numbers) > 2
+    assert numbers == sorted(set(numbers)), numbers

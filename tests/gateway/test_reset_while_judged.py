@@ -18,7 +18,7 @@ import pytest
 from gateway.pipeline import RESET_RETRIES
 from gateway.store.base import RunStore
 from tests.conftest import GatewayFactory, Harness
-from tests.fakes.upstream import Reply, openai_completion, tool_call
+from tests.fakes.upstream import Reply, openai_completion, openai_stream, tool_call
 from tests.redis_fixture import redis_server  # noqa: F401  (fixture, by name)
 
 GPT = "gpt-4o-mini"
@@ -134,3 +134,24 @@ async def test_effects_judged_before_a_reset_are_not_counted_in_the_fresh_run(
     assert (await post(h, {"model": GPT, "messages": MSG}, "count"))[0] == 200  # the fresh run's own call
     view = await h.run("count")
     assert (view["status"], view["tool_calls"]) == ("active", 1)
+
+
+async def test_a_step_judged_again_after_a_reset_sends_the_fresh_run_s_output_limit(
+    gateway_factory: GatewayFactory, state: dict[str, Any]
+) -> None:
+    """The first judgement clamped `max_tokens` to what the old run's token budget had left; the reset
+    landed before its effects. Judged again, the fresh run pays the agent's own 600: the upstream gets
+    600, not the old run's clamp, and no `x-tollgate-max-tokens` says otherwise."""
+    h = await gateway_factory(agents={"bot": {"budget": {"tokens": 3000}, "loop": {"stall_steps": 5}}}, state=state)
+    h.fake.queue(Reply(body=openai_completion(prompt_tokens=2000, completion_tokens=500)))
+    assert (await post(h, {"model": GPT, "messages": MSG, "max_tokens": 600}, "limit"))[0] == 200
+    h.fake.queue(Reply(chunks=openai_stream(["hi"], usage=(10, 5))))  # a stream: its body is written anew
+    store = wrap(h, "apply")
+    hdrs = {"x-tollgate-run-id": "limit", "x-tollgate-agent": "bot"}
+    body = {"model": GPT, "messages": [*MSG, *MSG], "max_tokens": 600, "stream": True}
+    async with h.session.post(h.url + "/v1/chat/completions", json=body, headers=hdrs) as resp:
+        assert resp.status == 200, await resp.text()
+        assert "x-tollgate-max-tokens" not in resp.headers
+        await resp.read()
+    assert store.resets == 1
+    assert orjson.loads(h.fake.seen[-1].body)["max_tokens"] == 600

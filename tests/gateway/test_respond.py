@@ -1,4 +1,4 @@
-"""gateway/pipeline.py, the respond stage: base_headers, echo_headers, error_response, stop_response and
+"""gateway/respond.py, the respond stage: base_headers, echo_headers, error_response, stop_response and
 malformed_upstream (DESIGN section 4: statuses, error bodies per protocol, x-tollgate-stop-reason)."""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.identity import Identity
-from gateway.pipeline import base_headers, echo_headers, error_response, malformed_upstream, stop_response
 from gateway.providers.anthropic_messages import AnthropicMessages
 from gateway.providers.base import Adapter
 from gateway.providers.openai_chat import OpenAIChat
+from gateway.respond import base_headers, echo_headers, error_response, malformed_upstream, stop_response
 from gateway.routing import Route
 from gateway.step import Step
 
