@@ -234,3 +234,22 @@ def test_the_stream_counts_blocks_of_tools_anthropic_ran() -> None:
     ):
         reader.feed(ev(data))
     assert (reader.answer().hosted_calls, reader.holding) == (1, False)
+
+
+def test_text_done_is_a_text_block_s_stop_and_a_provider_tool_clears_it() -> None:
+    """The SDK parses a text block against `output_format` at its stop: from there the relay holds a
+    judged stream. A thinking or tool block's stop is not the text's end; a tool Anthropic runs makes
+    what came before a preamble (`restart`), whose end is no longer the answer's."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    reader.feed(ev(start({"input_tokens": 1, "output_tokens": 1})))
+    reader.feed(ev({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}))
+    reader.feed(ev({"type": "content_block_stop", "index": 0}))
+    assert not reader.text_done
+    reader.feed(ev({"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}))
+    reader.feed(ev({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "a"}}))
+    assert not reader.text_done
+    reader.feed(ev({"type": "content_block_stop", "index": 1}))
+    assert reader.text_done
+    reader.feed(ev({"type": "content_block_start", "index": 2, "content_block": {
+        "type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}}))
+    assert reader.restart and not reader.text_done

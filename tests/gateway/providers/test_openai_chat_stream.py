@@ -200,3 +200,13 @@ def test_a_choice_cut_before_its_finish_reason_keeps_the_others_in_their_places(
     cut = ADAPTER.stream_reader(hide_usage=False, choices=2)
     cut.feed(sse(chunk([delta(0, content="a"), delta(1, content="b")])))
     assert cut.answer().finish_reasons == ()
+
+
+def test_text_done_is_the_first_finish_reason() -> None:
+    """The SDK's `chat.completions.stream` parses `response_format` at a choice's finish reason."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    reader.feed(sse(TEXT[0]))
+    reader.feed(sse(TEXT[1]))
+    assert not reader.text_done
+    reader.feed(sse(TEXT[3]))
+    assert reader.text_done

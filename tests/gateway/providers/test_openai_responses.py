@@ -1047,3 +1047,17 @@ def test_a_created_event_without_output_is_read() -> None:
     reader.feed(sse({"type": "response.created", "sequence_number": 0, "response": {"id": "r", "output": []}},
                     "response.created"))
     assert reader.created == {"id": "r", "output": []}
+
+
+def test_text_done_is_the_answer_text_s_output_text_done() -> None:
+    """The SDK parses `text_format` at `response.output_text.done`; commentary (`phase: commentary`) is
+    not the answer and its end is not the text's."""
+    reader = ADAPTER.stream_reader(hide_usage=False)
+    item = {"type": "message", "id": "msg_c", "role": "assistant", "phase": "commentary", "content": []}
+    reader.feed(sse({"type": "response.output_item.added", "output_index": 0, "item": item, "sequence_number": 0}))
+    reader.feed(sse({"type": "response.output_text.done", "item_id": "msg_c", "output_index": 0, "content_index": 0,
+                     "text": "thinking aloud", "sequence_number": 1}))
+    assert not reader.text_done
+    reader.feed(sse({"type": "response.output_text.done", "item_id": "msg_a", "output_index": 1, "content_index": 0,
+                     "text": "{}", "sequence_number": 2}))
+    assert reader.text_done
