@@ -37,7 +37,7 @@ def _gateway(request: web.Request) -> Gateway | None:
 @web.middleware
 async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     if request.path in _OPEN:
-        return await handler(request)
+        return await _answer(request, handler)
     gw = _gateway(request)
     if gw is None:
         return _unavailable()  # the token is not known yet: fail closed
@@ -57,6 +57,12 @@ async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable
             response = _json({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
             response.headers["WWW-Authenticate"] = 'Bearer realm="tollgate-admin"'
             return response
+    return await _answer(request, handler)
+
+
+async def _answer(request: web.Request,
+                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The handler's answer, with the errors aiohttp and the store raise as JSON like every admin answer."""
     try:
         return await handler(request)
     except StateUnavailable as exc:  # the run store is down: say so, as the proxy port does

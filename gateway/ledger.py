@@ -120,6 +120,7 @@ class Ledger:
             writer.execute("BEGIN IMMEDIATE")  # processes creating the table at once must not race
             for statement in SCHEMA:
                 writer.execute(statement)
+            _check_head(_head(writer))  # a damaged head would hold every row queued: refuse to start
             writer.execute("COMMIT")
             if on_loop:
                 # never wait for the file's lock on the loop: if some other process writes this ledger
@@ -273,10 +274,8 @@ class Ledger:
         try:
             # One statement, not two: every statement releases and retakes the GIL, and a busy event
             # loop thread makes each retake a forced thread switch.
-            last = conn.execute(_LAST).fetchone()
-            if last is None:  # no rows (yet, or all cut): the sequence alone tells the next id
-                seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
-                last = (0, GENESIS, seq[0] if seq else 0)
+            last = _head(conn)
+            _check_head(last)
             next_id = max(last[0], last[2] or 0) + 1
             values = _chained(batch, next_id, last[1])
             # Multi-row INSERTs, not executemany: one GIL release per statement instead of per row,
@@ -315,6 +314,30 @@ def _chained(batch: list[tuple[LedgerEntry, float]], next_id: int, prev: str) ->
         values.append(prev)
         next_id += 1
     return values
+
+
+def _head(conn: sqlite3.Connection) -> tuple[Any, Any, Any]:
+    """The chain's head: the last row's id and entry_hash and the id sequence (no rows, or all cut: id 0
+    and the genesis hash, the sequence alone tells the next id)."""
+    last = conn.execute(_LAST).fetchone()
+    if last is None:
+        seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
+        last = (0, GENESIS, seq[0] if seq else 0)
+    return last  # type: ignore[no-any-return]
+
+
+class UnreadableHead(sqlite3.DatabaseError):
+    """The chain's head (the last row's id and hash, the id sequence) holds a value no writer stores (the
+    file was edited or damaged): nothing is appended after it; the batch stays queued and is retried, as
+    for any failed write, until the file is repaired (`tollgate ledger verify` names the problem)."""
+
+
+def _check_head(last: tuple[Any, Any, Any]) -> None:
+    row_id, entry_hash_, seq = last
+    if type(row_id) is not int or type(entry_hash_) is not str or len(entry_hash_) != 64 or not (
+            seq is None or type(seq) is int):
+        raise UnreadableHead(f"the ledger's last row or id sequence is damaged (id {row_id!r}, sequence "
+                             f"{seq!r}; `tollgate ledger verify` names it): no row is appended after it")
 
 
 def _chunks(rows: int) -> list[int]:

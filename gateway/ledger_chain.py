@@ -163,6 +163,8 @@ def verify(path: str | Path, *, busy_timeout_s: float = 10.0) -> VerifyResult:
                 return VerifyResult(False, count, row["id"], problem, prev)
             count, expected_id, prev = count + 1, row["id"] + 1, row["entry_hash"]
         seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'ledger'").fetchone()
+        if seq is not None and type(seq[0]) is not int:  # SQLite writes an integer: an edit
+            return VerifyResult(False, count, expected_id, "the id sequence holds a value of the wrong type", prev)
         if seq is not None and seq[0] >= expected_id:
             missing = f"rows {expected_id}..{seq[0]} missing at the end"
             return VerifyResult(False, count, expected_id, missing, prev)

@@ -98,8 +98,8 @@ async def forward_metered(request: web.Request, meter: Meter) -> web.StreamRespo
         step.status = exc.status
         step.error_type = exc.reason if isinstance(exc, Stopped) else exc.code
         response = error_response(adapter, exc, base_headers(identity, step))
-    except asyncio.CancelledError:  # the client went away (handler_cancellation): the step failed
-        step.error_type = step.error_type or "client_disconnected"
+    except asyncio.CancelledError:  # the client went away (handler_cancellation) or the grace ended
+        step.error_type = step.error_type or gw.cut_reason()
         raise
     finally:
         await finish(gw, step, answered=response is not None)

@@ -130,8 +130,8 @@ async def handle_chat(request: web.Request, protocol: str) -> web.StreamResponse
         step.status = exc.status
         step.error_type = exc.code
         response = error_response(adapter, exc, base_headers(identity, step))
-    except asyncio.CancelledError:  # the client went away (handler_cancellation): the step failed
-        step.error_type = step.error_type or "client_disconnected"
+    except asyncio.CancelledError:  # the client went away (handler_cancellation) or the grace ended
+        step.error_type = step.error_type or gw.cut_reason()
         raise
     finally:
         await finish(gw, step, answered=response is not None)

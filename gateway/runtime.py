@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Gateway:
     transports: dict[str, Transport] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)  # telemetry, metrics, ledger, grammars ...
     shutting_down: bool = False
+    grace_ends: float | None = None  # the loop's time the shutdown's grace ends: a handler cut from then on
     run_locks: KeyedLocks = field(default_factory=KeyedLocks)  # per run: guard judgements that read history
     history_marks: WriteMarks = field(default_factory=WriteMarks)  # per run: this process's history writes
     guards: dict[str, list[tuple[StopCondition, str]]] = field(default_factory=dict)  # built at startup
@@ -75,6 +77,12 @@ class Gateway:
         finally:
             if pushes:
                 self.history_marks.bump(run_id)
+
+    def cut_reason(self) -> str:
+        """Why a handler was cancelled: the shutdown cutting what its grace left running, or its client
+        going away (aiohttp cancels the handler of a connection that closed)."""
+        cut = self.grace_ends is not None and asyncio.get_running_loop().time() >= self.grace_ends
+        return "shutting_down" if cut else "client_disconnected"
 
     def transport(self, provider_name: str) -> Transport:
         """The transport of a provider: the pooled HTTP client, unless one is registered for it

@@ -59,6 +59,10 @@ def admin_exposure_warning(config: Config, admin_host: str) -> str | None:
             f"reach it can read runs and reset budgets (set admin.token, or admin.host: 127.0.0.1)")
 
 
+class LostAtShutdown(StateUnavailable):
+    """The gateway served and stopped, but what it held could not all be saved (ledger rows counted lost)."""
+
+
 async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_port: int) -> None:
     warning = admin_exposure_warning(config, admin_host)
     if warning:
@@ -74,6 +78,7 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
     await runner.setup()
     await admin_runner.setup()
     parked: asyncio.Task[None] | None = None
+    listened = False
     try:
         site = web.TCPSite(runner, host, port, backlog=1024)
         await site.start()
@@ -81,6 +86,7 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
         await admin_site.start()
         bound = _port(site)
         admin_bound = _port(admin_site)
+        listened = True
         freeze_startup_heap()
         print(
             f"tollgate listening on http://{host}:{bound} (admin http://{admin_host}:{admin_bound}); "
@@ -99,10 +105,16 @@ async def serve(config: Config, *, host: str, port: int, admin_host: str, admin_
         gw = proxy.get(GATEWAY)
         if gw is not None:
             gw.shutting_down = True
+            gw.grace_ends = loop.time() + config.shutdown_grace_s  # aiohttp cuts handlers no earlier
             parked = loop.create_task(deny_after_grace(gw, config.shutdown_grace_s))
         print("tollgate: draining in-flight requests", flush=True)
     finally:
-        await runner.cleanup()
+        try:
+            await runner.cleanup()
+        except StateUnavailable as exc:
+            if listened:  # the gateway served: what failed is saving what it holds (ledger rows), not starting
+                raise LostAtShutdown(exc.message) from exc
+            raise
         if parked is not None:
             parked.cancel()  # the drain is over (perhaps before the grace ended): nothing is left parked
         await admin_runner.cleanup()
@@ -145,6 +157,9 @@ def run(config: Config, *, host: str, port: int, admin_host: str, admin_port: in
     except ConfigError as exc:  # found while starting, e.g. a local model that cannot load
         for path, message in exc.problems:
             print(f"error: {path}: {message}", file=sys.stderr)
+        return 1
+    except LostAtShutdown as exc:
+        print(f"tollgate: stopped, but not everything was saved: {exc.message}", file=sys.stderr)
         return 1
     except StateUnavailable as exc:  # e.g. the state file is another gateway's, or cannot be opened
         print(f"tollgate: cannot start: {exc.message}", file=sys.stderr)

@@ -609,3 +609,36 @@ async def test_a_flush_does_not_wait_out_the_linger(tmp_path: Path) -> None:
         assert ledger.written == 2
     finally:
         await ledger.close()
+
+
+HEAD_DAMAGE = {
+    "sequence as text": ("UPDATE sqlite_sequence SET seq = '3x' WHERE name = 'ledger'", ()),
+    "last hash as a blob": ("UPDATE ledger SET entry_hash = ? WHERE id = 3", (b"\x00" * 32,)),
+    "last hash cut short": ("UPDATE ledger SET entry_hash = 'abc' WHERE id = 3", ()),
+}
+
+
+@pytest.mark.parametrize("damage", HEAD_DAMAGE)
+async def test_a_damaged_chain_head_refuses_to_start_and_to_append_but_never_kills_the_writer(
+    tmp_path: Path, damage: str
+) -> None:
+    """A head no writer stores (the last row's id or hash, the id sequence): the chain cannot be extended
+    from it. Opening the file says so (the gateway does not start); a file damaged while the gateway runs
+    keeps its rows queued and retried, as for any failed write (its writer died on a TypeError: every row
+    after it was lost and every stop answered 500), until the file is repaired."""
+    db = tmp_path / "t.db"
+    await filled(db, 3)
+    statement, args = HEAD_DAMAGE[damage]
+    ledger = Ledger.open(db, retry_delay_s=0.001)
+    await ledger.start()
+    tamper(db, statement, args)
+    ledger.append_nowait(entry(4))
+    with pytest.raises(TimeoutError):  # still queued
+        async with asyncio.timeout(0.2):
+            await ledger.flush()
+    assert ledger._writer_alive() and ledger.write_errors >= 1 and len(ledger._pending) == 1
+    with pytest.raises(StateUnavailable, match="damaged .*tollgate ledger verify"):
+        Ledger.open(db)
+    with pytest.raises(StateUnavailable, match="1 entries could not be written"):
+        await ledger.close()
+    assert not verify(db).ok

@@ -94,3 +94,14 @@ def test_rows_appended_while_verifying_are_not_taken_for_rows_cut_from_the_end(
     assert (result.ok, result.rows) == (True, 3), result
     monkeypatch.undo()
     assert verify(db).rows == 4
+
+
+@pytest.mark.parametrize("seq", ["abc", 2.5, b"\x03"])
+def test_an_id_sequence_of_the_wrong_type_is_tampered_not_a_crash(tmp_path: Path, seq: Any) -> None:
+    """SQLite keeps the sequence as an integer: another value is an edit, named (it was a TypeError)."""
+    db = written(tmp_path / "t.db", 3)
+    with closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'ledger'", (seq,))
+    result = verify(db)
+    assert (result.ok, result.tampered, result.first_bad_id) == (False, True, 4)
+    assert result.reason == "the id sequence holds a value of the wrong type"
