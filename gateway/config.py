@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.config_env import substitute
+from gateway.config_urls import header_value, headers_map, http_url, redis_url
 from gateway.config_yaml import read_yaml
 from gateway.errors import ConfigError
 
@@ -119,9 +121,16 @@ class Provider(Frozen):
     @classmethod
     def _check_url(cls, value: str) -> str:
         # a field validator, so the error names `providers.<name>.base_url`
-        if value != LOCAL_URL and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError("must be an absolute http(s) URL")
-        return value
+        if value == LOCAL_URL:
+            return value
+        return http_url(value, base=True, credentials="set api_key")
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_key(cls, value: str | None) -> str | None:
+        # sent in a header: a line break (a key read from a file or secret with its newline) would make
+        # every call a 400 that blames the client
+        return value if value is None else header_value(value)
 
     @property
     def dialect(self) -> Dialect:
@@ -134,15 +143,19 @@ class Provider(Frozen):
 
 class McpServer(Frozen):
     url: str
-    headers: dict[str, str] = {}
+    # names checked first (`headers_map`), so a value's error names `mcp_servers.<name>.headers.<header>`
+    headers: dict[str, Annotated[str, AfterValidator(header_value)]] = {}
     timeouts: Timeouts = Timeouts()
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError("must be an absolute http(s) URL")
-        return value
+        return http_url(value, base=False, credentials="put an Authorization header in headers")
+
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _check_headers(cls, value: Any) -> Any:
+        return headers_map(value)
 
 
 class Price(Frozen):
@@ -168,10 +181,9 @@ class State(StateFile):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
-        # what redis-py's from_url takes; checked here so the error names `state.url`, not a failed start
-        if value is not None and not re.match(r"^(rediss?://[^/\s]*|unix://\S+)", value):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
-        return value
+        # what redis-py's from_url takes and the store can use; checked here so the error names
+        # `state.url`, not a failed start or a failed call
+        return value if value is None else redis_url(value)
 
     @model_validator(mode="after")
     def _check_url(self) -> State:
@@ -374,42 +386,6 @@ def _any_match(pattern: str, allow: tuple[str, ...]) -> bool:
     from fnmatch import fnmatchcase
 
     return any(pattern == a or fnmatchcase(pattern, a) for a in allow)
-
-
-_MALFORMED = "malformed ${...}: write ${NAME} or ${NAME:-default} (NAME of letters, digits and _; no nesting)"
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-def substitute(value: Any, env: Mapping[str, str], path: str = "") -> Any:
-    """Replace `${VAR}` and `${VAR:-default}` in every string value of a parsed YAML tree; `$${` is a
-    literal `${`. Any other `${` (a nested default, a name with `-`) or one in a mapping key is an error:
-    kept as text it would become, say, the provider key sent upstream."""
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            where = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and "${" in k:
-                raise ConfigError([(where, "${...} is substituted in values only, not in keys")])
-            out[k] = substitute(v, env, where)
-        return out
-    if isinstance(value, list):
-        return [substitute(v, env, f"{path}.{i}") for i, v in enumerate(value)]
-    if isinstance(value, str) and "${" in value:
-        if "$${" in value:  # `$${` writes a literal `${` (a grammar or template that needs one)
-            return "${".join(substitute(part, env, path) for part in value.split("$${"))
-        if "${" in _VAR.sub("", value) or any("${" in (m.group(2) or "") for m in _VAR.finditer(value)):
-            raise ConfigError([(path or "<root>", _MALFORMED)])
-
-        def repl(match: re.Match[str]) -> str:
-            name, default = match.group(1), match.group(2)
-            if name in env and env[name] != "":
-                return env[name]
-            if default is not None:
-                return default
-            raise ConfigError([(path or "<root>", f"environment variable {name} is not set")])
-
-        return _VAR.sub(repl, value)
-    return value
 
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None, base_dir: str = ".") -> Config:

@@ -8,36 +8,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import Config, default_config, ledger_file_of, load_config, parse_config, substitute
+from gateway.config import Config, default_config, ledger_file_of, load_config, parse_config
 from gateway.errors import ConfigError
 
 OPENAI = {"type": "openai", "base_url": "http://127.0.0.1:1/v1"}
 
 
-# -- substitution ---------------------------------------------------------------------------------------
-
-SUBSTITUTIONS: list[tuple[str, Any, dict[str, str], Any]] = [
-    ("plain variable", "${A}", {"A": "1"}, "1"),
-    ("inside text", "x-${A}-y", {"A": "1"}, "x-1-y"),
-    ("two variables", "${A}:${B}", {"A": "h", "B": "p"}, "h:p"),
-    ("default used when unset", "${A:-fallback}", {}, "fallback"),
-    ("default ignored when set", "${A:-fallback}", {"A": "set"}, "set"),
-    ("empty value takes the default", "${A:-fallback}", {"A": ""}, "fallback"),
-    ("empty default", "${A:-}", {}, ""),
-    ("default with punctuation", "${URL:-http://127.0.0.1:8000/v1}", {}, "http://127.0.0.1:8000/v1"),
-    ("no braces is literal", "$A and $$", {"A": "1"}, "$A and $$"),
-    ("value is not re-expanded", "${A}", {"A": "${B}", "B": "no"}, "${B}"),
-    ("non-strings untouched", {"n": 3, "f": 1.5, "b": True, "z": None}, {}, {"n": 3, "f": 1.5, "b": True, "z": None}),
-    ("nested dicts and lists", {"a": [{"k": "${A}"}, "${B:-b}"]}, {"A": "1"}, {"a": [{"k": "1"}, "b"]}),
-    ("$${ is a literal ${", "t = $${name} for ${A}", {"A": "1"}, "t = ${name} for 1"),
-]
-
-
-@pytest.mark.parametrize(("value", "env", "expected"), [(v, e, x) for _, v, e, x in SUBSTITUTIONS],
-                         ids=[n for n, _, _, _ in SUBSTITUTIONS])
-def test_substitute(value: Any, env: dict[str, str], expected: Any) -> None:
-    assert substitute(value, env) == expected
-
+# -- substitution (gateway/config_env.py has its own tests) ------------------------------------------
 
 UNSET: list[tuple[str, dict[str, Any], str]] = [
     ("top-level string", {"admin": {"token": "${NOPE}"}}, "admin.token"),
@@ -54,22 +31,6 @@ def test_unset_variable_names_key_path_and_variable(data: dict[str, Any], path: 
     [(where, message)] = info.value.problems
     assert where == path
     assert "NOPE" in message or "EMPTY" in message
-
-
-@pytest.mark.parametrize(
-    ("value", "path"),
-    [
-        ({"a": {"${A}": "v"}}, "a.${A}"),  # a key: kept literally it would name an agent `${A}`
-        ({"k": "${A:-${B}}"}, "k"),  # defaults do not nest
-        ({"k": "${OPENAI-API-KEY}"}, "k"),  # not a name: kept literally it would be the key sent upstream
-        ({"k": ["ok", "x${"]}, "k.1"),
-    ],
-)
-def test_malformed_references_are_errors(value: dict[str, Any], path: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        substitute(value, {"A": "1", "B": "2"})
-    [(where, _message)] = info.value.problems
-    assert where == path
 
 
 def test_substituted_strings_are_coerced_to_their_field_types() -> None:
