@@ -576,3 +576,23 @@ async def test_serve_freezes_the_startup_heap_once_it_listens(
             await task
         gc.unfreeze()
         gc.enable()
+
+
+@pytest.mark.parametrize(("raised", "said"), [
+    (server.LostAtShutdown("ledger: 2 entries could not be written"),
+     "tollgate: stopped, but not everything was saved: ledger: 2 entries could not be written"),
+    (server.StateUnavailable("the state file is another gateway's"),
+     "tollgate: cannot start: the state file is another gateway's"),
+])
+def test_what_serve_lost_at_shutdown_is_not_called_a_failed_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], raised: Exception, said: str
+) -> None:
+    """Rows the ledger could not write when a gateway that served stops (its file locked by a backup, say)
+    exit 1 as before, but said "cannot start", sending an operator to look at the config."""
+    async def failing(*args: Any, **kwargs: Any) -> None:
+        raise raised
+
+    monkeypatch.setattr(server, "serve", failing)
+    config = parse_config({"state": {"backend": "memory"}}, env={})
+    assert server.run(config, host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0) == 1
+    assert capsys.readouterr().err.strip() == said
