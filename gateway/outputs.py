@@ -20,7 +20,7 @@ from gateway.identity import header_values
 from grammars.checker import IncrementalChecker
 from grammars.compile import Constraint, compile_async
 from grammars.library import GrammarLibrary
-from grammars.native import native_is_exact, native_params, validation_spec
+from grammars.native import native_is_exact, native_params
 from grammars.reask import reask_instruction
 from grammars.requests import (
     anthropic_constraints,
@@ -159,15 +159,11 @@ async def plan_outputs(
     already_native, body_exact = (_native_in_body(call, dialect) if from_request and first in from_request
                                   else (False, False))
     if len(first.source) > _ON_LOOP_CHARS:  # rewriting a large schema takes milliseconds: off the loop
-        native, exact, unique[0] = await asyncio.to_thread(_native_form, dialect, first, already_native, body_exact)
+        native, exact = await asyncio.to_thread(_native_form, dialect, first, already_native, body_exact)
     else:
-        native, exact, unique[0] = _native_form(dialect, first, already_native, body_exact)
-    try:
-        constraints = tuple([await compile_async(s) for s in unique])
-    except InvalidGrammar:
-        if unique[0] is not first:  # the strict-mode rewrite failed: say what is wrong in the agent's own terms
-            await compile_async(first)
-        raise
+        native, exact = _native_form(dialect, first, already_native, body_exact)
+    # answers are validated against the constraints as given: a native rewrite only narrows them
+    constraints = tuple([await compile_async(s) for s in unique])
     plan = OutputPlan(constraints, retries, stream_check, native, exact,
                       strip_guided=body_has_guided and dialect not in _VLLM)
     if not from_request:
@@ -179,16 +175,11 @@ _ON_LOOP_CHARS: Final = 16 * 1024  # a schema rewritten on the event loop (~0.2 
 
 
 def _native_form(dialect: str, first: ConstraintSpec, already_native: bool,
-                 body_exact: bool) -> tuple[Mapping[str, Any] | None, bool, ConstraintSpec]:
+                 body_exact: bool) -> tuple[Mapping[str, Any] | None, bool]:
     """The first constraint's native request fields (None when the body has them already or the dialect
-    has none), whether they fix the output exactly, and the spec an answer is validated against."""
+    has none), and whether they fix the output exactly."""
     native = None if already_native else native_params(dialect, first)
-    exact = native_is_exact(dialect, first) and (native is not None or body_exact)
-    if native is not None or body_exact:
-        # OpenAI strict mode turns optional properties into required-but-nullable ones: a valid
-        # answer may carry nulls the original schema would reject
-        return native, exact, validation_spec(dialect, first)
-    return native, exact, first
+    return native, native_is_exact(dialect, first) and (native is not None or body_exact)
 
 
 def _check_sizes(specs: tuple[ConstraintSpec, ...], limit: int | None) -> None:

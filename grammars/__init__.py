@@ -7,7 +7,7 @@ Modules (import what you need; importing this package loads nothing heavy):
 - `tool_args`: check_tool_schemas (offered tools' schemas, compiled off the loop), validate_tool_arguments.
 - `library`: GrammarLibrary (shipped `builtin/` grammars + a user folder; inline refs).
 - `requests`: constraints a chat-completions body brings (response_format, vLLM fields).
-- `native`: native_params / native_is_exact / validation_spec per upstream dialect.
+- `native`: native_params / native_is_exact per upstream dialect.
 - `reask`: the instruction appended to the original request after a violation.
 Internals: `engine` (llguidance byte matcher), `schema` (jsonschema verdict), `checker`
 (IncrementalChecker), `strict` (OpenAI strict schemas), `gbnf` (regex -> GBNF), `walk`.

@@ -17,8 +17,12 @@ that the upstream constrains decoding itself, or None when the dialect cannot ex
 Ollama: its OpenAI-compatible endpoint turns `response_format` into its native `format`; a top-level
 `format` field would be silently ignored there.
 
-`validation_spec` is the spec answers must then be checked against, and `native_is_exact` says
-whether the native form emits JSON keys in schema order (so `checker(native=True)` is safe).
+OpenAI (`openai` dialect): the schema is rewritten for strict mode by `grammars.strict.openai_strict_schema`,
+which only narrows it (every property required with its own schema, `additionalProperties: false`) and
+drops only keywords that narrow values alone; a schema it cannot rewrite so (None) is not sent at all,
+and answers are validated only. Answers are always validated against the spec itself, the agent's own
+schema (no rewrite here widens it). `native_is_exact` says whether the native form emits JSON keys in
+schema order (so `checker(native=True)` is safe).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import orjson
 
 from gateway.errors import InvalidGrammar
 from grammars.gbnf import choice_to_gbnf, regex_alternatives, regex_to_gbnf
-from grammars.spec import ConstraintSpec, json_schema_spec
-from grammars.strict import nullable_optionals, openai_strict_schema
+from grammars.spec import ConstraintSpec
+from grammars.strict import openai_strict_schema
 
 DIALECTS: Final[tuple[str, ...]] = ("openai", "vllm", "vllm-legacy", "llamacpp", "ollama", "sglang", "none")
 # Dialects whose decoders emit object keys in schema order, optional ones included in place.
@@ -73,22 +77,10 @@ def native_params(dialect: str, spec: ConstraintSpec) -> dict[str, Any] | None:
 
 
 def native_is_exact(dialect: str, spec: ConstraintSpec) -> bool:
-    """True when the native form makes the upstream emit exactly what `validation_spec`'s grammar
-    expects, keys in schema order included, so `checker(native=True)` cannot cut a good answer."""
+    """True when the native form makes the upstream emit exactly what the spec's grammar expects, keys in schema order included, so `checker(native=True)` cannot cut a good answer."""
     if native_params(dialect, spec) is None:
         return False
     return dialect in _ORDERED or not spec.is_json
-
-
-def validation_spec(dialect: str, spec: ConstraintSpec) -> ConstraintSpec:
-    """The spec to check answers against once `native_params(dialect, spec)` was sent: `spec` itself,
-    except for OpenAI strict mode, where optional properties became required-but-nullable and the
-    answer may carry null for them. Then a superset of `spec` that also accepts those nulls."""
-    if dialect != "openai" or spec.kind != "json_schema" or native_params(dialect, spec) is None:
-        return spec
-    schema = _loads(spec.source)
-    relaxed = nullable_optionals(schema)
-    return spec if relaxed == schema else json_schema_spec(relaxed, spec.name)
 
 
 def schema_name(name: str | None) -> str:

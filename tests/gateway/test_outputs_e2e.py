@@ -387,17 +387,25 @@ async def test_a_tool_schema_that_cannot_be_checked_is_refused_before_the_upstre
     assert "tools" not in h.fake.seen[0].json  # the disallowed tool never went upstream
 
 
-async def test_openai_strict_nulls_for_optional_properties_are_accepted(gateway_factory: GatewayFactory) -> None:
+async def test_openai_strict_makes_optional_properties_required_not_nullable(gateway_factory: GatewayFactory) -> None:
+    """Strict mode gets every property required with its own schema (no null added), and answers are
+    validated against the agent's schema itself: a null for the optional string `b` is refused, as it
+    would be with `structured_outputs: none` (a relaxed copy used to let it reach the agent)."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a"]}
     h = await gateway_factory(agents={"default": {"output": {"grammar": "json_schema:" + orjson.dumps(schema).decode(),
                                                              "retries": 0}}})
-    h.fake.queue(Reply(body=openai_completion('{"a": 1, "b": null}')))
+    h.fake.queue(Reply(body=openai_completion('{"a": 1, "b": null}')),
+                 Reply(body=openai_completion('{"a": 1, "b": "x"}')))
     async with client(h.url, "strict") as c:
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)
+        assert info.value.body["code"] == "output_nonconforming"  # type: ignore[index]
         result = await c.chat.completions.create(model="gpt-4o-mini", messages=MSG)
-    assert orjson.loads(result.choices[0].message.content or "") == {"a": 1, "b": None}
+    assert orjson.loads(result.choices[0].message.content or "") == {"a": 1, "b": "x"}
     sent = h.fake.seen[-1].json["response_format"]["json_schema"]
-    assert sent["strict"] is True and sorted(sent["schema"]["required"]) == ["a", "b"]
+    assert sent["strict"] is True and sent["schema"]["required"] == ["a", "b"]
+    assert sent["schema"]["properties"]["b"] == {"type": "string"}
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from grammars.compile import compile_constraint
-from grammars.native import DIALECTS, native_is_exact, native_params, schema_name, validation_spec
+from grammars.native import DIALECTS, native_is_exact, native_params, schema_name
 from grammars.spec import JSON_OBJECT, ConstraintSpec, choice_spec, json_schema_spec
 
 SMALL = {
@@ -23,7 +23,7 @@ GBNF = ConstraintSpec("gbnf", 'root ::= "a"+')
 CHOICE = choice_spec(["yes", "no", "a.b"])
 STRICT_SMALL = {
     "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": ["string", "null"]}},
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
     "required": ["a", "b"],
     "additionalProperties": False,
 }
@@ -144,13 +144,21 @@ def test_schema_name(name: str | None, expected: str) -> None:
         ),
         ({"anyOf": [{"type": "object"}, {"type": "null"}]}, "root anyOf"),
         ({"type": "object", "properties": {"x": {}}}, "untyped property"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}}, "not"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+         "a required name outside properties"),
+        ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{"type": "integer"}]}}},
+         "prefixItems"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+          "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}},
+          "if": {"required": ["a"]}, "then": {"minProperties": 1}}, "if/then"),
     ],
 )
 def test_openai_falls_back_to_validation_only(schema: dict[str, Any], reason: str) -> None:
     spec = json_schema_spec(schema)
     assert native_params("openai", spec) is None, reason
     assert native_is_exact("openai", spec) is False
-    assert validation_spec("openai", spec) is spec
 
 
 def test_regex_gbnf_cannot_express_falls_back() -> None:
@@ -181,21 +189,35 @@ def test_native_is_exact(dialect: str, spec: ConstraintSpec, exact: bool) -> Non
     assert native_is_exact(dialect, spec) is exact
 
 
-def test_validation_spec_accepts_openai_nulls_for_optional_properties() -> None:
-    relaxed = validation_spec("openai", SCHEMA)
-    assert relaxed.name == "thing"
-    original, accepting = compile_constraint(SCHEMA), compile_constraint(relaxed)
-    answer = '{"a": 1, "b": null}'  # what strict mode produces when b is "absent"
-    assert original.validate(answer) is not None
-    assert accepting.validate(answer) is None
-    checker = accepting.checker(native=native_is_exact("openai", SCHEMA))
+def test_answers_to_the_strict_rewrite_pass_the_agents_own_schema() -> None:
+    """Strict mode's rewrite only narrows (optional properties become required, not nullable): answers
+    are checked against the spec itself, so a null for an optional property is refused."""
+    original = compile_constraint(SCHEMA)
+    assert original.validate('{"a": 1, "b": null}') is not None  # what the old nullable rewrite let through
+    answer = '{"a": 1, "b": "x"}'  # what strict mode produces: every property, in schema order
+    assert original.validate(answer) is None
+    checker = original.checker(native=native_is_exact("openai", SCHEMA))
     assert checker.feed(answer) and checker.finish() is None
-    # still as strict as the original otherwise
-    assert accepting.validate('{"b": "x"}') == original.validate('{"b": "x"}')
-    # nothing to relax: the same spec (and cache entry)
-    all_required = json_schema_spec({**SMALL, "required": ["a", "b"]})
-    assert validation_spec("openai", all_required) is all_required
-    assert validation_spec("vllm", SCHEMA) is SCHEMA
+
+
+@pytest.mark.parametrize(
+    ("schema", "sent"),
+    [
+        # allOf is merged into its object, not dropped (it was sent as an object admitting only {})
+        ({"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
+         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}),
+        # a property that admits null keeps admitting it; the others get no null
+        ({"type": "object", "properties": {"a": {"type": ["integer", "null"]}, "b": {"type": "string"}}},
+         {"type": "object", "properties": {"a": {"type": ["integer", "null"]}, "b": {"type": "string"}},
+          "required": ["a", "b"], "additionalProperties": False}),
+    ],
+)
+def test_openai_sends_a_narrowing_of_the_schema(schema: dict[str, Any], sent: dict[str, Any]) -> None:
+    spec = json_schema_spec(schema, name="s")
+    params = native_params("openai", spec)
+    assert params is not None
+    assert params["response_format"]["json_schema"]["schema"] == sent
 
 
 def test_native_params_do_not_mutate_the_spec_schema() -> None:
