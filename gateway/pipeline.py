@@ -26,10 +26,12 @@ from gateway.errors import (
     BudgetHeld,
     GatewayError,
     InvalidRequest,
+    OutputNonconforming,
     RunReset,
     StateUnavailable,
     Stopped,
     TokenBudgetHeld,
+    ToolNotAllowed,
 )
 from gateway.output_limits import known_limit
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
@@ -131,13 +133,17 @@ async def _judge_before(gw: Gateway, step: Step) -> None:
         if step.price is not None and step.price.max_output_tokens:
             max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
         min_units = min(MIN_OUTPUT_TOKENS, max_units)
-    request = ReserveRequest(verdict.claims, min_units, max_units, clamp_units=output_limit(step))
+    # a re-ask the budget cannot pay ends its step, not the run: the agent's next request is judged itself
+    request = ReserveRequest(verdict.claims, min_units, max_units, clamp_units=output_limit(step),
+                             refuse_only=bool(step.attempts))
     try:
         grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
     except StateUnavailable as exc:
         await _state_failed(step, exc)
         return
     if isinstance(grant, Denial):
+        if grant.held and step.attempts:
+            _refuse_reask(step, grant)
         if grant.held:  # steps in flight hold the budget: this step alone is refused, the run goes on
             raise HELD.get(grant.reason, BudgetHeld)(grant.detail)
         step.stop_reason, step.stop_detail = grant.reason, grant.detail
@@ -225,6 +231,15 @@ async def _rejudge(gw: Gateway, step: Step, ctx: StepContext, verdict: Verdict) 
     if again.stop.action == "reject":
         raise InvalidRequest(again.stop.detail, param=again.stop.param)
     await stop_run(gw, step, again.stop.reason or "stopped", again.stop.detail)
+
+
+def _refuse_reask(step: Step, denial: Denial) -> NoReturn:
+    """A re-ask the run's limits cannot pay: the step ends with what made it re-ask (the run goes on)."""
+    if step.violations:
+        raise OutputNonconforming(f"the answer breaks its {step.violations[-1].partition(':')[0]} constraint and "
+                                  f"its re-ask does not fit the run's limits ({denial.detail}); the run goes on")
+    raise ToolNotAllowed(f"the answer called only tools that are not allowed, and its re-ask does not fit the "
+                         f"run's limits ({denial.detail}); the run goes on")
 
 
 async def _state_failed(step: Step, error: StateUnavailable) -> None:

@@ -48,12 +48,15 @@ class ReserveRequest:
 
     `units` (output tokens) is maximised within [min_units, max_units] so that every claim fits; when
     the claims cannot pay for `max_units`, at most `clamp_units` (the model's output limit) are granted.
+    `refuse_only`: claims that cannot fit refuse this request alone (`Denial.held`), the run is not
+    stopped (a re-ask: tollgate's own request, not one of the agent's).
     """
 
     claims: tuple[Claim, ...]
     min_units: int = 0
     max_units: int = 0
     clamp_units: int | None = None
+    refuse_only: bool = False
 
 
 @fast_init

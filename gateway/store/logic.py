@@ -45,12 +45,12 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
             if fit < units:
                 units, limiting = fit, claim
         elif claim.fixed > available + EPS:
-            return _deny(state, claim, request.min_units, now)
+            return _deny(state, claim, request, now)
     if units < request.min_units and limiting is not None:
         spent = next((c for c in request.claims if not _fits_spent(state, c, request.min_units)), None)
         if spent is None:  # every limit still has room against what was spent: reservations refuse
             return _held(state, limiting, request.min_units)
-        return _deny(state, spent, request.min_units, now)
+        return _deny(state, spent, request, now)
     units = max(units, 0)
     if limiting is not None and request.clamp_units is not None and units > request.clamp_units:
         units = request.clamp_units  # a limit the budget cannot pay gets the most the model can use
@@ -64,13 +64,15 @@ def reserve(state: RunState, request: ReserveRequest, now: float, reservation_id
     return Reservation(reservation_id, state.run_id, state.epoch, units, amounts)
 
 
-def _deny(state: RunState, claim: Claim, min_units: int, now: float) -> Denial:
+def _deny(state: RunState, claim: Claim, request: ReserveRequest, now: float) -> Denial:
     limit = claim.limit or 0.0
     available = limit - state.used.get(claim.counter, 0.0) - state.reserved.get(claim.counter, 0.0)
     detail = (
         f"{claim.counter} limit {_fmt(claim.limit)} would be exceeded: {_fmt(max(available, 0.0))} left, "
-        f"this step needs at least {_fmt(claim.fixed + claim.per_unit * min_units)}"
+        f"this step needs at least {_fmt(claim.fixed + claim.per_unit * request.min_units)}"
     )
+    if request.refuse_only:
+        return Denial(claim.code or f"{claim.counter}_limit", detail, held=True)
     stop(state, claim.code or f"{claim.counter}_limit", detail, now)
     return Denial(state.stop_reason or claim.code, detail)
 

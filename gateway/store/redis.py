@@ -312,7 +312,7 @@ class RedisRunStore:
                     run_id,
                     agent,
                     [float(now), rid, int(request.min_units), int(request.max_units), claims,
-                     request.clamp_units, float(now) - self._lease, self._tombstone_s],
+                     request.clamp_units, float(now) - self._lease, self._tombstone_s, request.refuse_only],
                 )
             )
         except (StateUnavailable, asyncio.CancelledError):

@@ -7,8 +7,8 @@ calling convention it documents): `A` is the decoded JSON array of the operation
 from __future__ import annotations
 
 # A: [now, reservation id, min_units, max_units, [[counter, fixed, per_unit, limit|null, code], ...],
-#     clamp_units|null, expire_before|null, tombstone seconds].
-# Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail]; an error when the
+#     clamp_units|null, expire_before|null, tombstone seconds, refuse only (a denial stops nothing)].
+# Answers ["ok", epoch, units, counter, amount, ...] or ["deny", reason, detail(, "held")]; an error when the
 # reservation id was released already (a reserve that landed after the release of its lost answer).
 _RESERVE = """
 if redis.call('ZSCORE', RELEASED, A[2]) then  -- one lookup of a key that rarely exists
@@ -71,6 +71,7 @@ local function deny(c)  -- logic._deny
     .. ' left, this step needs at least ' .. fmt(c.fixed + c.per_unit * min_units)
   local code = c.code
   if code == '' then code = c.counter .. '_limit' end
+  if A[9] then touch(); return cjson.encode({'deny', code, detail, 'held'}) end  -- refuse only
   stop(code, detail, now)
   touch()
   return cjson.encode({'deny', code, detail})

@@ -246,6 +246,21 @@ async def test_stop_reset_and_a_stale_settle(store: RunStore) -> None:
     assert state is not None and state.used == {} and list(state.open) == [new.id]
 
 
+async def test_a_refuse_only_request_the_limits_cannot_pay_stops_nothing(store: RunStore) -> None:
+    """`refuse_only` (a re-ask): the claim that does not fit refuses this request alone; the same request
+    without it stops the run, as any step's does."""
+    tight = ReserveRequest((Claim("tokens", 500.0, 1.0, 400.0, "token_budget_exhausted"),), 16, 64)
+    denial = await store.reserve("run-1", "bot", ReserveRequest(tight.claims, 16, 64, refuse_only=True), NOW)
+    assert isinstance(denial, Denial) and denial.held and denial.reason == "token_budget_exhausted"
+    assert "would be exceeded" in denial.detail
+    state = await store.get("run-1")
+    assert state is not None and (state.status, state.reserved.get("tokens", 0.0), state.open) == ("active", 0.0, {})
+    stopped = await store.reserve("run-1", "bot", tight, NOW)
+    assert isinstance(stopped, Denial) and not stopped.held
+    state = await store.get("run-1")
+    assert state is not None and state.stop_reason == "token_budget_exhausted"
+
+
 async def test_a_stop_or_effects_judged_on_an_ended_epoch_change_nothing(store: RunStore) -> None:
     """`epoch`: the run's epoch a stop or effects were judged on. A reset since ends it: the store raises
     RunReset and the fresh run is neither stopped nor counted (checked atomically with the write)."""
