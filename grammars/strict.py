@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any, Final
-from urllib.parse import unquote
+
+from grammars.fanout import resolve_local
 
 # Keywords strict mode supports, kept as they are (or checked, then kept).
 OPENAI_KEYWORDS: Final[frozenset[str]] = frozenset(
@@ -162,7 +163,7 @@ def openai_strict_schema(schema: Any) -> dict[str, Any] | None:
     try:
         out = converter.convert(schema, at_root=True)
         for ref in converter.refs:  # moved or dropped by the rewrite: S would point nowhere (or elsewhere)
-            if not isinstance(_lookup(out, ref), dict):
+            if not isinstance(resolve_local(out, ref), dict):
                 raise _InexpressibleError
     except (_InexpressibleError, AttributeError, TypeError, ValueError, RecursionError):
         return None  # not a valid schema either: compiling it gives the caller its 400
@@ -322,7 +323,9 @@ class _Converter:
             ref = found.get("$ref")
             if ref is None:
                 return found
-            node = _lookup(self.root, ref) if isinstance(ref, str) else None
+            node = resolve_local(self.root, ref) if isinstance(ref, str) else None
+            if node is None:
+                raise _InexpressibleError  # another document, an anchor, a pointer to nothing
         return {}
 
 
@@ -455,24 +458,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
-
-
-def _lookup(root: Any, ref: str) -> Any:
-    """The node a "#" or "#/json/pointer" ref names in `root`; raise when there is none."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        raise _InexpressibleError
-    node = root
-    for raw in ref[2:].split("/"):
-        part = unquote(raw).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            raise _InexpressibleError
-    return node
 
 
 def _copy(value: Any) -> Any:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from tests.conftest import GatewayFactory
+from tests.conftest import GatewayFactory, Harness
 from tests.gateway.test_mcp_probe import TOOLS, RawServer, admin, call, gateway, pending, post, raw_server
 from tests.gateway.test_reset_while_judged import ResetFirst
 
@@ -121,18 +122,24 @@ async def test_a_result_in_flight_when_another_call_stops_the_run_answers_the_ru
         assert run["stop_reason"] == "tool_call_cap"
 
 
+async def second_call_across_a_reset(h: Harness, run_id: str, operation: str, *, second_path: str) -> Any:
+    """`read_file(a)`, then `read_file(second_path)` with the run reset right before that call's
+    `operation` (`stop` or `apply`) reaches the store; the second result is delivered. The run's view."""
+    assert (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run=run_id))[0] == 200
+    store = h.gateway.store = ResetFirst(h.gateway.store, operation)  # type: ignore[assignment]
+    status, answer = await post(h, call("read_file", {"path": second_path}, rpc_id=2), run=run_id)
+    assert store.resets == 1
+    assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file"), answer
+    return (await admin(h, "GET", f"/admin/runs/{run_id}"))[1]
+
+
 async def test_a_result_judged_before_a_reset_is_delivered_and_stops_nothing(gateway_factory: GatewayFactory) -> None:
     """`loop.stall_steps: 1`: the same result twice is a call without progress. The run is reset between
     the judgement of the second result and the stop (`ResetFirst`: the store's own epoch check decides,
     not the read before it): the result is delivered and the fresh run is not stopped."""
     async with hold_first_call(hold=0) as server:
         h = await gateway(gateway_factory, server.url, tools=TOOLS, loop={"stall_steps": 1})
-        assert (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run="rs"))[0] == 200
-        store = h.gateway.store = ResetFirst(h.gateway.store, "stop")  # type: ignore[assignment]
-        status, answer = await post(h, call("read_file", {"path": "a"}, rpc_id=2), run="rs")
-        assert store.resets == 1
-        assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file"), answer
-        _, run = await admin(h, "GET", "/admin/runs/rs")
+        run = await second_call_across_a_reset(h, "rs", "stop", second_path="a")
         assert (run["status"], run["stop_reason"]) == ("active", None)
 
 
@@ -145,12 +152,7 @@ async def test_a_call_whose_count_a_reset_refused_is_judged_again_and_counted_in
     stop)."""
     async with hold_first_call(hold=0) as server:
         h = await gateway(gateway_factory, server.url, tools=TOOLS, caps={"tool_calls": 2})
-        assert (await post(h, call("read_file", {"path": "a"}, rpc_id=1), run="rc"))[0] == 200
-        store = h.gateway.store = ResetFirst(h.gateway.store, "apply")  # type: ignore[assignment]
-        status, answer = await post(h, call("read_file", {"path": "b"}, rpc_id=2), run="rc")
-        assert store.resets == 1
-        assert (status, answer["result"]["content"][0]["text"]) == (200, "ran read_file"), answer
-        _, run = await admin(h, "GET", "/admin/runs/rc")
+        run = await second_call_across_a_reset(h, "rc", "apply", second_path="b")
         assert (run["status"], run["tool_calls"]) == ("active", 1)
         assert (await post(h, call("read_file", {"path": "c"}, rpc_id=3), run="rc"))[1]["result"]
         _, refused = await post(h, call("read_file", {"path": "d"}, rpc_id=4), run="rc")

@@ -375,6 +375,17 @@ def test_constraints_work_across_threads() -> None:
     assert checker.feed('{"a": 1, "b": "x"}') and checker.finish() is None
 
 
+def check_a_long_answer(constraint: Constraint, *, streamed: bool) -> None:
+    """Check an answer long enough to run the EXPONENTIAL regex's lexer out of states, whole or streamed."""
+    answer = exponential_answer(30_000)
+    if not streamed:
+        constraint.validate(answer)
+        return
+    checker = constraint.checker(native=False)
+    for start in range(0, len(answer), 100):
+        checker.feed(answer[start:start + 100])
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_constraint_whose_lexer_ran_out_of_states_is_rebuilt_for_the_next_answer(streamed: bool) -> None:
     """Copies of a pristine matcher share its lexer: once one long answer spent its states, every later
@@ -384,13 +395,7 @@ def test_a_constraint_whose_lexer_ran_out_of_states_is_rebuilt_for_the_next_answ
     spec = ConstraintSpec("regex", EXPONENTIAL)
     spent = compile_constraint(spec)
     with pytest.raises(InvalidGrammar, match="too complex to check the answer with"):
-        if streamed:
-            checker = spent.checker(native=False)
-            answer = exponential_answer(30_000)
-            for start in range(0, len(answer), 100):
-                checker.feed(answer[start:start + 100])
-        else:
-            spent.validate(exponential_answer(30_000))
+        check_a_long_answer(spent, streamed=streamed)
     fresh = compile_constraint(spec)
     assert fresh._core is not spent._core
     assert fresh.validate(exponential_answer(100)) is None
@@ -436,13 +441,7 @@ def test_an_answer_that_spends_a_fresh_lexer_by_itself_is_checked_once(
     spec = ConstraintSpec("regex", EXPONENTIAL)
     fresh = real(spec)
     with pytest.raises(InvalidGrammar, match="too complex"):
-        if streamed:
-            checker = fresh.checker(native=False)
-            answer = exponential_answer(30_000)
-            for start in range(0, len(answer), 100):
-                checker.feed(answer[start:start + 100])
-        else:
-            fresh.validate(exponential_answer(30_000))
+        check_a_long_answer(fresh, streamed=streamed)
     assert compiles == []
     assert not fresh.current and real(spec).validate(exponential_answer(50)) is None
 
