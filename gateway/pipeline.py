@@ -35,6 +35,7 @@ from gateway.errors import (
 )
 from gateway.output_limits import known_limit
 from gateway.providers.common import MAX_TOKEN_COUNT, json_depth_ok
+from gateway.respond import JSON
 from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import UNREPORTED_USAGE, Claim, Denial, Reservation, ReserveRequest
@@ -48,7 +49,6 @@ from guards.reasoning import resolve as resolve_reasoning
 JUDGED = "judged"  # step.extra: guard_after ran on the step's answer
 _MARK = "history_mark"  # step.extra: the run's in-process history version when its snapshot was read
 RESET_RETRIES = 3  # judgements of one step a reset of its run may interrupt before it is refused (503)
-JSON = "application/json"
 # trace context is tollgate's to set (the step's span); baggage carries tollgate's run id, not the provider's
 TRACE_HEADERS = frozenset({"baggage", "traceparent", "tracestate"})
 CREDENTIALS = frozenset({"authorization", "x-api-key"})
