@@ -40,6 +40,7 @@ from gateway.runtime import Gateway
 from gateway.step import Step
 from gateway.store.base import RunState
 from gateway.toolgate import TOOL_NOT_ALLOWED
+from gateway.upstream import scrub_answer, scrub_text
 from guards.base import Decision
 from otel._fastspan import Reserved
 from otel.attributes import TOLLGATE_GUARDS, provider_name_for
@@ -184,6 +185,7 @@ def step_span(gw: Gateway, step: Step) -> StepSpan | None:
 
 def _end_reasked(gw: Gateway, telemetry: Telemetry, step: Step, span: StepSpan) -> None:
     """The attempt of `span` was answered and re-asked: end its span with that answer."""
+    _reported(step)
     _annotate(span, step, final=False)
     if telemetry.capture_content and step.answer is not None:
         span.capture_output(step.answer, gw.services["redactor"])
@@ -317,8 +319,23 @@ def _step_metrics(metrics: Metrics, step: Step, decision: str) -> None:
         metrics.reask()
 
 
+def _reported(step: Step) -> None:
+    """The step's answer and error code as spans, metrics and the ledger report them: with the provider
+    key tollgate sent replaced, as in the agent's copy (an upstream may echo it in an id, a model name,
+    an error code: `scrub_answer`)."""
+    provider = step.route.provider
+    secret = None if provider.passthrough_auth else provider.api_key
+    if secret is None:
+        return
+    if step.answer is not None:
+        step.answer = scrub_answer(step.answer, secret)
+    if step.error_type:
+        step.error_type = scrub_text(step.error_type, secret)
+
+
 def on_step(gw: Gateway, step: Step) -> None:
     """The record stage for a finished step (every outcome)."""
+    _reported(step)
     telemetry = telemetry_of(gw)
     ledger: Ledger | None = gw.services.get("ledger")
     decision = "stop" if step.stop_reason else ("error" if step.error_type else "allow")

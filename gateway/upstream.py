@@ -8,6 +8,7 @@ which would cut a long healthy stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from functools import lru_cache
 from typing import Protocol
@@ -15,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 from multidict import CIMultiDict
 
+from gateway.call import Answer
 from gateway.config import Timeouts
 from gateway.errors import InvalidRequest
 from gateway.http1 import MAX_ANSWER_BYTES, Http1Pool
@@ -89,6 +91,34 @@ def scrub(data: bytes, secret: bytes | None) -> bytes:
     """`data` with every copy of `secret` (`secret_bytes` of the provider key tollgate sent, which an
     upstream may echo in an error message or event) replaced: the agent never sees it (DESIGN section 3)."""
     return data.replace(secret, REDACTED) if secret is not None and secret in data else data
+
+
+def scrub_text(text: str, secret: str | None) -> str:
+    """`scrub` for text tollgate itself reports (a span attribute, a metric label, an error code)."""
+    if secret is None or len(secret) < MIN_SECRET or secret not in text:
+        return text
+    return text.replace(secret, REDACTED.decode())
+
+
+def scrub_answer(answer: Answer, secret: str | None) -> Answer:
+    """`answer` with `secret` replaced in what telemetry reports of it: its id, model, system fingerprint,
+    service tier, finish reasons and the provider's error code (an upstream may echo the key tollgate sent
+    in any of them). The same object when none holds it: the check is a few substring searches a step."""
+    if secret is None or len(secret) < MIN_SECRET:
+        return answer
+    fields = (answer.response_id, answer.model, answer.system_fingerprint, answer.service_tier,
+              answer.provider_error, *answer.finish_reasons)
+    if not any(field is not None and secret in field for field in fields):
+        return answer
+
+    def clean(value: str | None) -> str | None:
+        return None if value is None else scrub_text(value, secret)
+
+    return dataclasses.replace(
+        answer, response_id=clean(answer.response_id), model=clean(answer.model),
+        system_fingerprint=clean(answer.system_fingerprint), service_tier=clean(answer.service_tier),
+        provider_error=clean(answer.provider_error),
+        finish_reasons=tuple(scrub_text(reason, secret) for reason in answer.finish_reasons))
 
 
 class Scrubber:

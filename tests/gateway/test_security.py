@@ -215,6 +215,20 @@ async def test_provider_keys_never_emitted(gateway_factory: GatewayFactory, fake
         h.fake.queue(Reply(body={"object": "list", "data": []}))
         assert await send("POST", "/v1/embeddings", {"model": "gpt-4o-mini", "input": "x"}) == 200
         assert await send("POST", "/mcp/nothere", {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}) in (400, 404)
+        # an upstream echoing the key in an answer's metadata (its id, model, fingerprint, finish reason, an
+        # error code): the agent's copy is scrubbed, and so is what spans, metrics and the ledger report
+        from tests.fakes.responses import response_body
+        from tests.fakes.upstream import openai_completion as completion
+
+        echoed = completion("x", model=OPENAI_KEY, finish=OPENAI_KEY)
+        echoed.update(id=OPENAI_KEY, system_fingerprint=OPENAI_KEY, service_tier=OPENAI_KEY)
+        h.fake.queue(Reply(body=echoed), Reply(chunks=openai_stream(["a"], model=OPENAI_KEY)))
+        assert await send("POST", CHAT, oa, run="leak-echo") == 200
+        assert await send("POST", CHAT, {**oa, "stream": True}, run="leak-echo") == 200
+        failed = response_body("", usage=(1, 1), status="failed")
+        failed["error"] = {"code": OPENAI_KEY, "message": f"bad key {OPENAI_KEY}"}
+        h.fake.queue(Reply(body=failed))
+        await send("POST", "/v1/responses", {"model": "gpt-4o-mini", "input": "hi"}, run="leak-echo")
         # guard decisions: a refused tool call stops the run; a call cap ends with a message
         tool = {"id": "c1", "type": "function", "function": {"name": "rm_rf", "arguments": "{}"}}
         from tests.fakes.upstream import openai_completion
@@ -225,7 +239,8 @@ async def test_provider_keys_never_emitted(gateway_factory: GatewayFactory, fake
         for _ in range(3):
             await send("POST", CHAT, oa, key=CAPPED_KEY, run="leak-cap")
         # the admin side
-        for path in ("/admin/runs", "/admin/runs/leak-1", "/admin/runs/leak-tools", "/admin/runs/leak-cap", "/metrics",
+        for path in ("/admin/runs", "/admin/runs/leak-1", "/admin/runs/leak-tools", "/admin/runs/leak-cap",
+                     "/admin/runs/leak-echo", "/metrics",
                      "/healthz", "/readyz", "/admin/approvals"):
             await send("GET", path, admin=True)
         await send("POST", "/admin/runs/leak-tools/reset", admin=True)
