@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from gateway.call import Answer
 from gateway.config import Limits, Timeouts
 from gateway.errors import InvalidRequest, UpstreamUnavailable
 from gateway.upstream import (
@@ -21,6 +22,8 @@ from gateway.upstream import (
     check_target,
     forwardable,
     scrub,
+    scrub_answer,
+    scrub_text,
     secret_bytes,
 )
 
@@ -293,3 +296,24 @@ def test_a_scrubbed_stream_is_the_scrubbed_body_however_it_is_cut(parts: list[by
     out = scrubbed(chunks)
     assert b"".join(out) == scrub(body, KEY_BYTES)
     assert all(KEY_BYTES not in part for part in out)
+
+
+SECRET = "sk-provider-secret-123"
+
+
+@pytest.mark.parametrize(("answer", "reported"), [
+    (Answer(response_id="chatcmpl-1", model="gpt-4o", finish_reasons=("stop",)),
+     Answer(response_id="chatcmpl-1", model="gpt-4o", finish_reasons=("stop",))),
+    (Answer(response_id=SECRET, model=f"m-{SECRET}", system_fingerprint=SECRET, service_tier=SECRET,
+            provider_error=SECRET, finish_reasons=("stop", SECRET), text=SECRET),
+     Answer(response_id="[redacted by tollgate]", model="m-[redacted by tollgate]",
+            system_fingerprint="[redacted by tollgate]", service_tier="[redacted by tollgate]",
+            provider_error="[redacted by tollgate]", finish_reasons=("stop", "[redacted by tollgate]"),
+            text=SECRET)),  # content is the content capture's to redact (otel.redact), not this
+])
+def test_scrub_answer_replaces_the_key_in_what_telemetry_reports(answer: Answer, reported: Answer) -> None:
+    assert scrub_answer(answer, SECRET) == reported
+    assert scrub_answer(answer, None) is answer and scrub_answer(answer, "short") is answer
+    clean = Answer(model="gpt-4o")
+    assert scrub_answer(clean, SECRET) is clean  # nothing to replace: no copy
+    assert scrub_text(f"code {SECRET}", SECRET) == "code [redacted by tollgate]"
