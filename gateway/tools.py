@@ -1,7 +1,8 @@
 """Tool policy of one agent: allow-list, tiers and approval (pure).
 
 One policy serves every path (OpenAI and Anthropic tools, MCP `tools/list` and `tools/call`). MCP
-tools are matched as `server/tool`; tools offered to or proposed by a model by the name it uses.
+tools are matched as `server/tool`; tools offered to or proposed by a model by the name it uses (an
+Anthropic toolset, which has none, by its family: `gateway.providers.anthropic_tools.tool_name`).
 
 Matching is exact string equality or an `fnmatch` glob (`*`, `?`, `[...]`), case-sensitive, on the
 raw name: no Unicode normalisation, case folding or trimming, so a crafted name (a Cyrillic `а`, a

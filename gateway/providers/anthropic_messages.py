@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, ToolSpec, digest
+from gateway.call import Answer, Call, RequestParams, ToolCall, ToolResult, digest
 from gateway.config import Limits
 from gateway.errors import BudgetHeld, GatewayError, InvalidRequest, error_code
 from gateway.providers.anthropic_billing import (
@@ -27,6 +27,8 @@ from gateway.providers.anthropic_tools import (
     offers_server_tools,
     search_limits,
     search_sizes,
+    tool_call,
+    tool_specs,
     type_starts,
     unpriced_tools,
     unreserved_tools,
@@ -47,16 +49,6 @@ from gateway.providers.common import (
 from gateway.providers.sse import SseEvent, format_event
 
 __all__ = ["FETCH_CONTENT_TOKENS", "THINKING_MIN_TOKENS", "AnthropicMessages", "AnthropicStreamReader", "usage_from"]
-
-
-def _tools(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
-    specs: list[ToolSpec] = []
-    for index, tool in enumerate(raw_tools):
-        if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
-            raise InvalidRequest(f"tools.{index} must be an object with a name", param="tools")
-        schema = tool.get("input_schema")
-        specs.append(ToolSpec(tool["name"], tool.get("description"), schema if isinstance(schema, Mapping) else None))
-    return tuple(specs)
 
 
 def _tool_choice(value: Any) -> str | None:
@@ -130,7 +122,7 @@ class AnthropicMessages:
             input_bytes=len(raw),
             input_images=images,
             referenced_documents=documents,
-            tools=_tools(raw_tools),
+            tools=tool_specs(raw_tools),
             tool_choice=_tool_choice(body.get("tool_choice")),
             tool_results=_latest_results(messages),
             params=params,
@@ -159,8 +151,7 @@ class AnthropicMessages:
             if block.get("type") == "text":
                 texts.append(str(block.get("text") or ""))
             elif block.get("type") == "tool_use":
-                args = orjson.dumps(block.get("input") or {}).decode()
-                calls.append(ToolCall(str(block.get("id", "")), str(block.get("name", "")), args))
+                calls.append(tool_call(block, orjson.dumps(block.get("input") or {}).decode()))
             elif provider_ran(block.get("type")):
                 hosted += block.get("type") in HOSTED_BLOCKS
                 texts.clear()
@@ -355,7 +346,7 @@ class AnthropicStreamReader:
         self._id: str | None = None
         self._model: str | None = None
         self._text: list[str] = []
-        self._blocks: dict[int, list[str]] = {}
+        self._blocks: dict[int, tuple[Mapping[str, Any], list[str]]] = {}  # tool_use: its block, its input JSON
         self._reason: str | None = None
         self._usage: dict[str, int] = {}
         self._final_usage = False  # message_delta reported the output tokens (message_start's are a placeholder)
@@ -403,7 +394,7 @@ class AnthropicStreamReader:
             block = data.get("content_block") or {}
             if block.get("type") == "tool_use":
                 self.holding = True
-                self._blocks[index] = [str(block.get("id", "")), str(block.get("name", "")), ""]
+                self._blocks[index] = (block, [""])
                 given = block.get("input")
                 if given:  # the SDK keeps the start block's input unless input_json_delta events follow
                     self._start_inputs[index] = orjson.dumps(given).decode()
@@ -434,7 +425,7 @@ class AnthropicStreamReader:
                 self._chars += len(part)
                 slot = self._blocks.get(int(data.get("index") or 0))
                 if slot is not None:
-                    slot[2] += part
+                    slot[1][0] += part
         elif kind == "content_block_stop":
             self.text_done = self.text_done or int(data.get("index") or 0) in self._text_blocks
         elif kind == "message_delta":
@@ -471,8 +462,8 @@ class AnthropicStreamReader:
         return output
 
     def answer(self) -> Answer:
-        calls = tuple(ToolCall(v[0], v[1], v[2] or self._start_inputs.get(i, "{}"))
-                      for i, v in sorted(self._blocks.items()))
+        calls = tuple(tool_call(block, part[0] or self._start_inputs.get(i, "{}"))
+                      for i, (block, part) in sorted(self._blocks.items()))
         complete = self._reason is not None and self._final_usage
         return Answer(
             response_id=self._id,

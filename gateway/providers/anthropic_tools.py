@@ -6,13 +6,19 @@ the advisor by sub-inferences on a model of its own. Anthropic-defined client to
 computer use) and tool use itself bill input tokens the body does not carry. This module says, for a
 request body, how much of that the budget can hold and what it cannot: `search_limits` entries,
 `input_overhead` tokens, `unpriced_tools` and `unreserved_tools` (refused under a budget, `guards.budget`).
+It also names tools for the allow-list: by `name`, but a toolset (one `tools` entry for a family of tools,
+which carries no `name`) by its family, and its members' calls too (`tool_name`, `call_name`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
+
+from gateway.call import ToolCall, ToolSpec
 from gateway.errors import InvalidRequest
 from gateway.providers.common import MAX_TOKEN_COUNT
 from guards.bounds import SEARCH_INPUT_TOKENS
@@ -51,6 +57,59 @@ TOOL_OVERHEAD: dict[str, int] = {
     "computer_": 735 + 499,
 }
 """Input tokens an Anthropic-defined tool bills beyond its definition in the body, by type prefix."""
+
+
+_DATE = re.compile(r"_\d{8}$")
+
+
+def toolset_family(tool: Any) -> str | None:
+    """A toolset's family, as the API and the SDK compute it: its `type` without a trailing date, then
+    without `_toolset` (`mcp_toolset`: `mcp`; `computer_toolset_20260801`: `computer`; `browser_toolset_...`:
+    `browser`). None for a tool that is no toolset."""
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    base = _DATE.sub("", kind) if isinstance(kind, str) else ""
+    family = base.removesuffix("_toolset")
+    return family if family and family != base else None
+
+
+def tool_name(tool: Any) -> str:
+    """The allow-list name of an offered tool: its `name`; a toolset's is its family whatever else it
+    carries (the MCP connector's `mcp_toolset` is `mcp`, as its `mcp_servers`), the name its members' calls
+    are judged by (`call_name`)."""
+    if not isinstance(tool, Mapping):
+        return ""
+    family = toolset_family(tool)
+    name = tool.get("name")
+    return family if family is not None else name if isinstance(name, str) else ""
+
+
+def tool_specs(raw_tools: list[Any]) -> tuple[ToolSpec, ...]:
+    """The offered tools, by allow-list name. Raises InvalidRequest (400) for one that is no object, or
+    neither a toolset nor named."""
+    specs: list[ToolSpec] = []
+    for index, tool in enumerate(raw_tools):
+        if not isinstance(tool, Mapping) or not (toolset_family(tool) or isinstance(tool.get("name"), str)):
+            raise InvalidRequest(f"tools.{index} must be an object with a name (or a toolset's type)", param="tools")
+        schema = tool.get("input_schema")
+        specs.append(ToolSpec(tool_name(tool), tool.get("description"), schema if isinstance(schema, Mapping) else None))
+    return tuple(specs)
+
+
+def call_name(block: Mapping[str, Any]) -> str:
+    """The allow-list name of a `tool_use` block: a toolset member's is its toolset's family
+    (`toolset_name`), as the toolset was offered; any other's, its `name`."""
+    toolset = block.get("toolset_name")
+    return toolset if isinstance(toolset, str) and toolset else str(block.get("name", ""))
+
+
+def tool_call(block: Mapping[str, Any], arguments: str) -> ToolCall:
+    """A `tool_use` block as the guards judge it (`arguments`: its input's JSON text): named by `call_name`;
+    a toolset member's arguments name the member (`{"member": ..., "input": ...}`), so that loop detection
+    tells `left_click` from `right_click` at one point."""
+    toolset = block.get("toolset_name")
+    if isinstance(toolset, str) and toolset:
+        arguments = f'{{"member":{orjson.dumps(str(block.get("name", ""))).decode()},"input":{arguments}}}'
+    return ToolCall(str(block.get("id", "")), call_name(block), arguments)
 
 
 def count(value: Any) -> int | None:

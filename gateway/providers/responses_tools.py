@@ -3,9 +3,11 @@
 A request offers tools in `tools` and in input items that carry a tool list of their own
 (`additional_tools`, `tool_search_output`): every reading of what is offered (the fees a reservation
 holds, the tools a budget refuses, the limit on the calls OpenAI runs) reads all of them, as the
-allow-list does (`gateway.providers.responses_wire.filter_offers`).
+allow-list does (`gateway.providers.tool_wire.filter_request_tools`).
 
-Tools are named for the allow-list by `name` (function and custom tools) or by `type` for the others.
+Tools are named for the allow-list by `name` (function and custom tools) or by `type` for the others; a
+`namespace` (tool search: function and custom tools grouped under a name) is no tool of its own: the tools
+inside it are judged one by one (`allowed_tools`), as their calls are (by their own `name`).
 OpenAI runs a tool itself unless it is a function, a custom tool or one whose calls the agent runs
 (computer, local shell, shell, apply_patch); a `shell` with a hosted environment (`container_auto`, a
 `container_reference`) is OpenAI's to run, in a container billed per session. A hosted `mcp` tool (a
@@ -15,14 +17,15 @@ input of any size, which no reservation can hold (`unreserved_tools`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gateway.providers.common import may_contain
 
 __all__ = [
-    "AGENT_CALLS", "CALL_ITEMS", "UNPRICED_TOOLS", "call_name", "hosted", "item_type", "limit_hosted_calls",
-    "offered_tools", "offers_preview_search", "search_limits", "tool_name", "unpriced_tools", "unreserved_tools",
+    "AGENT_CALLS", "CALL_ITEMS", "UNPRICED_TOOLS", "allowed_tools", "call_name", "hosted", "item_type",
+    "limit_hosted_calls", "offered_tools", "offers_preview_search", "search_limits", "tool_name", "unpriced_tools",
+    "unreserved_tools",
 ]
 
 # the call items the agent runs (judged by the guards), by item type: the allow-list name of their tool,
@@ -55,6 +58,33 @@ def tool_name(tool: Any) -> str:
     return _TOOL_ALIASES.get(kind, kind) if kind else ""
 
 
+def _namespace_tools(tool: Any) -> list[Any] | None:
+    """The tools a `namespace` groups; None for any other tool (and a namespace without a tool list)."""
+    listed = tool.get("tools") if item_type(tool) == "namespace" else None
+    return listed if isinstance(listed, list) else None
+
+
+def allowed_tools(tools: list[Any], allowed: Callable[[str], bool]) -> list[Any]:
+    """The tools the allow-list keeps, each judged by its `tool_name`; a namespace keeps only its allowed
+    tools, and goes when none is left. `tools` itself when it keeps every one (lists are replaced, not edited:
+    the agent's original body shares them)."""
+    kept: list[Any] = []
+    for tool in tools:
+        inner = _namespace_tools(tool)
+        if inner is None:
+            if allowed(tool_name(tool)):
+                kept.append(tool)
+            continue
+        narrowed = allowed_tools(inner, allowed)
+        if narrowed is inner:
+            kept.append(tool)
+        elif narrowed:
+            kept.append({**tool, "tools": narrowed})
+    if len(kept) == len(tools) and all(new is old for new, old in zip(kept, tools, strict=True)):
+        return tools
+    return kept
+
+
 def call_name(item: Mapping[str, Any]) -> str:
     """The allow-list name of a call item's tool."""
     return AGENT_CALLS.get(item_type(item) or "") or str(item.get("name", ""))
@@ -85,9 +115,10 @@ def _hosted_shell(tool: Any) -> bool:
 
 
 def hosted(tool: Any) -> bool:
-    """An offered tool OpenAI runs itself (not a function, a custom tool or one the agent runs)."""
+    """An offered tool OpenAI runs itself (not a function, a custom tool, a namespace of them or one the agent
+    runs)."""
     kind = item_type(tool)
-    if kind is None or kind in ("function", "custom"):
+    if kind is None or kind in ("function", "custom", "namespace"):  # a namespace holds the agent's functions
         return False
     return tool_name(tool) not in _AGENT_RUN_TOOLS or _hosted_shell(tool)
 

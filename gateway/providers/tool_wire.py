@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 
-from gateway.providers import responses_wire
+from gateway.errors import ToolNotAllowed
+from gateway.providers import anthropic_tools, responses_wire
 from gateway.providers.common import allowed_subset
 from gateway.providers.openai_functions import LEGACY, proposed, tool_spec
-from gateway.providers.responses_tools import offered_tools
+from gateway.providers.responses_tools import allowed_tools, item_type, offered_tools
 from gateway.providers.responses_tools import tool_name as _responses_tool_name
 from gateway.providers.sse import SseParser, format_event
 
@@ -43,12 +44,6 @@ def _filter_allowed_tools(body: dict[str, Any], allowed: Allowed) -> bool:
     return True
 
 
-def _anthropic_tool_name(tool: Any) -> str:
-    if isinstance(tool, Mapping) and tool.get("type") == "mcp_toolset":
-        return "mcp"  # the MCP connector's tools, named like `mcp_servers` (see `_filter_mcp_servers`)
-    return str(tool.get("name", "")) if isinstance(tool, Mapping) else ""
-
-
 def _filter_functions(body: dict[str, Any], allowed: Allowed) -> bool:
     """OpenAI's legacy `functions`, as `tools`: a function not allowed is not offered; and an
     `allowed_tools` choice loses the tools the agent may not use (one requiring only those is refused)."""
@@ -69,9 +64,28 @@ def _filter_functions(body: dict[str, Any], allowed: Allowed) -> bool:
 
 TOOL_NAME: dict[str, Callable[[Any], str]] = {
     "openai": _openai_tool_name,
-    "anthropic": _anthropic_tool_name,
+    # a toolset by its family: the MCP connector's `mcp_toolset` is `mcp`, as its `mcp_servers`
+    "anthropic": anthropic_tools.tool_name,
     "openai_responses": _responses_tool_name,
 }
+
+
+def _kept_by_name(protocol: str) -> Callable[[list[Any], Allowed], list[Any]]:
+    name_of = TOOL_NAME[protocol]
+
+    def kept(tools: list[Any], allowed: Allowed) -> list[Any]:
+        left = [t for t in tools if allowed(name_of(t))]
+        return tools if len(left) == len(tools) else left
+
+    return kept
+
+
+KEPT_TOOLS: dict[str, Callable[[list[Any], Allowed], list[Any]]] = {
+    "openai": _kept_by_name("openai"),
+    "anthropic": _kept_by_name("anthropic"),
+    "openai_responses": allowed_tools,  # a namespace keeps its allowed functions
+}
+"""The tools of a list the allow-list keeps, per protocol: the list itself when it keeps all."""
 
 
 def _filter_mcp_servers(body: dict[str, Any], allowed: Allowed) -> bool:
@@ -84,11 +98,44 @@ def _filter_mcp_servers(body: dict[str, Any], allowed: Allowed) -> bool:
     return True
 
 
+def _filter_responses_offers(body: dict[str, Any], allowed: Allowed) -> bool:
+    """Beyond `tools`: the tool lists input items carry (`additional_tools`, `tool_search_output`) and an
+    `allowed_tools` choice lose the tools the agent may not use, a namespace the functions (`allowed_tools`).
+    True when the body changed. Raises ToolNotAllowed when an `allowed_tools` choice that requires a tool
+    keeps none."""
+    changed = False
+    items = body.get("input")
+    if isinstance(items, list):
+        shaped = [_with_allowed_tools(item, allowed) for item in items]
+        if any(new is not old for new, old in zip(shaped, items, strict=True)):
+            body["input"], changed = shaped, True
+    choice = body.get("tool_choice")
+    listed = choice.get("tools") if isinstance(choice, dict) and item_type(choice) == "allowed_tools" else None
+    if not isinstance(choice, dict) or not isinstance(listed, list):
+        return changed
+    kept = allowed_tools(listed, allowed)
+    if kept is listed:
+        return changed
+    if not kept and choice.get("mode") == "required":
+        raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
+                             + ", ".join(sorted(_responses_tool_name(tool) for tool in listed)))
+    body["tool_choice"] = {**choice, "tools": kept} if kept else "none"
+    return True
+
+
+def _with_allowed_tools(item: Any, allowed: Allowed) -> Any:
+    tools = item.get("tools") if isinstance(item, Mapping) else None
+    if not isinstance(tools, list):
+        return item
+    kept = allowed_tools(tools, allowed)
+    return item if kept is tools else {**item, "tools": kept}
+
+
 # what else a protocol's request offers besides `tools`
 OTHER_OFFERS: dict[str, Callable[[dict[str, Any], Allowed], bool]] = {
     "openai": _filter_functions,
     "anthropic": _filter_mcp_servers,
-    "openai_responses": responses_wire.filter_offers,
+    "openai_responses": _filter_responses_offers,
 }
 
 
@@ -116,9 +163,8 @@ def filter_request_tools(protocol: str, body: dict[str, Any], allowed: Allowed) 
     tools = body.get("tools")
     if not isinstance(tools, list) or not tools:
         return changed
-    name_of = TOOL_NAME[protocol]
-    kept = [t for t in tools if allowed(name_of(t))]
-    if len(kept) == len(tools):
+    kept = KEPT_TOOLS[protocol](tools, allowed)
+    if kept is tools:
         return changed
     if kept:
         body["tools"] = kept
@@ -156,7 +202,7 @@ def _drop_openai(body: dict[str, Any], names: frozenset[str]) -> bool:
 
 def _drop_anthropic(body: dict[str, Any], names: frozenset[str]) -> bool:
     blocks = body.get("content") or []
-    kept = [b for b in blocks if not (b.get("type") == "tool_use" and b.get("name") in names)]
+    kept = [b for b in blocks if not (b.get("type") == "tool_use" and anthropic_tools.call_name(b) in names)]
     body["content"] = kept
     if not any(b.get("type") == "tool_use" for b in kept) and body.get("stop_reason") == "tool_use":
         body["stop_reason"] = "end_turn"
@@ -282,7 +328,7 @@ def _drop_anthropic_stream(raw: bytes, names: frozenset[str]) -> bytes:
         index = int(body["index"])
         block = body.get("content_block") or {}
         if body.get("type") == "content_block_start":
-            if block.get("type") == "tool_use" and block.get("name") in names:
+            if block.get("type") == "tool_use" and anthropic_tools.call_name(block) in names:
                 dropped.add(index)
                 continue
             has_tool = has_tool or block.get("type") == "tool_use"

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.conftest import GatewayFactory
-from tests.fakes.responses import call_item, response_stream
+from tests.fakes.responses import call_item, response_body, response_stream
 from tests.fakes.upstream import (
     Reply,
     anthropic_message,
@@ -145,9 +145,11 @@ async def test_openai_sdk_stream_drop_keeps_allowed_call(gateway_factory: Gatewa
     h = await gateway_factory(agents=policy("drop"))
     calls = [tool_call("delete_db", "{}", "a"), tool_call("search_kb", '{"q":1}', "b")]
     h.fake.queue(Reply(chunks=openai_stream([], tool_calls=calls)))
-    async with oa(h.url, "sdk-s") as c:
-        async with c.chat.completions.stream(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS) as stream:  # type: ignore[arg-type]
-            final = await stream.get_final_completion()
+    async with (
+        oa(h.url, "sdk-s") as c,
+        c.chat.completions.stream(model="gpt-4o-mini", messages=MSG, tools=OA_TOOLS) as stream,  # type: ignore[arg-type]
+    ):
+        final = await stream.get_final_completion()
     assert [t.function.name for t in final.choices[0].message.tool_calls or []] == ["search_kb"]
 
 
@@ -319,3 +321,62 @@ async def test_legacy_calls_count_against_the_tool_call_cap(gateway_factory: Gat
         with pytest.raises(openai.PermissionDeniedError) as info:
             await c.chat.completions.create(model="gpt-4o-mini", messages=MSG, functions=OA_FUNCTIONS)  # type: ignore[arg-type]
     assert info.value.body["code"] == "tool_call_cap"  # type: ignore[index]
+
+
+# -- tool shapes without a `name`: Anthropic's toolsets; OpenAI's namespaces hold named functions -------------
+
+MCP_SERVERS = [{"type": "url", "url": "https://mcp.example.com/mcp", "name": "gh"}]
+
+
+@pytest.mark.parametrize(("agent", "kept"), [
+    ({}, True),  # no tool policy: forwarded as sent
+    ({"tools": {"allow": ["search_kb", "mcp"]}}, True),
+    ({"tools": {"allow": ["search_kb"]}}, False),  # removed with its servers, the agent's own tool kept
+])
+async def test_anthropic_mcp_toolset_is_judged_as_the_mcp_connector(gateway_factory: GatewayFactory,
+                                                                   agent: dict[str, Any], kept: bool) -> None:
+    """The MCP connector's current shape (beta mcp-client-2025-11-20): a `tools` entry without a `name`."""
+    h = await gateway_factory(agents={"default": agent})
+    tools = [{"type": "mcp_toolset", "mcp_server_name": "gh"}, AN_TOOLS[0]]
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        msg = await ac.beta.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG,  # type: ignore[arg-type]
+                                            mcp_servers=MCP_SERVERS, tools=tools,  # type: ignore[arg-type]
+                                            betas=["mcp-client-2025-11-20"])
+    assert msg.content[0].type == "text"
+    sent = h.fake.seen[-1]
+    assert sent.headers["anthropic-beta"] == "mcp-client-2025-11-20"
+    assert sent.json["tools"] == (tools if kept else tools[1:])
+    assert ("mcp_servers" in sent.json) is kept
+
+
+async def test_anthropic_computer_toolset_and_its_member_calls_are_judged_by_family(
+    gateway_factory: GatewayFactory,
+) -> None:
+    h = await gateway_factory(agents={"default": {"tools": {"allow": ["search_kb"], "on_violation": "drop"}}})
+    uses = [{"id": "t1", "name": "left_click", "input": {"coordinate": [1, 2]}, "toolset_name": "computer"},
+            {"id": "t2", "name": "search_kb", "input": {}}]
+    h.fake.queue(Reply(body=anthropic_message("", tool_uses=uses)))
+    async with anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0) as ac:
+        msg = await ac.beta.messages.create(model="claude-3-5-haiku-latest", max_tokens=10, messages=MSG,  # type: ignore[arg-type]
+                                            tools=[{"type": "computer_toolset_20260801"}, AN_TOOLS[0]])  # type: ignore[list-item]
+    assert h.fake.seen[-1].json["tools"] == AN_TOOLS[:1]
+    assert [b.id for b in msg.content if b.type == "tool_use"] == ["t2"]
+
+
+@pytest.mark.parametrize("allow", [["search_kb"], ["search_kb", "namespace"]])
+async def test_responses_namespace_offers_and_calls_only_allowed_functions(gateway_factory: GatewayFactory,
+                                                                         allow: list[str]) -> None:
+    h = await gateway_factory(agents={"default": {"tools": {"allow": allow, "on_violation": "drop"}}})
+    answer = response_body("", calls=[("delete_all", "{}", "c1"), ("search_kb", "{}", "c2")])
+    for item in answer["output"]:
+        item["namespace"] = "crm"
+    h.fake.queue(Reply(body=answer))
+    fn: list[Any] = [{"type": "function", "name": n, "parameters": {"type": "object", "properties": {}}}
+                     for n in ("search_kb", "delete_all")]
+    async with oa(h.url, "ns") as c:
+        response = await c.responses.create(model="gpt-4o-mini", input="hi", tools=[
+            {"type": "namespace", "name": "crm", "description": "CRM", "tools": fn}])
+    [offered] = h.fake.seen[-1].json["tools"]
+    assert (offered["name"], offered["tools"]) == ("crm", fn[:1])
+    calls = [(i.name, i.namespace) for i in response.output if i.type == "function_call"]
+    assert calls == [("search_kb", "crm")]

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from gateway.providers.responses_tools import (
+    allowed_tools,
     hosted,
     limit_hosted_calls,
     offered_tools,
@@ -46,6 +47,7 @@ def test_tools_are_offered_in_tools_and_in_input_items() -> None:
                            True),
     (SEARCH, True), ({"type": "mcp", "server_url": "https://x"}, True), ({"type": "code_interpreter"}, True),
     ({"name": "no type"}, False),
+    ({"type": "namespace", "name": "crm", "tools": [FUNCTION]}, False),  # the agent's functions, grouped
 ])
 def test_which_tools_openai_runs(tool: dict[str, Any], runs: bool) -> None:
     assert hosted(tool) is runs
@@ -120,3 +122,33 @@ def test_with_no_call_left_hosted_tools_are_offered_nowhere() -> None:
     choice = {**body([FUNCTION, SEARCH]), "tool_choice": {"type": "allowed_tools", "mode": "auto",
                                                            "tools": [SEARCH, FUNCTION]}}
     assert limit_hosted_calls(choice, 0) and choice["tool_choice"]["tools"] == [FUNCTION]
+
+
+def ns(*tools: Any, name: str = "crm") -> dict[str, Any]:
+    return {"type": "namespace", "name": name, "description": "d", "tools": list(tools)}
+
+
+def fn(name: str) -> dict[str, Any]:
+    return {"type": "function", "name": name}
+
+
+@pytest.mark.parametrize(("tools", "allow", "kept"), [
+    ([fn("a"), fn("b")], {"a", "b"}, None),  # None: the list itself
+    ([fn("a"), fn("b")], {"a"}, [fn("a")]),
+    ([ns(fn("a"), fn("b"))], {"a"}, [ns(fn("a"))]),
+    ([ns(fn("a"), fn("b"))], {"a", "b"}, None),
+    ([ns(fn("a"), fn("b"))], {"namespace", "crm"}, []),  # neither its type nor its name allows what it holds
+    ([ns(fn("a")), SEARCH], {"web_search"}, [SEARCH]),
+    ([ns(ns(fn("a"), fn("b"), name="inner"))], {"b"}, [ns(ns(fn("b"), name="inner"))]),  # nested: the same
+    ([ns({"type": "custom", "name": "a"}, fn("b"))], {"a"}, [ns({"type": "custom", "name": "a"})]),
+    ([{"type": "namespace", "name": "crm"}], {"namespace"}, None),  # no tool list: judged by its type
+    ([{"type": "namespace", "name": "crm", "tools": "a"}], {"a"}, []),
+    ([ns()], set(), None),
+    ([], set(), None),
+])
+def test_allowed_tools_judges_the_functions_inside_a_namespace(tools: list[Any], allow: set[str],
+                                                               kept: list[Any] | None) -> None:
+    before = orjson.dumps(tools)
+    result = allowed_tools(tools, allow.__contains__)
+    assert result is tools if kept is None else result == kept
+    assert orjson.dumps(tools) == before  # never edited in place

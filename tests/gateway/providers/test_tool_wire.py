@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 from gateway.errors import ToolNotAllowed
 from gateway.providers.sse import SseParser, format_event
 from gateway.providers.tool_wire import drop_calls, drop_stream_calls, filter_request_tools
+from gateway.tools import matches
 
 OPENAI = [{"type": "function", "function": {"name": n}} for n in ("search", "delete")]
 ANTHROPIC = [{"name": n, "input_schema": {"type": "object"}} for n in ("search", "delete")]
@@ -320,3 +321,130 @@ def test_chat_custom_calls_are_dropped_by_name_streamed_or_not() -> None:
         {"index": 0, "delta": {"tool_calls": [{"index": 0, **calls[0]}]}, "finish_reason": None}]}
     raw = format_event(orjson.dumps(chunk))
     assert b"code_exec" not in drop_stream_calls("openai", raw, frozenset({"code_exec"}))
+
+
+# -- Anthropic's toolsets (no `name`): judged by their family, their members' calls too ---------------------
+
+MCP_SERVERS = [{"type": "url", "url": "https://mcp.example", "name": "gh"}]
+MCP_TOOLSET = {"type": "mcp_toolset", "mcp_server_name": "gh"}
+COMPUTER_TOOLSET = {"type": "computer_toolset_20260801"}
+BROWSER_TOOLSET = {"type": "browser_toolset_20260801"}
+
+
+@pytest.mark.parametrize(("body", "allowed", "after"), [
+    # the MCP connector's current shape: removed with its servers unless `mcp` is allowed
+    ({"mcp_servers": MCP_SERVERS, "tools": [MCP_TOOLSET, ANTHROPIC[0]]}, {"search"}, {"tools": ANTHROPIC[:1]}),
+    ({"mcp_servers": MCP_SERVERS, "tools": [MCP_TOOLSET], "tool_choice": {"type": "auto"}}, {"search"}, {}),
+    ({"mcp_servers": MCP_SERVERS, "tools": [{**MCP_TOOLSET, "name": "search"}]}, {"search"}, {}),  # no disguise
+    ({"tools": [COMPUTER_TOOLSET, BROWSER_TOOLSET, *ANTHROPIC]}, {"computer", "search"},
+     {"tools": [COMPUTER_TOOLSET, ANTHROPIC[0]]}),
+    ({"tools": [COMPUTER_TOOLSET, BROWSER_TOOLSET]}, {"browser"}, {"tools": [BROWSER_TOOLSET]}),
+    ({"tools": [COMPUTER_TOOLSET]}, {"left_click"}, {}),  # a member's name allows no toolset
+])
+def test_anthropic_toolsets_are_filtered_by_family(body: dict[str, Any], allowed: set[str],
+                                                   after: dict[str, Any]) -> None:
+    shaped = copy.deepcopy(body)
+    assert filter_request_tools("anthropic", shaped, allowed.__contains__) is True
+    assert shaped == after
+
+
+@pytest.mark.parametrize("allowed", [{"mcp"}, {"mcp", "computer", "browser"}, {"m*", "c*", "b*"}])
+def test_allowed_anthropic_toolsets_are_forwarded_unchanged(allowed: set[str]) -> None:
+    body = {"mcp_servers": MCP_SERVERS, "tools": [MCP_TOOLSET, COMPUTER_TOOLSET, BROWSER_TOOLSET]}
+    shaped = copy.deepcopy(body)
+    changed = filter_request_tools("anthropic", shaped, lambda name: any(matches(name, p) for p in allowed))
+    assert changed is (allowed == {"mcp"})
+    assert shaped["mcp_servers"] == MCP_SERVERS and MCP_TOOLSET in shaped["tools"]
+
+
+def member(name: str, toolset: str, bid: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": bid, "name": name, "input": {}, "toolset_name": toolset}
+
+
+@pytest.mark.parametrize(("names", "kept"), [
+    ({"computer"}, ["t2"]), ({"left_click"}, ["t1", "t2"]), ({"browser"}, ["t1"]), ({"computer", "browser"}, []),
+])
+def test_toolset_member_calls_are_dropped_by_family(names: set[str], kept: list[str]) -> None:
+    uses = [member("left_click", "computer", "t1"), member("left_click", "browser", "t2")]
+    body: dict[str, Any] = {"content": copy.deepcopy(uses), "stop_reason": "tool_use"}
+    drop_calls("anthropic", body, frozenset(names))
+    assert [b["id"] for b in body["content"]] == kept
+    raw = HEAD + start(1, uses[0]) + part(1, "{}") + end(1) + start(2, uses[1]) + end(2) + closing("tool_use") + STOP
+    out = drop_stream_calls("anthropic", raw, frozenset(names))
+    ids = [orjson.loads(e.data)["content_block"].get("id") for e in SseParser().feed(out)
+           if e.event == "content_block_start"]
+    assert ids == [None, *kept]
+
+
+# -- OpenAI Responses namespaces (tool search): the functions inside are judged by name ---------------------
+
+def fn(name: str) -> dict[str, Any]:
+    return {"type": "function", "name": name, "parameters": {"type": "object", "properties": {}}}
+
+
+def namespace(*names: str, name: str = "crm") -> dict[str, Any]:
+    return {"type": "namespace", "name": name, "description": "CRM", "tools": [fn(n) for n in names]}
+
+
+CUSTOM_TOOL = {"type": "custom", "name": "grep"}
+
+
+@pytest.mark.parametrize(("body", "allowed", "changed", "after"), [
+    ({"tools": [namespace("search_kb", "delete_all")]}, {"search_kb"}, True, {"tools": [namespace("search_kb")]}),
+    # allowing the type `namespace` allows none of the functions inside it
+    ({"tools": [namespace("search_kb", "delete_all")]}, {"search_kb", "namespace"}, True,
+     {"tools": [namespace("search_kb")]}),
+    ({"tools": [namespace("search_kb", "delete_all")]}, {"search_kb", "delete_all"}, False,
+     {"tools": [namespace("search_kb", "delete_all")]}),
+    ({"tools": [namespace("delete_all"), fn("search_kb")], "tool_choice": "auto"}, {"search_kb"}, True,
+     {"tools": [fn("search_kb")], "tool_choice": "auto"}),
+    ({"tools": [namespace("delete_all")], "tool_choice": "auto", "parallel_tool_calls": True}, {"namespace"}, True,
+     {}),  # none left: the namespace goes, and with no tool left the choice too
+    ({"tools": [{**namespace("a"), "tools": [CUSTOM_TOOL, fn("b")]}]}, {"grep"}, True,
+     {"tools": [{**namespace("a"), "tools": [CUSTOM_TOOL]}]}),  # a custom tool inside: by name too
+    ({"tools": [namespace("a", "b"), namespace("b", name="files")]}, {"b"}, True,
+     {"tools": [namespace("b"), namespace("b", name="files")]}),  # a function's name, not its namespace's
+    ({"tools": [{"type": "namespace", "name": "crm"}]}, {"namespace"}, False,
+     {"tools": [{"type": "namespace", "name": "crm"}]}),  # no tool list: judged by its type
+    ({"tools": [{"type": "namespace", "name": "crm"}]}, {"crm"}, True, {}),
+    ({"tools": [{**namespace(), "tools": []}]}, set(), False, {"tools": [{**namespace(), "tools": []}]}),
+    # the tool lists of input items: `tool_search_output` (loaded by a client tool search), `additional_tools`
+    ({"input": [{"type": "tool_search_output", "tools": [namespace("search_kb", "delete_all")]}]}, {"search_kb"},
+     True, {"input": [{"type": "tool_search_output", "tools": [namespace("search_kb")]}]}),
+    ({"input": [{"type": "additional_tools", "tools": [namespace("delete_all"), fn("search_kb")]}]}, {"search_kb"},
+     True, {"input": [{"type": "additional_tools", "tools": [fn("search_kb")]}]}),
+    ({"input": [{"type": "additional_tools", "tools": [namespace("search_kb")]}]}, {"search_kb"}, False,
+     {"input": [{"type": "additional_tools", "tools": [namespace("search_kb")]}]}),
+    # an allowed_tools choice listing a namespace keeps its allowed functions
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [namespace("search_kb", "delete_all")]}},
+     {"search_kb"}, True,
+     {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [namespace("search_kb")]}}),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [namespace("delete_all")]}},
+     {"search_kb"}, True, {"tool_choice": "none"}),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [fn("search_kb")]}}, {"search_kb"}, False,
+     {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [fn("search_kb")]}}),
+])
+def test_responses_namespaces_keep_their_allowed_functions(body: dict[str, Any], allowed: set[str], changed: bool,
+                                                           after: dict[str, Any]) -> None:
+    original = copy.deepcopy(body)
+    shaped = copy.copy(body)
+    assert filter_request_tools("openai_responses", shaped, allowed.__contains__) is changed
+    assert shaped == after
+    assert body == original  # lists are replaced, never edited: the agent's body shares them
+
+
+def test_responses_allowed_tools_requiring_only_refused_namespaced_functions_is_refused() -> None:
+    body = {"tools": [namespace("search_kb", "delete_all")],
+            "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [namespace("delete_all")]}}
+    with pytest.raises(ToolNotAllowed, match="tool_choice requires tools outside the allow-list"):
+        filter_request_tools("openai_responses", body, {"search_kb"}.__contains__)
+
+
+@pytest.mark.parametrize(("names", "kept"), [({"delete_all"}, ["c2"]), ({"crm"}, ["c1", "c2"])])
+def test_responses_namespaced_calls_are_dropped_by_the_function_s_name(names: set[str], kept: list[str]) -> None:
+    """A namespaced call names its function in `name` (the namespace apart): judged as the offered function was."""
+    calls = [{"type": "function_call", "call_id": "c1", "name": "delete_all", "namespace": "crm", "arguments": "{}"},
+             {"type": "function_call", "call_id": "c2", "name": "search_kb", "namespace": "crm", "arguments": "{}"}]
+    body: dict[str, Any] = {"output": calls}
+    drop_calls("openai_responses", body, frozenset(names))
+    assert [c["call_id"] for c in body["output"]] == kept
