@@ -35,7 +35,13 @@ from gateway.errors import InvalidRequest
 from gateway.frozen_init import fast_init
 from gateway.providers.base import StreamStep
 from gateway.providers.common import opt_int, opt_number, require_model, required_count
-from gateway.providers.openai_chat import MAX_CHOICES, OpenAIChat, OpenAIStreamReader, service_tier
+from gateway.providers.openai_chat import (
+    MAX_CHOICES,
+    OpenAIChat,
+    OpenAIStreamReader,
+    aligned_reasons,
+    service_tier,
+)
 from gateway.providers.openai_chat import usage_from as completion_usage
 from gateway.providers.openai_responses import OpenAIResponses
 from gateway.providers.openai_responses import usage_from as responses_usage
@@ -170,11 +176,15 @@ def answer_of(meter: Meter, data: bytes) -> Answer:
     if not isinstance(body, dict):
         return Answer()
     choices = body.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    choices = choices if isinstance(choices, list) else []
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
     text = first.get("text")
+    # a legacy completion's choices each end with a reason, as a streamed one's do (`aligned_reasons`)
+    reasons = [str(c.get("finish_reason") or "") if isinstance(c, dict) else "" for c in choices]
     return Answer(response_id=body.get("id") if isinstance(body.get("id"), str) else None,
                   model=body.get("model") if isinstance(body.get("model"), str) else None,
-                  text=text if isinstance(text, str) else "", usage=meter.usage(body.get("usage")),
+                  text=text if isinstance(text, str) else "", finish_reasons=aligned_reasons(reasons),
+                  usage=meter.usage(body.get("usage")),
                   service_tier=service_tier(body))  # the tier it was billed at (a compaction's `priority`)
 
 

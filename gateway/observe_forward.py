@@ -25,6 +25,7 @@ from gateway.ledger import Ledger, LedgerEntry
 from gateway.observe import provider_endpoint, telemetry_of
 from gateway.routing import Route
 from gateway.runtime import Gateway
+from otel.attributes import provider_name_for
 from otel.http import HTTP_RESPONSE_STATUS_CODE
 from otel.propagation import context_from_headers
 from otel.spans import StepLabels, StepSpan
@@ -135,10 +136,11 @@ async def refused_call(gw: Gateway, identity: Identity, call: Call, error: Gatew
                        headers: Mapping[str, str], *, started: float) -> None:
     """A model call refused after it was parsed but before its step exists (`model_not_found`, a grammar
     or tool schema that cannot be checked): a span with `error.type` = the code and a ledger row, as for
-    a step refused in the pipeline. Nothing was routed, so the span names no provider. Its parent is the
-    agent's trace context, else the root of the run's current epoch, which this reads from the store
-    (call it once the refusal was answered: the read never delays the answer); a store that fails the
-    read leaves the span under the run's first root. `started`: when the call arrived (Unix seconds)."""
+    a step refused in the pipeline. Its provider and server are its route's, or the provider its API
+    implies without one (`_refused_endpoint`). Its parent is the agent's trace context, else the root of
+    the run's current epoch, which this reads from the store (call it once the refusal was answered: the
+    read never delays the answer); a store that fails the read leaves the span under the run's first
+    root. `started`: when the call arrived (Unix seconds)."""
     reason = error.stop_reason or error.code
     # a bad request's message may quote what the agent sent (its schema, its grammar): the code says it
     detail = "" if isinstance(error, InvalidRequest) else error.redacted
@@ -148,8 +150,10 @@ async def refused_call(gw: Gateway, identity: Identity, call: Call, error: Gatew
         if parent is None:
             epoch, segment = await current_root(gw, identity)
             parent = telemetry.run_parent(identity.run_id, identity.agent, epoch=epoch, segment=segment)
-        span = telemetry.start_inference(call, provider_name="", server_address="", server_port=0, parent=parent,
-                                         run_id=identity.run_id, agent=identity.agent, start_time=started)
+        provider_name, address, port = _refused_endpoint(gw, call)
+        span = telemetry.start_inference(call, provider_name=provider_name, server_address=address,
+                                         server_port=port, parent=parent, run_id=identity.run_id,
+                                         agent=identity.agent, start_time=started)
         if error.stop_reason:
             span.stop(reason, detail or None)
         else:
@@ -162,3 +166,24 @@ async def refused_call(gw: Gateway, identity: Identity, call: Call, error: Gatew
                                          input_hash=call.request_hash,
                                          decision="stop" if error.stop_reason else "error", reason=reason,
                                          detail=detail))
+
+
+def _refused_endpoint(gw: Gateway, call: Call) -> tuple[str, str, int]:
+    """(`gen_ai.provider.name`, server address, server port) of a model call refused before its step.
+
+    With a route whose provider speaks the call's API, that provider's, as its steps' spans name it (a
+    schema tollgate cannot check, a grammar it does not know: the model would have gone there). Without
+    one, no upstream was chosen: no server, and the provider name is the one the request's API implies,
+    as `provider_name_for` names a provider of that type on a host it does not recognise: `anthropic` for
+    the Messages API, `openai_compatible` for the OpenAI APIs. `gen_ai.provider.name` is Required on an
+    inference span and custom values are allowed (semconv notes 1.1, 1.2); `openai` itself would claim
+    api.openai.com (and the `openai.*` attributes it brings) for a call no provider was chosen for. A
+    route to a provider of another API (a Messages call for a model an OpenAI provider serves) counts as
+    none: the call could never go there, and its provider's flavour would describe another API's body."""
+    adapter = gw.adapters.get(call.protocol)
+    wire = adapter.provider_type if adapter is not None else "openai"
+    route = gw.router.find(call.model) if call.model else None
+    if route is not None and route.provider.type == wire:
+        provider = route.provider
+        return provider_endpoint(provider.type, provider.base_url, route.provider_name)
+    return provider_name_for(wire, ""), "", 0

@@ -204,14 +204,15 @@ class Metrics:
         operation: str,
         provider: str,
         request_model: str | None,
+        response_model: str | None,
         server_address: str | None,
         server_port: int | None,
         seconds: float,
         gaps: HistogramChild | None = None,
     ) -> None:
         """A stream's time to first chunk and, in `gaps` (a `chunk_gaps()` it filled), the time before
-        each later chunk."""
-        labels = self._genai(operation, provider, request_model, None, server_address, server_port)
+        each later chunk; recorded once the stream ended, with the response model its duration has."""
+        labels = self._genai(operation, provider, request_model, response_model, server_address, server_port)
         self._ttfc.labels(*labels).observe(seconds)
         if gaps is not None:
             self._tpoc.labels(*labels).merge(gaps)

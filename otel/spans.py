@@ -302,13 +302,10 @@ class StepSpan:
             return
         answer = self._answer
         usage = answer.usage if answer is not None else None
+        response_model = answer.model if answer is not None else None  # the chunk metrics' too
         metrics.observe_inference(
-            operation=labels.operation,
-            provider=labels.provider,
-            request_model=labels.request_model,
-            response_model=answer.model if answer is not None else None,
-            server_address=labels.server_address,
-            server_port=labels.server_port,
+            operation=labels.operation, provider=labels.provider, request_model=labels.request_model,
+            response_model=response_model, server_address=labels.server_address, server_port=labels.server_port,
             error_type=self._upstream_error,
             duration_s=duration,
             input_tokens=usage.input_tokens if usage else None,
@@ -316,5 +313,6 @@ class StepSpan:
         )
         if self._ttfc is not None:
             metrics.observe_chunks(operation=labels.operation, provider=labels.provider,
-                                   request_model=labels.request_model, server_address=labels.server_address,
-                                   server_port=labels.server_port, seconds=self._ttfc, gaps=self._gaps)
+                                   request_model=labels.request_model, response_model=response_model,
+                                   server_address=labels.server_address, server_port=labels.server_port,
+                                   seconds=self._ttfc, gaps=self._gaps)

@@ -142,6 +142,28 @@ def test_a_completion_answer_keeps_its_text() -> None:
     assert answer_of(COMPLETE, orjson.dumps(openai_text_completion("Paris."))).text == "Paris."
 
 
+@pytest.mark.parametrize(("reasons", "expected"), [
+    (["stop"], ("stop",)),
+    (["length", "stop", "stop"], ("length", "stop", "stop")),  # one per choice, in choice order
+    (["stop", None], ("stop", "error")),  # a choice without one keeps the others' places
+    ([None], ()),  # none known at all
+])
+def test_a_completion_answer_has_each_choice_s_finish_reason(reasons: list[str | None],
+                                                             expected: tuple[str, ...]) -> None:
+    """semconv `gen_ai.response.finish_reasons`, one per choice, as the streamed completion's reader and
+    the chat adapter (`aligned_reasons`) give them."""
+    body = openai_text_completion("Paris.")
+    body["choices"] = [{"index": i, "text": "x", "finish_reason": r, "logprobs": None} for i, r in enumerate(reasons)]
+    assert answer_of(COMPLETE, orjson.dumps(body)).finish_reasons == expected
+
+
+@pytest.mark.parametrize("choices", [None, "many", [1, "x"], []])
+def test_an_answer_without_choices_has_no_finish_reasons(choices: Any) -> None:
+    body = {**openai_text_completion(), "choices": choices}
+    assert answer_of(COMPLETE, orjson.dumps(body)).finish_reasons == ()
+    assert answer_of(EMBED, orjson.dumps(openai_embedding())).finish_reasons == ()
+
+
 def feed(reader: CompletionStreamReader, chunks: list[bytes]) -> bytes:
     parser = SseParser()
     return b"".join(reader.feed(event).out for chunk in chunks for event in parser.feed(chunk))

@@ -13,7 +13,9 @@ from typing import Any
 import openai
 import orjson
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from otel.setup import setup_telemetry
 from tests.conftest import GatewayFactory, Harness
 from tests.fakes.upstream import (
     Reply,
@@ -330,3 +332,32 @@ async def test_an_unchanged_body_travels_as_its_original_bytes_and_no_usage_is_c
     run = await h.run("raw")
     assert (run["input_tokens"], run["output_tokens"], run["reserved_usd"]) == (len(exact), 0, 0)
     assert run["spent_usd"] == pytest.approx(usd(len(exact)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_completion_span_has_each_choice_s_finish_reason(gateway_factory: GatewayFactory,
+                                                                 stream: bool) -> None:
+    """semconv `gen_ai.response.finish_reasons` (one per choice, in choice order) on the span of a legacy
+    completion, streamed or not, as a chat completion's."""
+    h = await make(gateway_factory)
+    exporter = InMemorySpanExporter()
+    telemetry = setup_telemetry({}, exporter=exporter)
+    h.gateway.services["telemetry"] = telemetry
+    if stream:
+        h.fake.queue(Reply(chunks=openai_text_stream(["Par", "is."])))
+    else:
+        answer = openai_text_completion("Paris.")
+        answer["choices"].append({"index": 1, "text": "Lyon", "finish_reason": "length", "logprobs": None})
+        h.fake.queue(Reply(body=answer))
+    async with client(h, "why") as oa:
+        if stream:
+            async for _ in await oa.completions.create(model=INSTRUCT, prompt="x", stream=True):
+                pass
+        else:
+            await oa.completions.create(model=INSTRUCT, prompt="x", n=2)
+    await until(h, "why", lambda r: bool(r["steps"]))
+    assert telemetry.force_flush()
+    [span] = [s for s in exporter.get_finished_spans() if s.name == f"text_completion {INSTRUCT}"]
+    reasons = dict(span.attributes or {})["gen_ai.response.finish_reasons"]
+    assert reasons == (("stop",) if stream else ("stop", "length"))
+    telemetry.shutdown()

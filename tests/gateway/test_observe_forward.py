@@ -165,7 +165,7 @@ async def test_a_model_call_refused_before_its_step_is_a_span_and_a_ledger_row(
               if dict(s.attributes or {}).get("tollgate.run_id") == "refused"]
     attrs = dict(span.attributes or {})
     assert span.name == f"chat {payload['model']}" and attrs["error.type"] == code
-    assert "gen_ai.provider.name" not in attrs  # never routed
+    assert attrs["gen_ai.provider.name"] == ("openai_compatible" if status == 404 else "openai")  # Required
     assert "tollgate.stop_reason" not in attrs  # a refusal, not a stop
     assert "gen_ai_client_operation_duration_seconds_count" not in telemetry.metrics.render()[0].decode()
     ledger = h.gateway.services["ledger"]
@@ -173,6 +173,60 @@ async def test_a_model_call_refused_before_its_step_is_a_span_and_a_ledger_row(
     [row] = ledger.rows("refused")
     assert (row["decision"], row["reason"], row["operation"], row["model"], row["input_hash"]) == (
         "error", code, "chat", payload["model"], digest(raw))
+    telemetry.shutdown()
+
+
+BAD_SCHEMA = {"$ref": "#"}  # a schema tollgate cannot check: a 400 once the call is parsed and routed
+
+
+@pytest.mark.parametrize(("path", "payload", "status", "provider", "routed"), [
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}}, 400, "openai", True),
+    ("/v1/messages", {"model": "claude-3-5-haiku-latest", "max_tokens": 10, "messages": MSG,
+                      "output_format": {"type": "json_schema", "schema": BAD_SCHEMA}}, 400, "anthropic", True),
+    ("/v1/responses", {"model": "gpt-4o-mini", "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}}, 400, "openai", True),
+    # no route: the provider the request's API implies, and no server (no upstream was chosen)
+    ("/v1/messages", {"model": "nobody-serves-this", "max_tokens": 10, "messages": MSG}, 404, "anthropic", False),
+    ("/v1/responses", {"model": "nobody-serves-this", "input": "hi"}, 404, "openai_compatible", False),
+    # routed to a provider of the other API: it could never go there, so that is no route either
+    ("/v1/chat/completions", {"model": "claude-3-5-haiku-latest", "messages": MSG}, 400, "openai_compatible",
+     False),
+    ("/v1/embeddings", {"model": "claude-3-5-haiku-latest", "input": "x"}, 400, "openai_compatible", False),
+    ("/v1/completions", {"model": "nobody-serves-this", "prompt": "x"}, 404, "openai_compatible", False),
+])
+async def test_a_refused_model_call_s_span_names_its_provider_and_server(
+    gateway_factory: GatewayFactory, fake: tuple[Any, str], path: str, payload: dict[str, Any], status: int,
+    provider: str, routed: bool,
+) -> None:
+    """semconv notes 1.2: `gen_ai.provider.name` is Required on an inference span. A call refused once
+    parsed has its route's provider, named as that provider's other spans name it, and its server
+    (`server.address`/`server.port`, sampling-relevant, at span start); without a usable route, the
+    provider the API implies and no server."""
+    h, telemetry, exporter = await traced(gateway_factory)
+    h.fake.queue(Reply(body=openai_completion()))  # the routed chat call that names the same provider
+    async with h.session.post(f"{h.url}{path}", data=orjson.dumps(payload), headers={
+            "x-tollgate-run-id": "refused", "content-type": "application/json"}) as resp:
+        assert resp.status == status, await resp.text()
+    async with h.session.post(f"{h.url}/v1/chat/completions", data=orjson.dumps(
+            {"model": "gpt-4o-mini", "messages": MSG}), headers={"x-tollgate-run-id": "served"}) as resp:
+        assert resp.status == 200
+    spans = finished(telemetry, exporter)
+    [span] = [s for s in spans if dict(s.attributes or {}).get("tollgate.run_id") == "refused"]
+    [served] = [dict(s.attributes or {}) for s in spans
+                if dict(s.attributes or {}).get("tollgate.run_id") == "served"]
+    attrs = dict(span.attributes or {})
+    operation = {"/v1/embeddings": "embeddings", "/v1/completions": "text_completion"}.get(path, "chat")
+    assert span.name == f"{operation} {payload['model']}" and attrs["gen_ai.provider.name"] == provider
+    port = int(fake[1].rsplit(":", 1)[1])
+    if routed:
+        assert (attrs["server.address"], attrs["server.port"]) == ("127.0.0.1", port)
+        if provider == "openai":
+            assert attrs["gen_ai.provider.name"] == served["gen_ai.provider.name"]
+    else:
+        assert "server.address" not in attrs and "server.port" not in attrs
+    if provider != "openai":  # `openai.*` only with the `openai` flavour (semconv notes 1.1)
+        assert not [k for k in attrs if k.startswith("openai.")]
     telemetry.shutdown()
 
 

@@ -236,6 +236,71 @@ async def test_time_per_output_chunk_counts_events_not_network_reads(gateway_fac
     assert count == len(events) - 1
 
 
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: an event without data
+DATED = "gpt-4o-mini-2024-07-18"  # the model the answer names, not the one asked for
+
+
+async def sdk_chunks(h: Harness, api: str, run: str) -> int:
+    """The chunks the official SDK yields to the agent for one streamed call through `h`."""
+    headers = {"x-tollgate-run-id": run}
+    yielded = 0
+    if api == "messages":
+        client = anthropic.AsyncAnthropic(base_url=h.url, api_key="k", max_retries=0, default_headers=headers)
+        async with client:
+            events = await client.messages.create(model=CLAUDE, max_tokens=64, messages=MSG,  # type: ignore[arg-type]
+                                                  stream=True)
+            async for _ in events:  # type: ignore[union-attr]
+                yielded += 1
+        return yielded
+    sdk = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="k", max_retries=0, default_headers=headers)
+    async with sdk:
+        if api == "responses":
+            async for _ in await sdk.responses.create(model="gpt-4o-mini", input="go", stream=True):
+                yielded += 1
+            return yielded
+        usage = {"stream_options": {"include_usage": True}} if api == "chat+usage" else {}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        async for _ in await sdk.chat.completions.create(  # type: ignore[call-overload]
+                model="gpt-4o-mini", messages=MSG, stream=True, **usage,
+                **({"tools": tools} if api == "chat-buffered" else {})):
+            yielded += 1
+    return yielded
+
+
+@pytest.mark.parametrize("api", ["chat", "chat+usage", "chat-buffered", "responses", "messages"])
+async def test_chunk_metrics_count_the_events_the_agents_sdk_yields(gateway_factory: GatewayFactory,
+                                                                     api: str) -> None:
+    """README: one time-per-output-chunk sample per streamed event after the first, as the SDKs yield
+    them: not OpenAI's `[DONE]` (the SDK stops there), not the usage chunk tollgate asked for and hides
+    from an agent that did not, not Anthropic's `ping` (its SDK skips it), not a keep-alive comment;
+    relayed as it arrives or held whole (`stream_check: buffer`) alike. Both chunk metrics carry the
+    response model, as the stream's duration does."""
+    buffered = {"agents": {"default": {"output": {"stream_check": "buffer"}}}} if api == "chat-buffered" else {}
+    h = await gateway_factory(**buffered)
+    if api == "messages":
+        events = anthropic_stream(["one ", "two"], model=DATED)
+        chunks = [KEEPALIVE, events[0], PING, *events[1:3], PING, *events[3:]]
+    elif api == "responses":
+        chunks = [KEEPALIVE, *response_stream(["one ", "two"], model=DATED)]
+    else:
+        events = openai_stream(["one ", "two"], model=DATED)
+        chunks = [KEEPALIVE, *events[:2], KEEPALIVE, *events[2:]]
+    h.fake.queue(Reply(chunks=chunks))
+    yielded = await sdk_chunks(h, api, api)
+    await h.settled(api)
+    family = "gen_ai_client_operation_time_per_output_chunk_seconds"
+    deadline = asyncio.get_running_loop().time() + 5
+    while not (gaps := await metric_sums(h, family)) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)  # the span ends after the last byte, which no client can await
+    [(labels, count, _)] = gaps
+    [(first_labels, first_count, _)] = await metric_sums(h, "gen_ai_client_operation_time_to_first_chunk_seconds")
+    [(duration_labels, _, _)] = await metric_sums(h, "gen_ai_client_operation_duration_seconds")
+    assert (first_count, count) == (1, yielded - 1), (api, yielded)
+    assert labels == first_labels and labels["gen_ai_response_model"] == DATED
+    assert labels == {k: v for k, v in duration_labels.items() if k != "error_type"}
+
+
 class Rated(BaseModel):
     answer: str
     score: int

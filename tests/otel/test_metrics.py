@@ -34,7 +34,7 @@ def exercised() -> Metrics:
     metrics.observe_inference(**common, response_model=None, error_type="upstream_timeout", duration_s=120.0)
     gaps = metrics.chunk_gaps()
     gaps.observe(0.01)
-    metrics.observe_chunks(**common, seconds=0.05, gaps=gaps)
+    metrics.observe_chunks(**common, response_model="gpt-4o-mini-2024-07-18", seconds=0.05, gaps=gaps)
     metrics.observe_mcp(
         method="tools/call",
         tool_name="read_file",
@@ -128,6 +128,9 @@ def test_exposition_names_and_labels() -> None:
     } == {("budget", "stop", "budget_exhausted"), ("loop", "continue", "")}
     mcp = next(s for s in families["mcp_client_operation_duration_seconds"] if s.name.endswith("_count"))
     assert mcp.labels["mcp_method_name"] == "tools/call" and mcp.labels["error_type"] == "tool_error"
+    for chunked in ("time_to_first_chunk", "time_per_output_chunk"):  # the stream's response model too
+        [count] = [s for s in families[f"gen_ai_client_operation_{chunked}_seconds"] if s.name.endswith("_count")]
+        assert count.labels["gen_ai_response_model"] == "gpt-4o-mini-2024-07-18" and count.value == 1
 
 
 @pytest.mark.parametrize(
