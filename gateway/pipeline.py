@@ -134,6 +134,7 @@ async def _judge_before(gw: Gateway, step: Step) -> None:
             max_units = min(max_units, step.price.max_output_tokens)  # a known model limit clamps the request
         min_units = min(MIN_OUTPUT_TOKENS, max_units)
     # a re-ask the budget cannot pay ends its step, not the run: the agent's next request is judged itself
+    # (a re-ask over `caps.llm_calls` stops it: no further call fits, whatever its size)
     request = ReserveRequest(verdict.claims, min_units, max_units, clamp_units=output_limit(step),
                              refuse_only=bool(step.attempts))
     try:

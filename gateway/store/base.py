@@ -48,8 +48,9 @@ class ReserveRequest:
 
     `units` (output tokens) is maximised within [min_units, max_units] so that every claim fits; when
     the claims cannot pay for `max_units`, at most `clamp_units` (the model's output limit) are granted.
-    `refuse_only`: claims that cannot fit refuse this request alone (`Denial.held`), the run is not
-    stopped (a re-ask: tollgate's own request, not one of the agent's).
+    `refuse_only`: a budget claim (one sized by the request: `per_unit` > 0) that cannot fit refuses this
+    request alone (`Denial.held`) and stops nothing (a re-ask: tollgate's own request, bigger than the
+    agent's); a count (`caps.llm_calls`) that cannot fit stops the run as for any request.
     """
 
     claims: tuple[Claim, ...]

@@ -71,7 +71,7 @@ def _deny(state: RunState, claim: Claim, request: ReserveRequest, now: float) ->
         f"{claim.counter} limit {_fmt(claim.limit)} would be exceeded: {_fmt(max(available, 0.0))} left, "
         f"this step needs at least {_fmt(claim.fixed + claim.per_unit * request.min_units)}"
     )
-    if request.refuse_only:
+    if request.refuse_only and claim.per_unit > 0:  # a budget, sized by the request: another may fit
         return Denial(claim.code or f"{claim.counter}_limit", detail, held=True)
     stop(state, claim.code or f"{claim.counter}_limit", detail, now)
     return Denial(state.stop_reason or claim.code, detail)

@@ -71,7 +71,8 @@ local function deny(c)  -- logic._deny
     .. ' left, this step needs at least ' .. fmt(c.fixed + c.per_unit * min_units)
   local code = c.code
   if code == '' then code = c.counter .. '_limit' end
-  if A[9] then touch(); return cjson.encode({'deny', code, detail, 'held'}) end  -- refuse only
+  -- refuse only: a budget claim (sized by the request: another may fit) refuses this request alone
+  if A[9] and c.per_unit > 0 then touch(); return cjson.encode({'deny', code, detail, 'held'}) end
   stop(code, detail, now)
   touch()
   return cjson.encode({'deny', code, detail})

@@ -460,17 +460,21 @@ async def test_reasks_count_against_llm_calls_and_the_budget(gateway_factory: Ga
     assert view["status"] == "stopped"
 
 
-async def test_reask_that_the_budget_cannot_pay_stops_and_leaves_nothing_held(gateway_factory: GatewayFactory) -> None:
+async def test_reask_that_the_budget_cannot_pay_ends_the_step_and_leaves_nothing_held(
+    gateway_factory: GatewayFactory,
+) -> None:
     """Each re-ask carries the original request plus the bad answer and an instruction: a bigger input
-    bound. When the budget cannot pay for it, the step stops with token_budget_exhausted; what the
-    earlier attempts cost stays charged."""
+    bound. When the budget cannot pay for it, the step ends with the answer's 422 output_nonconforming
+    (the run is not stopped: the agent's own next request is smaller); what the earlier attempts cost
+    stays charged."""
     h = await gateway_factory(agents=agent(budget={"tokens": 900},
                                            output={"grammar": "regex:[0-9]+", "retries": 3}))
     h.fake.default = Reply(body=openai_completion("x" * 400, prompt_tokens=100, completion_tokens=100))
-    status, _hdrs, raw = await post(h, {"model": GPT, "messages": MSG, "max_tokens": 100}, "reask-budget")
-    assert status == 403, raw
-    assert orjson.loads(raw)["error"]["code"] == "token_budget_exhausted"
+    status, hdrs, raw = await post(h, {"model": GPT, "messages": MSG, "max_tokens": 100}, "reask-budget")
+    assert status == 422, raw
+    assert orjson.loads(raw)["error"]["code"] == "output_nonconforming" and "x-tollgate-stop-reason" not in hdrs
     view = await h.run("reask-budget")
+    assert (view["status"], view["stop_reason"]) == ("active", None)
     assert (view["reserved_usd"], view["reserved_tokens"]) == (0, 0)
     assert view["input_tokens"] + view["output_tokens"] == 200 * len(h.fake.seen)
     assert view["input_tokens"] + view["output_tokens"] <= 900

@@ -247,8 +247,8 @@ async def test_stop_reset_and_a_stale_settle(store: RunStore) -> None:
 
 
 async def test_a_refuse_only_request_the_limits_cannot_pay_stops_nothing(store: RunStore) -> None:
-    """`refuse_only` (a re-ask): the claim that does not fit refuses this request alone; the same request
-    without it stops the run, as any step's does."""
+    """`refuse_only` (a re-ask): a budget claim that does not fit refuses this request alone; the same
+    request without it stops the run, as any step's does, and so does a count that does not fit."""
     tight = ReserveRequest((Claim("tokens", 500.0, 1.0, 400.0, "token_budget_exhausted"),), 16, 64)
     denial = await store.reserve("run-1", "bot", ReserveRequest(tight.claims, 16, 64, refuse_only=True), NOW)
     assert isinstance(denial, Denial) and denial.held and denial.reason == "token_budget_exhausted"
@@ -259,6 +259,9 @@ async def test_a_refuse_only_request_the_limits_cannot_pay_stops_nothing(store: 
     assert isinstance(stopped, Denial) and not stopped.held
     state = await store.get("run-1")
     assert state is not None and state.stop_reason == "token_budget_exhausted"
+    capped = ReserveRequest((Claim("llm_calls", 1.0, 0.0, 0.0, "llm_call_cap"),), 0, 0, refuse_only=True)
+    counted = await store.reserve("run-2", "bot", capped, NOW)
+    assert isinstance(counted, Denial) and not counted.held and counted.reason == "llm_call_cap"
 
 
 async def test_a_stop_or_effects_judged_on_an_ended_epoch_change_nothing(store: RunStore) -> None:
