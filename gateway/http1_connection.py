@@ -52,6 +52,7 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.raw_headers: list[tuple[str, str]] = []
         self.header_bytes = 0
+        self.head_read = 0  # bytes read while the head was still incomplete
         self.framed = False
         self.headers_done = False
         self.complete = False
@@ -74,6 +75,13 @@ class Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(f"malformed response ({exc.__cause__ or exc})")
+            return
+        if not self.headers_done and self.error is None:
+            # the parser keeps an unfinished header line to itself, growing it a read at a time (copying
+            # it each time): an endless one is refused here, not when (never) it completes
+            self.head_read += len(data)
+            if self.head_read > MAX_HEADER_BYTES:
+                self._fail("response headers too large")
 
     def eof_received(self) -> bool:
         return False  # a half-closed upstream connection is a closed one
@@ -115,6 +123,7 @@ class Connection(asyncio.Protocol):
             self.interim = True
             self.raw_headers = []
             self.header_bytes = 0
+            self.head_read = 0
             self.framed = False
             return
         self.keep_alive = self.parser.should_keep_alive()

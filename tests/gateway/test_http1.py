@@ -4,8 +4,10 @@ back-pressure, decoding, TLS, header splitting and what each failure leaves open
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -434,3 +436,23 @@ async def test_sending_tells_a_cancelled_caller_whether_a_byte_was_written(serve
     held.release()
     await pool.close()
     assert not any(b"/queued" in r for r in server.requests)
+
+
+async def test_a_response_head_that_never_ends_is_refused_once_it_passes_the_limit(served) -> None:  # type: ignore[no-untyped-def]
+    """One header line that keeps growing never completes, and the parser keeps it (copying it a read at
+    a time): the limit was checked on complete header lines only, so memory grew by hundreds of MB and
+    the event loop stalled for seconds until the first-byte timeout. It is refused once the head read
+    passes the limit, in a bounded time."""
+    async def endless(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Endless: ")
+        with contextlib.suppress(ConnectionError):
+            while True:
+                writer.write(b"a" * 65536)
+                await writer.drain()
+
+    pool, _, url = await served(endless)
+    started = time.monotonic()
+    with pytest.raises(UpstreamUnavailable, match="headers too large"):
+        await pool.open("GET", url, {}, None, Timeouts(connect=2, first_byte=30, idle=30))
+    assert time.monotonic() - started < 5
+    assert pool.busy() == 0
