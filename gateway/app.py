@@ -173,7 +173,9 @@ def create_app(config: Config, *, telemetry: Telemetry | None = None) -> web.App
     app.router.add_get("/v1/models", list_models)
     app.router.add_route("*", "/v1/{tail:.+}", forward_other)
     app.router.add_route("*", "/mcp/{server}", _mcp_route(config))
-    app.router.add_route("*", "/{tail:.*}", unknown_path)  # last: only what nothing above serves
+    # last: only what nothing above serves; [\s\S], as `.` would leave a path with a newline (`%0a`) to
+    # aiohttp's plain-text 404
+    app.router.add_route("*", r"/{tail:[\s\S]*}", unknown_path)
     return app
 
 

@@ -6,6 +6,7 @@ import anthropic
 import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from yarl import URL
 
 from gateway.forward import GUARDED_PATHS, canonical_path, wire_of
 from tests.conftest import Harness
@@ -55,6 +56,18 @@ async def test_unknown_paths_are_a_json_404_with_the_run_id(gw: Harness, path: s
         assert resp.headers["x-tollgate-run-id"] == "r-404"
     assert body["type"] == "error" and body["error"]["code"] == "not_found"
     assert path[:20] in body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/%0a", "/v1/chat/completions%0A", "/v1/models/a%0ab", "/mcp%0d%0a"])
+async def test_a_path_with_a_line_break_is_the_same_json_404(gw: Harness, path: str) -> None:
+    """aiohttp's `.` does not match a newline: such a path missed the catch-all route and got aiohttp's
+    plain-text 404 without the run id."""
+    headers = {"x-tollgate-run-id": "r-nl"}
+    async with gw.session.get(URL(f"{gw.url}{path}", encoded=True), headers=headers) as resp:
+        assert resp.status == 404 and resp.content_type == "application/json"
+        body = await resp.json()
+        assert resp.headers["x-tollgate-run-id"] == "r-nl"
+    assert body["error"]["code"] == "not_found"
 
 
 async def test_both_sdks_read_the_404(gw: Harness) -> None:
