@@ -264,7 +264,9 @@ class Limits(Frozen):
     max_schema_bytes: PosInt = 256 * 1024
     max_header_bytes: PosInt = 16 * 1024
     max_headers: PosInt = 128
-    body_idle_s: PosFloat = 30  # a request body with no byte for this long: 408 request_timeout
+    # a request body with no byte for this long: 408 request_timeout; a connection with no request under
+    # way (idle between requests, or its request head unfinished) this long: closed
+    body_idle_s: PosFloat = 30
 
 
 class Grammars(Frozen):

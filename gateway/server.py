@@ -34,10 +34,13 @@ def handler_args(limits: Limits) -> dict[str, Any]:
     and more than `max_headers` fields before any routing: a 400 whose JSON both wire formats read
     (`gateway.runner`; no handler ran, so the API called is unknown). Everything that passes the parser
     meets the same limits again, as a total, in `gateway.identity.check_headers`, which answers 400 in
-    the caller's format."""
+    the caller's format. A connection with no request under way is closed after `body_idle_s`: one that
+    never completes a request head (sent nothing, half a head, a head a byte at a time) held a file
+    descriptor for aiohttp's default hour, so a few hundred of them refused every agent."""
     return {
         # tollgate decodes a body's Content-Encoding itself (`gateway.body_codings` says why)
         "auto_decompress": False,
+        "keepalive_timeout": limits.body_idle_s,
         "max_line_size": limits.max_header_bytes,
         "max_field_size": limits.max_header_bytes,
         "max_headers": limits.max_headers,

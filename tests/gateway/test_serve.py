@@ -596,3 +596,24 @@ def test_what_serve_lost_at_shutdown_is_not_called_a_failed_start(
     config = parse_config({"state": {"backend": "memory"}}, env={})
     assert server.run(config, host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0) == 1
     assert capsys.readouterr().err.strip() == said
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n", b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"])
+async def test_a_connection_with_no_request_under_way_is_closed_after_body_idle_s(
+    gateway_factory: Any, sent: bytes
+) -> None:
+    """Nothing sent, half a request head, or an answered request then silence: the connection is closed
+    once `limits.body_idle_s` passes with no request under way (aiohttp's default held it an hour, so a
+    few hundred silent connections used up the gateway's file descriptors)."""
+    h = await gateway_factory(limits={"body_idle_s": 0.3})
+    host, port = h.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(sent)
+        await writer.drain()
+        started = time.monotonic()
+        data = await asyncio.wait_for(reader.read(), 10)  # EOF once the gateway closes it
+        assert time.monotonic() - started < 5
+        assert data == b"" or data.startswith(b"HTTP/1.1 200 ")  # the answered request's response only
+    finally:
+        writer.close()
