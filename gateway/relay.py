@@ -111,7 +111,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
         failure = None if ended else exc
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         # an event larger than the SSE size limit, undecodable JSON, or JSON of the wrong shape
-        failure = UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}")
+        failure = _malformed(exc)
     except ConnectionResetError:
         client_gone = True
     finally:
@@ -261,7 +261,7 @@ async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, li
         if not ended:
             raise  # after the final event, the rest of the response no longer concerns the answer
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
-        raise UpstreamUnavailable(f"upstream stream is malformed: {exc or type(exc).__name__}") from None
+        raise _malformed(exc) from None
     finally:
         upstream.release()
         step.relayed_chars = reader.output_chars  # a cut answer is charged what it streamed, at least
@@ -269,6 +269,14 @@ async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, li
     if not reader.complete:
         raise UpstreamUnavailable("upstream stream ended before the answer was complete")
     return b"".join(parts), reader.answer()
+
+
+def _malformed(exc: Exception) -> UpstreamUnavailable:
+    """A stream the readers could not follow. Their own ValueErrors say what was wrong with it; an
+    event of the wrong shape trips Python's own errors (`'str' object has no attribute 'get'`), whose
+    text says nothing to the caller: it is named by kind only."""
+    what = str(exc) if type(exc) is ValueError and str(exc) else f"an event of the wrong shape ({type(exc).__name__})"
+    return UpstreamUnavailable(f"upstream stream is malformed: {what}")
 
 
 def _too_long(limit: int) -> UpstreamUnavailable:

@@ -356,3 +356,16 @@ async def test_a_responses_stream_cut_for_its_grammar_numbers_its_error_after_it
     numbers = [e["sequence_number"] for e in events]
     assert events[-1]["type"] == "error" and len(numbers) > 2
     assert numbers == sorted(set(numbers)), numbers
+
+
+async def test_a_stream_event_of_the_wrong_shape_is_named_by_kind_not_by_python_s_text(
+    gateway_factory: GatewayFactory,
+) -> None:
+    """`{"choices": ["x"]}` trips the reader on `'str' object has no attribute 'get'`: the agent got that
+    text; it gets what happened, in its SDK's error event."""
+    h = await gateway_factory()
+    h.fake.queue(Reply(chunks=[b'data: {"id":"c","object":"chat.completion.chunk","choices":["x"]}\n\n']))
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with h.session.post(h.url + "/v1/chat/completions", json=body) as resp:
+        text = (await resp.read()).decode()
+    assert "an event of the wrong shape (AttributeError)" in text and "has no attribute" not in text
