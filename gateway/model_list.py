@@ -4,7 +4,8 @@ models (`local_models`).
 Each provider's list is read to its end (Anthropic's is paged: `has_more`, `after_id`), with the
 credentials its model calls carry (the agent's own for a `passthrough_auth` provider). The merged list
 answers both SDKs: OpenAI's `{"object": "list", "data"}` and Anthropic's page fields (`has_more`,
-`first_id`, `last_id`), paged over the merged list by the caller's `limit`, `after_id` and `before_id`.
+`first_id`, `last_id`), paged over the merged list by the caller's `limit`, `after_id` and `before_id`;
+a model two providers list is in it once (`once_each`).
 Errors are in the caller's wire format. A stopped run's list is refused like any forwarded call of it
 (403 with the stop's reason, a span and a ledger row).
 """
@@ -76,8 +77,23 @@ async def list_models(request: web.Request) -> web.Response:
     if any(p.engine == "http" for p in gw.config.providers.values()) and reached == 0:
         return error_response(adapter, UpstreamUnavailable("no provider answered the model list"),
                               base_headers(identity))
-    body = orjson.dumps(page(merged, *paging))
+    body = orjson.dumps(page(once_each(gw, merged), *paging))
     return web.Response(body=body, content_type=JSON, headers=base_headers(identity))
+
+
+def once_each(gw: Gateway, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each model id once (providers serving one model both list it): the entry of the provider a call of
+    that model is routed to, else the first, in the place of the first. Paging by id (`after_id`) needs
+    ids that name one place: a repeated one sent the SDK's paging round in a circle."""
+    by_id: dict[Any, dict[str, Any]] = {}
+    for model in models:
+        model_id = model.get("id")
+        kept = by_id.setdefault(model_id, model)
+        if kept is not model and isinstance(model_id, str):
+            route = gw.router.find(model_id)
+            if route is not None and model.get("provider") == route.provider_name != kept.get("provider"):
+                by_id[model_id] = model
+    return list(by_id.values())
 
 
 def local_models(config: Config) -> list[dict[str, Any]]:
