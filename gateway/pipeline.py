@@ -135,8 +135,9 @@ async def _judge_before(gw: Gateway, step: Step) -> None:
         min_units = min(MIN_OUTPUT_TOKENS, max_units)
     # a re-ask the budget cannot pay ends its step, not the run: the agent's next request is judged itself
     # (a re-ask over `caps.llm_calls` stops it: no further call fits, whatever its size)
-    request = ReserveRequest(verdict.claims, min_units, max_units, clamp_units=output_limit(step),
-                             refuse_only=bool(step.attempts))
+    # (a metered call's bound is granted whole or refused: no clamp, so a refusal names what the budget pays)
+    clamp = output_limit(step) if step.output_bound is None else None
+    request = ReserveRequest(verdict.claims, min_units, max_units, clamp_units=clamp, refuse_only=bool(step.attempts))
     try:
         grant = await gw.store.reserve(ident.run_id, ident.agent, request, now)
     except StateUnavailable as exc:

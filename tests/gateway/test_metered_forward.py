@@ -6,6 +6,7 @@ and settled to their usage after, like model calls (README "Runs, identity, deci
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -361,3 +362,16 @@ async def test_a_completion_span_has_each_choice_s_finish_reason(gateway_factory
     reasons = dict(span.attributes or {})["gen_ai.response.finish_reasons"]
     assert reasons == (("stop",) if stream else ("stop", "length"))
     telemetry.shutdown()
+
+
+async def test_a_compact_refused_for_its_whole_bound_names_what_the_budget_pays(gateway_factory: GatewayFactory) -> None:
+    """A compaction reserves the model's whole output limit (128,000 for gpt-5) or is refused alone; the
+    refusal said the budget left pays the provider's output-limit clamp (32768) whenever it paid more."""
+    h = await make(gateway_factory, budget={"usd": 0.1})  # pays ~50,000 output tokens at $2 per million
+    async with client(h, "cpt-refused") as oa:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await oa.responses.compact(model="gpt-5", input=COMPACT_INPUT)
+    paid = int(re.search(r"the budget left pays (\d+)", caught.value.message).group(1))  # type: ignore[union-attr]
+    run = await h.run("cpt-refused")
+    assert run["status"] == "active" and run["reserved_usd"] == 0 and h.fake.seen == []
+    assert 32768 < paid and usd(0, paid) <= 0.1  # what $0.1 pays at the output price, not the clamp
