@@ -16,7 +16,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 # .dockerignore lets in only what the wheel needs: pyproject.toml, README.md and the packages.
 COPY . .
-RUN pip wheel . -w /wheels
+# `[speed]`: uvloop, the event loop the README's figures are measured on (~6% less work per request)
+RUN pip wheel '.[speed]' -w /wheels
 
 # ---- final: the installed wheel, nothing else --------------------------------------------------
 FROM ${PYTHON_IMAGE}
@@ -34,7 +35,7 @@ RUN groupadd --system --gid 10001 tollgate \
 # DL3013 (pin versions): --no-index installs exactly the wheels the builder resolved.
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-index --find-links=/wheels tollgate
+    pip install --no-index --find-links=/wheels 'tollgate[speed]'
 
 WORKDIR /var/lib/tollgate
 USER 10001:10001

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -470,4 +470,15 @@ def default_config(env: Mapping[str, str] | None = None) -> Config:
             "api_key": env["ANTHROPIC_API_KEY"],
         }
         models["claude-*"] = "anthropic"
-    return parse_config({"providers": providers, "models": models}, env)
+    try:
+        return parse_config({"providers": providers, "models": models}, env)
+    except ConfigError as exc:  # the user wrote no key: name the variable that set it
+        raise ConfigError([(_FROM_ENV.get(path, path), message) for path, message in exc.problems]) from None
+
+
+_FROM_ENV: Final = {  # the keys of the embedded default an environment variable sets
+    "providers.openai.base_url": "OPENAI_BASE_URL_UPSTREAM (providers.openai.base_url)",
+    "providers.openai.api_key": "OPENAI_API_KEY (providers.openai.api_key)",
+    "providers.anthropic.base_url": "ANTHROPIC_BASE_URL_UPSTREAM (providers.anthropic.base_url)",
+    "providers.anthropic.api_key": "ANTHROPIC_API_KEY (providers.anthropic.api_key)",
+}

@@ -42,13 +42,17 @@ SELECT = f"SELECT {', '.join(COLUMNS)} FROM ledger"
 INSERT = f"INSERT INTO ledger ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 
+NO_TABLE = "the file has no ledger table"  # `VerifyResult.reason` of an ok result: an empty chain, said so
+
+
 @fast_init
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     """Outcome of `verify`. `rows`: rows that verified before the first bad one (all when ok). `head`:
     the entry_hash of the last of them (GENESIS when none): the chain proves the rows present unaltered
     and unbroken, and only a head recorded elsewhere shows rows gone from its end or the whole table
-    dropped (as the run store's file without a `ledger` table verifies as an empty chain).
+    dropped (as the run store's file without a `ledger` table verifies as an empty chain; its `reason` is
+    then `NO_TABLE`, so a wrong file or a dropped table is not read as an intact, empty ledger).
 
     Not ok, either the chain is broken (`tampered`: `first_bad_id` names the first bad row, `reason` says
     how), or the file could not be read (`unreadable`: missing, not a SQLite database, locked past the
@@ -155,7 +159,7 @@ def verify(path: str | Path, *, busy_timeout_s: float = 10.0) -> VerifyResult:
     try:
         conn.execute("BEGIN")  # deferred: the first read takes the snapshot both reads below share
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone():
-            return VerifyResult(True, 0, None, None)
+            return VerifyResult(True, 0, None, NO_TABLE)
         for values in conn.execute(f"{SELECT} ORDER BY id"):
             row = dict(zip(COLUMNS, values, strict=True))
             problem = _row_problem(row, expected_id, prev)

@@ -46,6 +46,24 @@ def test_readme_configuration_snippet_passes_check_config(tmp_path: Path, monkey
     assert code == 0, capsys.readouterr().err
 
 
+def test_the_design_doc_s_configuration_example_passes_check_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README.md: "See docs/design.md section 5 ... for every key". Its first example was refused as
+    printed: unquoted `${...}` in flow collections (invalid YAML), then `files/delete_*` under `approval`
+    but not under `allow`, against the rule the same section states ("Tools in `approval` must also be
+    allowed")."""
+    section = (ROOT / "docs" / "design.md").read_text().split("## 5.", 1)[1]
+    for name, value in {"OPENAI_API_KEY": "sk-openai-test-0123456789", "ANTHROPIC_API_KEY": "sk-ant-test-0123456789",
+                        "SUPPORT_BOT_KEY": "support-bot-key-0123456789"}.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "tollgate.yaml"
+    path.write_text(yaml_blocks(section)[0])
+    (tmp_path / "grammars").mkdir()
+    code = cli_main(["check-config", str(path)])
+    assert code == 0, capsys.readouterr().err
+
+
 def test_the_quick_start_names_the_models_the_default_config_routes() -> None:
     """README.md, "## Quick start": "otherwise it serves the providers whose keys are set in
     `OPENAI_API_KEY` / `ANTHROPIC_API_KEY` (`gpt-*`, ... to OpenAI, `claude-*` to Anthropic)".

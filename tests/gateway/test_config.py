@@ -334,3 +334,17 @@ def test_default_config_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
     assert set(default_config().providers) == {"openai"}
     assert default_config().providers["openai"].api_key == "sk-from-env"
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"OPENAI_API_KEY": "sk-o-123456789", "OPENAI_BASE_URL_UPSTREAM": "localhost:9900/v1"}, "OPENAI_BASE_URL_UPSTREAM"),
+    ({"ANTHROPIC_API_KEY": "sk-a-123456789", "ANTHROPIC_BASE_URL_UPSTREAM": "http://[::1:9/"},
+     "ANTHROPIC_BASE_URL_UPSTREAM"),
+    ({"OPENAI_API_KEY": "sk-o-123\n456789"}, "OPENAI_API_KEY"),
+])
+def test_a_bad_value_of_the_embedded_default_names_its_environment_variable(env: dict[str, str], named: str) -> None:
+    """With no config file, the user wrote no `providers.openai.base_url`: the error names the variable."""
+    with pytest.raises(ConfigError) as caught:
+        default_config(env)
+    [(where, _)] = caught.value.problems
+    assert where.startswith(f"{named} (providers.")

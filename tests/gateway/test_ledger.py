@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from gateway.errors import StateUnavailable
 from gateway.ledger import Ledger, LedgerEntry, _chunks, input_hash, verify
-from gateway.ledger_chain import COLUMNS, GENESIS, SCHEMA, canonical_json, canonical_row, entry_hash
+from gateway.ledger_chain import COLUMNS, GENESIS, NO_TABLE, SCHEMA, canonical_json, canonical_row, entry_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -340,7 +340,20 @@ async def test_verify_gives_the_head_hash_to_anchor_the_chain_elsewhere(tmp_path
     [(third,)] = query(db, "SELECT entry_hash FROM ledger WHERE id = 3")
     assert verify(db).head == third  # the head of what verified
     tamper(db, "DROP TABLE ledger")
-    assert verify(db) == type(result)(True, 0, None, None, GENESIS)
+    assert verify(db) == type(result)(True, 0, None, NO_TABLE, GENESIS)  # empty, and said so
+
+
+def test_the_cli_says_a_file_has_no_ledger_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A wrong path or a copy taken before the rows left the WAL verified as "ok: 0 ledger rows, chain
+    intact", the words of an intact, empty ledger."""
+    from gateway.cli import main as cli_main
+
+    db = tmp_path / "other.db"
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("CREATE TABLE notes (x)")
+    assert cli_main(["ledger", "verify", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "has no ledger table" in out and "chain intact" not in out
 
 
 def test_the_cli_prints_the_head_hash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
