@@ -8,13 +8,12 @@ renumbered to stay contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from gateway.providers.common import allowed_subset
-from gateway.providers.responses_tools import CALL_ITEMS, call_name, item_type, tool_name
+from gateway.providers.responses_tools import CALL_ITEMS, call_name, item_type
 from gateway.providers.sse import SseParser, format_event
 
 
@@ -31,33 +30,6 @@ def drop_in_body(body: dict[str, Any], names: frozenset[str]) -> bool:
     kept = [item for item in output if not _dropped(item, names)]
     body["output"] = kept
     return any(item_type(i) in CALL_ITEMS or (item_type(i) == "message" and _has_text(i)) for i in kept)
-
-
-def filter_offers(body: dict[str, Any], allowed: Callable[[str], bool]) -> bool:
-    """Beyond `tools`: the tool lists input items carry (`additional_tools`, `tool_search_output`) and
-    an `allowed_tools` choice lose the tools the agent may not use. True when the body changed.
-    Raises ToolNotAllowed when an `allowed_tools` choice that requires a tool keeps none."""
-    changed = False
-    items = body.get("input")
-    if isinstance(items, list):
-        shaped = [_without_tools(item, allowed) for item in items]
-        if any(new is not old for new, old in zip(shaped, items, strict=True)):
-            body["input"], changed = shaped, True
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and item_type(choice) == "allowed_tools" and isinstance(choice.get("tools"), list):
-        kept = allowed_subset(choice["tools"], choice.get("mode"), allowed, tool_name)
-        if kept is not choice["tools"]:
-            changed = True
-            body["tool_choice"] = {**choice, "tools": kept} if kept is not None else "none"
-    return changed
-
-
-def _without_tools(item: Any, allowed: Callable[[str], bool]) -> Any:
-    tools = item.get("tools") if isinstance(item, Mapping) else None
-    if not isinstance(tools, list):
-        return item
-    kept = [t for t in tools if allowed(tool_name(t))]
-    return item if len(kept) == len(tools) else {**item, "tools": kept}
 
 
 def _has_text(item: Mapping[str, Any]) -> bool:
