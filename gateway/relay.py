@@ -22,7 +22,8 @@ from gateway.errors import GatewayError, OutputNonconforming, Stopped, ToolNotAl
 from gateway.observe import ledger_stop_now, step_span
 from gateway.outputs import CHECK_ON_LOOP_CHARS, held_to_text, judge_tool_arguments, off_loop_if_long
 from gateway.pipeline import guard_after, provider_secret, settle, stop_answer
-from gateway.providers.sse import SseEvent, SseParser
+from gateway.providers.base import StreamStep
+from gateway.providers.sse import SseParser
 from gateway.providers.tool_wire import drop_stream_calls
 from gateway.respond import base_headers
 from gateway.runtime import Gateway
@@ -70,7 +71,7 @@ async def relay_stream(gw: Gateway, step: Step, request: web.Request, upstream: 
                 if ended:
                     continue  # the SDK stops at the final event: nothing after it may count
                 emitted = reader.feed(event)
-                chunk_arrived(step, span, event, emitted.out)
+                chunk_arrived(step, span, emitted)
                 ended = emitted.done
                 if checkers and reader.restart:  # what streamed so far was a preamble to a provider's tool
                     checkers = step.outputs.checkers() if step.outputs is not None else []
@@ -210,29 +211,17 @@ def _nonconforming(checkers: list[IncrementalChecker]) -> OutputNonconforming:
     return OutputNonconforming(f"the streamed answer breaks its constraint: {reason}")
 
 
-def chunk_arrived(step: Step, span: StepSpan | None, event: SseEvent, out: bytes) -> None:
-    """An event of the attempt's stream came from the upstream, its reader relaying `out` of it. The
-    attempt's span takes the first event the agent's SDK yields as its time to first chunk, each later
-    one as a time per output chunk from the previous one (semconv measures them as the client receives
-    them, so a stream tollgate holds or buffers has them too; a held tool call the guards drop later
-    is counted all the same). What the SDKs yield:
-    - nothing tollgate keeps from the agent (the usage chunk it asked for on the agent's behalf), nor an
-      event without data (a keep-alive comment);
-    - OpenAI's SDK (Chat Completions, legacy completions, Responses) every other event but the `[DONE]`
-      sentinel, where it stops (an `{"error": ...}` chunk, which it raises, is counted: it ends the
-      stream, whose span has the error);
-    - Anthropic's the named events but `ping` (skipped) and `error` (raised).
-    The final event of Anthropic (`message_stop`) and of Responses (`response.completed`, ...) is one."""
+def chunk_arrived(step: Step, span: StepSpan | None, emitted: StreamStep) -> None:
+    """An event of the attempt's stream came from the upstream, its reader relaying `emitted`. The
+    attempt's span takes the first event the agent's SDK yields (`StreamStep.chunk`, relayed: not the
+    usage chunk tollgate asked for on the agent's behalf) as its time to first chunk, each later one as a
+    time per output chunk from the previous one (semconv measures them as the client receives them, so
+    a stream tollgate holds or buffers has them too; a held tool call the guards drop later is counted
+    all the same)."""
     if step.first_chunk_at is None:
         step.first_chunk_at = time.monotonic()
-    if span is None or not out or not event.data:
-        return
-    if step.call.protocol == "anthropic":
-        if event.event is None or event.event in ("ping", "error"):
-            return
-    elif event.data == "[DONE]":
-        return
-    span.chunk()
+    if span is not None and emitted.out and emitted.chunk:
+        span.chunk()
 
 
 async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, limit: int) -> tuple[bytes, Answer]:
@@ -254,7 +243,7 @@ async def collect_stream(gw: Gateway, step: Step, upstream: UpstreamResponse, li
             for event in parser.feed(chunk):
                 if not ended:  # nothing after the final event counts (see relay_stream)
                     emitted = reader.feed(event)
-                    chunk_arrived(step, span, event, emitted.out)
+                    chunk_arrived(step, span, emitted)
                     parts.append(scrub(emitted.out, secret))
                     ended = emitted.done
     except GatewayError:

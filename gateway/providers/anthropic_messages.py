@@ -378,7 +378,7 @@ class AnthropicStreamReader:
         except orjson.JSONDecodeError:
             raise ValueError("an event's data is not valid JSON") from None
         if not isinstance(data, dict):
-            return StreamStep(event.raw)
+            return StreamStep(event.raw, chunk=False)
         kind = data.get("type")
         if kind == "message_start":
             message = data.get("message") or {}
@@ -439,7 +439,8 @@ class AnthropicStreamReader:
             error = data.get("error")
             code = error.get("type") if isinstance(error, dict) else None
             self._error = code if isinstance(code, str) and code else "error"
-        return StreamStep(event.raw)
+        # the SDK yields named events, but `ping` (skipped) and `error` (raised)
+        return StreamStep(event.raw, chunk=event.event is not None and kind not in ("ping", "error"))
 
     def _merge_usage(self, usage: Any) -> bool:
         """Take the counts `usage` carries (JSON may write `7.0`); True when it had the output tokens."""

@@ -21,10 +21,13 @@ from gateway.providers.sse import SseEvent
 @fast_init
 @dataclass(frozen=True, slots=True)
 class StreamStep:
-    """What to do with one upstream event: bytes to relay now (possibly b""), and whether it ended."""
+    """What to do with one upstream event: bytes to relay now (possibly b""), whether it ended, and
+    whether the agent's SDK yields it as a chunk (not a sentinel, a keep-alive or an event it skips or
+    raises: what the chunk metrics count)."""
 
     out: bytes
     done: bool = False
+    chunk: bool = True
 
 
 class StreamReader(Protocol):

@@ -376,11 +376,11 @@ class OpenAIStreamReader:
     def feed(self, event: SseEvent) -> StreamStep:
         self.delta = ""
         data = event.data
-        if data == "[DONE]":
+        if data == "[DONE]":  # the SDK stops at it: no chunk
             self.complete = True
-            return StreamStep(event.raw, done=True)
+            return StreamStep(event.raw, done=True, chunk=False)
         if not data:
-            return StreamStep(event.raw)
+            return StreamStep(event.raw, chunk=False)
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:

@@ -409,7 +409,7 @@ class ResponsesStreamReader:
     def feed(self, event: SseEvent) -> StreamStep:
         self.delta = ""
         if not event.data:
-            return StreamStep(event.raw)
+            return StreamStep(event.raw, chunk=False)
         try:
             data = orjson.loads(event.data)
         except orjson.JSONDecodeError:
