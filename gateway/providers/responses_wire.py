@@ -8,13 +8,49 @@ renumbered to stay contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-from gateway.providers.responses_tools import CALL_ITEMS, call_name, item_type
+from gateway.errors import ToolNotAllowed
+from gateway.providers.responses_tools import CALL_ITEMS, allowed_tools, call_name, item_type, tool_name
 from gateway.providers.sse import SseParser, format_event
+
+Allowed = Callable[[str], bool]
+
+
+def filter_offers(body: dict[str, Any], allowed: Allowed) -> bool:
+    """Beyond `tools`: the tool lists input items carry (`additional_tools`, `tool_search_output`) and an
+    `allowed_tools` choice lose the tools the agent may not use, a namespace the functions (`allowed_tools`).
+    True when the body changed. Raises ToolNotAllowed when an `allowed_tools` choice that requires a tool
+    keeps none."""
+    changed = False
+    items = body.get("input")
+    if isinstance(items, list):
+        shaped = [_with_allowed_tools(item, allowed) for item in items]
+        if any(new is not old for new, old in zip(shaped, items, strict=True)):
+            body["input"], changed = shaped, True
+    choice = body.get("tool_choice")
+    listed = choice.get("tools") if isinstance(choice, dict) and item_type(choice) == "allowed_tools" else None
+    if not isinstance(choice, dict) or not isinstance(listed, list):
+        return changed
+    kept = allowed_tools(listed, allowed)
+    if kept is listed:
+        return changed
+    if not kept and choice.get("mode") == "required":
+        raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
+                             + ", ".join(sorted(tool_name(tool) for tool in listed)))
+    body["tool_choice"] = {**choice, "tools": kept} if kept else "none"
+    return True
+
+
+def _with_allowed_tools(item: Any, allowed: Allowed) -> Any:
+    tools = item.get("tools") if isinstance(item, Mapping) else None
+    if not isinstance(tools, list):
+        return item
+    kept = allowed_tools(tools, allowed)
+    return item if kept is tools else {**item, "tools": kept}
 
 
 def _dropped(item: Any, names: frozenset[str]) -> bool:

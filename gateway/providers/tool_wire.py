@@ -12,11 +12,10 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import ToolNotAllowed
 from gateway.providers import anthropic_tools, responses_wire
 from gateway.providers.common import allowed_subset
 from gateway.providers.openai_functions import LEGACY, proposed, tool_spec
-from gateway.providers.responses_tools import allowed_tools, item_type, offered_tools
+from gateway.providers.responses_tools import allowed_tools, offered_tools
 from gateway.providers.responses_tools import tool_name as _responses_tool_name
 from gateway.providers.sse import SseParser, format_event
 
@@ -98,44 +97,11 @@ def _filter_mcp_servers(body: dict[str, Any], allowed: Allowed) -> bool:
     return True
 
 
-def _filter_responses_offers(body: dict[str, Any], allowed: Allowed) -> bool:
-    """Beyond `tools`: the tool lists input items carry (`additional_tools`, `tool_search_output`) and an
-    `allowed_tools` choice lose the tools the agent may not use, a namespace the functions (`allowed_tools`).
-    True when the body changed. Raises ToolNotAllowed when an `allowed_tools` choice that requires a tool
-    keeps none."""
-    changed = False
-    items = body.get("input")
-    if isinstance(items, list):
-        shaped = [_with_allowed_tools(item, allowed) for item in items]
-        if any(new is not old for new, old in zip(shaped, items, strict=True)):
-            body["input"], changed = shaped, True
-    choice = body.get("tool_choice")
-    listed = choice.get("tools") if isinstance(choice, dict) and item_type(choice) == "allowed_tools" else None
-    if not isinstance(choice, dict) or not isinstance(listed, list):
-        return changed
-    kept = allowed_tools(listed, allowed)
-    if kept is listed:
-        return changed
-    if not kept and choice.get("mode") == "required":
-        raise ToolNotAllowed("tool_choice requires tools outside the allow-list: "
-                             + ", ".join(sorted(_responses_tool_name(tool) for tool in listed)))
-    body["tool_choice"] = {**choice, "tools": kept} if kept else "none"
-    return True
-
-
-def _with_allowed_tools(item: Any, allowed: Allowed) -> Any:
-    tools = item.get("tools") if isinstance(item, Mapping) else None
-    if not isinstance(tools, list):
-        return item
-    kept = allowed_tools(tools, allowed)
-    return item if kept is tools else {**item, "tools": kept}
-
-
 # what else a protocol's request offers besides `tools`
 OTHER_OFFERS: dict[str, Callable[[dict[str, Any], Allowed], bool]] = {
     "openai": _filter_functions,
     "anthropic": _filter_mcp_servers,
-    "openai_responses": _filter_responses_offers,
+    "openai_responses": responses_wire.filter_offers,
 }
 
 

@@ -115,7 +115,7 @@ def additional(*tools: dict[str, Any]) -> dict[str, Any]:
 async def test_web_search_offered_in_additional_tools_is_not_reserved(gateway_factory: GatewayFactory) -> None:
     """The SDK's `AdditionalTools` input item (`type: additional_tools`, "A list of additional tools made
     available at this item") offers tools as `tools` does; tollgate filters them for the allow-list
-    (`tool_wire._filter_responses_offers`) but its budget reads the top-level `tools` only
+    (`responses_wire.filter_offers`) but its budget reads the top-level `tools` only
     (`OpenAIResponses.search_limits`, `limit_hosted_calls`, `offers_preview_search`). A `web_search`
     offered there is neither reserved (fee + 8,000 input tokens per search) nor limited by
     `max_tool_calls`: on a $0.02 budget the answer's 5 searches ($10/1,000 each, README) are settled
