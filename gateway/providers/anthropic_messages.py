@@ -346,7 +346,8 @@ class AnthropicStreamReader:
         self._id: str | None = None
         self._model: str | None = None
         self._text: list[str] = []
-        self._blocks: dict[int, tuple[Mapping[str, Any], list[str]]] = {}  # tool_use: its block, its input JSON
+        self._blocks: dict[int, Mapping[str, Any]] = {}  # tool_use blocks by index
+        self._inputs: dict[int, str] = {}  # their input JSON, as input_json_delta events bring it
         self._reason: str | None = None
         self._usage: dict[str, int] = {}
         self._final_usage = False  # message_delta reported the output tokens (message_start's are a placeholder)
@@ -394,7 +395,7 @@ class AnthropicStreamReader:
             block = data.get("content_block") or {}
             if block.get("type") == "tool_use":
                 self.holding = True
-                self._blocks[index] = (block, [""])
+                self._blocks[index] = block
                 given = block.get("input")
                 if given:  # the SDK keeps the start block's input unless input_json_delta events follow
                     self._start_inputs[index] = orjson.dumps(given).decode()
@@ -423,9 +424,9 @@ class AnthropicStreamReader:
             elif delta.get("type") == "input_json_delta":
                 part = str(delta.get("partial_json") or "")
                 self._chars += len(part)
-                slot = self._blocks.get(int(data.get("index") or 0))
-                if slot is not None:
-                    slot[1][0] += part
+                at = int(data.get("index") or 0)
+                if at in self._blocks:
+                    self._inputs[at] = self._inputs.get(at, "") + part
         elif kind == "content_block_stop":
             self.text_done = self.text_done or int(data.get("index") or 0) in self._text_blocks
         elif kind == "message_delta":
@@ -463,8 +464,8 @@ class AnthropicStreamReader:
         return output
 
     def answer(self) -> Answer:
-        calls = tuple(tool_call(block, part[0] or self._start_inputs.get(i, "{}"))
-                      for i, (block, part) in sorted(self._blocks.items()))
+        calls = tuple(tool_call(block, self._inputs.get(i) or self._start_inputs.get(i, "{}"))
+                      for i, block in sorted(self._blocks.items()))
         complete = self._reason is not None and self._final_usage
         return Answer(
             response_id=self._id,
